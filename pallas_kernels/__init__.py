@@ -1,3 +1,23 @@
 """Device kernels over the kvjax page pool (paged attention, KV write, block copy)."""
 
-__all__: list[str] = []
+from pallas_kernels.backend import IMPLS, resolve_impl
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.reference import (
+    gather_blocks_reference,
+    paged_attention_reference,
+    scatter_blocks_reference,
+    write_kv_reference,
+)
+from pallas_kernels.validation import check_paged_attention_metadata, check_slot_mapping
+
+__all__ = [
+    "IMPLS",
+    "resolve_impl",
+    "paged_attention",
+    "paged_attention_reference",
+    "write_kv_reference",
+    "gather_blocks_reference",
+    "scatter_blocks_reference",
+    "check_paged_attention_metadata",
+    "check_slot_mapping",
+]

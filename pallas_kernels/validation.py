@@ -1,0 +1,170 @@
+"""Input checks shared by every implementation.
+
+Two kinds, as in the rest of kvjax:
+
+* static checks (ranks, shapes, dtypes, head ratios) run at trace time inside the public
+  wrappers and raise ``ValueError`` naming the offending value;
+* value checks (block ids in range, lengths within the table) need concrete metadata, so they
+  live in :func:`check_paged_attention_metadata` / :func:`check_slot_mapping`, which the
+  engine calls on the host before a step and which tests exercise directly.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "POOL_DTYPES",
+    "check_pool",
+    "check_paged_attention_args",
+    "check_kv_write_args",
+    "check_block_copy_args",
+    "check_paged_attention_metadata",
+    "check_slot_mapping",
+]
+
+# Float formats attention runs on. Quantized pools (int8 / fp8) come with their own scales.
+POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_pool(kv_pages, layer: int | None = None) -> None:
+    """The pool is ``[num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]``."""
+    if kv_pages.ndim != 6 or kv_pages.shape[2] != 2:
+        raise ValueError(
+            f"kv_pages.shape={tuple(kv_pages.shape)} must be "
+            "[num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]")
+    if layer is not None:
+        if not isinstance(layer, (int, np.integer)):
+            raise ValueError(f"layer={layer!r} must be a Python int (a static layer index)")
+        if not 0 <= layer < kv_pages.shape[1]:
+            raise ValueError(f"{layer=} is out of range for num_layers={kv_pages.shape[1]}")
+
+
+def _check_int32(name: str, x, ndim: int) -> None:
+    if x.dtype != jnp.int32:
+        raise ValueError(f"{name}.dtype={x.dtype} must be int32")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must have rank {ndim}")
+
+
+def check_paged_attention_args(
+    q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *, layer, sliding_window,
+    soft_cap, sm_scale,
+) -> None:
+    """Static checks for :func:`pallas_kernels.paged_attention`."""
+    check_pool(kv_pages, layer)
+    num_kv_heads, head_dim = kv_pages.shape[3], kv_pages.shape[5]
+    if q.ndim != 3:
+        raise ValueError(f"q.shape={tuple(q.shape)} must be [num_tokens, num_q_heads, head_dim]")
+    num_q_heads = q.shape[1]
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim={q.shape[2]} must equal the pool's {head_dim=}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
+    if jnp.dtype(q.dtype) not in POOL_DTYPES:
+        raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in POOL_DTYPES]}")
+    if jnp.dtype(kv_pages.dtype) != jnp.dtype(q.dtype):
+        raise ValueError(f"kv_pages.dtype={kv_pages.dtype} must equal q.dtype={q.dtype}")
+    _check_int32("block_tables", block_tables, 2)
+    _check_int32("seq_lens", seq_lens, 1)
+    _check_int32("cu_q_lens", cu_q_lens, 1)
+    max_num_seqs = block_tables.shape[0]
+    if seq_lens.shape[0] != max_num_seqs:
+        raise ValueError(
+            f"seq_lens.shape={tuple(seq_lens.shape)} must be ({max_num_seqs},), one per "
+            "block_tables row")
+    if cu_q_lens.shape[0] != max_num_seqs + 1:
+        raise ValueError(
+            f"cu_q_lens.shape={tuple(cu_q_lens.shape)} must be ({max_num_seqs + 1},) "
+            "(max_num_seqs + 1)")
+    if num_seqs is not None and (num_seqs.dtype != jnp.int32 or num_seqs.shape != (1,)):
+        raise ValueError(
+            f"num_seqs must be int32[1], got dtype={num_seqs.dtype} shape={tuple(num_seqs.shape)}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap={soft_cap!r} must be a positive float or None")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"sm_scale={sm_scale!r} must be a positive float or None")
+
+
+def check_kv_write_args(kv_pages, k, v, slot_mapping, *, layer) -> None:
+    """Static checks for :func:`pallas_kernels.write_kv`."""
+    check_pool(kv_pages, layer)
+    expected = (kv_pages.shape[3], kv_pages.shape[5])
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 3 or tuple(x.shape[1:]) != expected:
+            raise ValueError(
+                f"{name}.shape={tuple(x.shape)} must be [num_tokens, num_kv_heads={expected[0]}, "
+                f"head_dim={expected[1]}]")
+        if jnp.dtype(x.dtype) != jnp.dtype(kv_pages.dtype):
+            raise ValueError(f"{name}.dtype={x.dtype} must equal kv_pages.dtype={kv_pages.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k.shape={tuple(k.shape)} must equal v.shape={tuple(v.shape)}")
+    _check_int32("slot_mapping", slot_mapping, 1)
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"slot_mapping.shape={tuple(slot_mapping.shape)} must be ({k.shape[0]},), one slot "
+            "per token")
+
+
+def check_block_copy_args(kv_pages, block_ids, blocks=None) -> None:
+    """Static checks for :func:`pallas_kernels.gather_blocks` / ``scatter_blocks``."""
+    check_pool(kv_pages)
+    _check_int32("block_ids", block_ids, 1)
+    if blocks is None:
+        return
+    expected = (block_ids.shape[0],) + tuple(kv_pages.shape[1:])
+    if tuple(blocks.shape) != expected:
+        raise ValueError(f"blocks.shape={tuple(blocks.shape)} must be {expected}")
+    if jnp.dtype(blocks.dtype) != jnp.dtype(kv_pages.dtype):
+        raise ValueError(f"blocks.dtype={blocks.dtype} must equal kv_pages.dtype={kv_pages.dtype}")
+
+
+def check_paged_attention_metadata(
+    block_tables, seq_lens, cu_q_lens, num_seqs, *, num_blocks: int, page_size: int,
+    num_tokens: int,
+) -> None:
+    """Value checks on concrete (host) metadata; raises ``ValueError`` on the first problem."""
+    tables = np.asarray(block_tables)
+    lens = np.asarray(seq_lens)
+    cu = np.asarray(cu_q_lens)
+    n = int(np.asarray(num_seqs).reshape(-1)[0]) if num_seqs is not None else len(lens)
+    if not 0 <= n <= len(lens):
+        raise ValueError(f"num_seqs={n} must be within [0, {len(lens)}]")
+    if cu[0] != 0:
+        raise ValueError(f"cu_q_lens[0]={cu[0]} must be 0")
+    q_lens = np.diff(cu[: n + 1])
+    if (q_lens < 0).any():
+        s = int(np.argmax(q_lens < 0))
+        raise ValueError(f"cu_q_lens must be non-decreasing; cu_q_lens[{s + 1}]={cu[s + 1]} < "
+                         f"cu_q_lens[{s}]={cu[s]}")
+    if cu[n] > num_tokens:
+        raise ValueError(f"cu_q_lens[num_seqs]={cu[n]} exceeds num_tokens={num_tokens}")
+    capacity = tables.shape[1] * page_size
+    for s in range(n):
+        if not q_lens[s] <= lens[s] <= capacity:
+            raise ValueError(
+                f"seq_lens[{s}]={lens[s]} must be >= its query length {q_lens[s]} and <= the "
+                f"table's capacity {capacity} tokens")
+        used = tables[s, : -(-int(lens[s]) // page_size)]
+        bad = (used < 0) | (used >= num_blocks)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(
+                f"block_tables[{s}, {j}]={used[j]} is outside the pool [0, {num_blocks})")
+
+
+def check_slot_mapping(slot_mapping, *, num_blocks: int, page_size: int) -> None:
+    """Slots must lie in the pool and be distinct (negative slots are padding)."""
+    slots = np.asarray(slot_mapping)
+    live = slots[slots >= 0]
+    too_big = live >= num_blocks * page_size
+    if too_big.any():
+        raise ValueError(
+            f"slot {int(live[np.argmax(too_big)])} is outside the pool of "
+            f"{num_blocks * page_size} slots")
+    uniq, counts = np.unique(live, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"slot {int(uniq[np.argmax(counts > 1)])} is written more than once")

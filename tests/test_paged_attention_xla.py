@@ -1,0 +1,58 @@
+"""The XLA path of ragged paged attention against the float32 reference."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_attention_cases import DECODE, GRID, PREFILL_EDGES, assert_matches_reference, make_case
+from pallas_kernels import paged_attention
+
+
+@pytest.mark.parametrize("dtype,page_size,head_dim,num_q_heads,num_kv_heads", GRID)
+@pytest.mark.parametrize("lengths", [DECODE, PREFILL_EDGES])
+def test_matches_reference(dtype, page_size, head_dim, num_q_heads, num_kv_heads, lengths):
+    q_lens, kv_lens = lengths(page_size)
+    case = make_case(0, q_lens=q_lens, kv_lens=kv_lens, dtype=dtype, page_size=page_size,
+                     head_dim=head_dim, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
+    out = paged_attention(*case.args(), layer=case.layer, impl="xla")
+    assert_matches_reference(case, out)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(3, None), (None, 5.0), (9, 2.0), (1, None)])
+def test_window_and_soft_cap(sliding_window, soft_cap):
+    case = make_case(1, q_lens=[9, 1, 4], kv_lens=[9, 30, 20])
+    kw = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    out = paged_attention(*case.args(), layer=case.layer, impl="xla", **kw)
+    assert_matches_reference(case, out, **kw)
+
+
+@pytest.mark.parametrize("pages_per_step", [1, 2, 3])
+def test_pages_per_step_does_not_change_result(pages_per_step):
+    case = make_case(2, q_lens=[1, 7, 1], kv_lens=[25, 7, 8], page_size=4)
+    out = paged_attention(*case.args(), layer=case.layer, impl="xla",
+                          pages_per_step=pages_per_step)
+    assert_matches_reference(case, out)
+
+
+def test_long_context_and_custom_scale():
+    case = make_case(3, q_lens=[1, 16], kv_lens=[500, 300], page_size=16, head_dim=64)
+    out = paged_attention(*case.args(), layer=case.layer, impl="xla", sm_scale=0.05)
+    assert_matches_reference(case, out, sm_scale=0.05)
+
+
+def test_num_seqs_zero_gives_all_zero_output():
+    case = make_case(4, q_lens=[2, 1], kv_lens=[4, 6])
+    case.num_seqs = jnp.array([0], jnp.int32)
+    out = paged_attention(*case.args(), layer=case.layer, impl="xla")
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_attention_depends_on_the_right_pages():
+    """Swapping two sequences' tables swaps their outputs (the kernel follows the table)."""
+    case = make_case(5, q_lens=[1, 1], kv_lens=[10, 10], pad_seqs=0, pad_tokens=0)
+    q = jnp.concatenate([case.q[:1], case.q[:1]])
+    out = paged_attention(q, *case.args()[1:], layer=case.layer, impl="xla")
+    swapped = paged_attention(q, case.kv_pages, case.block_tables[::-1], *case.args()[3:],
+                              layer=case.layer, impl="xla")
+    assert not np.allclose(out[0], out[1])
+    np.testing.assert_allclose(swapped[0], out[1], rtol=1e-6)
