@@ -1,0 +1,96 @@
+"""Every validation message of the paged-attention wrapper and the host-side metadata check."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_attention_cases import make_case
+from pallas_kernels import check_paged_attention_metadata, check_slot_mapping, paged_attention
+from pallas_kernels.backend import resolve_impl, resolve_interpret
+
+
+@pytest.fixture(scope="module")
+def case():
+    return make_case(0, q_lens=[2, 1], kv_lens=[5, 9])
+
+
+def _call(case, **overrides):
+    args = dict(q=case.q, kv_pages=case.kv_pages, block_tables=case.block_tables,
+                seq_lens=case.seq_lens, cu_q_lens=case.cu_q_lens, num_seqs=case.num_seqs)
+    kw = dict(layer=case.layer, impl="xla")
+    for name, value in overrides.items():
+        (args if name in args else kw)[name] = value
+    return paged_attention(**args, **kw)
+
+
+@pytest.mark.parametrize("override,message", [
+    (lambda c: dict(kv_pages=c.kv_pages[0]), r"kv_pages.shape=.* must be \[num_blocks"),
+    (lambda c: dict(layer=2), r"layer=2 is out of range for num_layers=2"),
+    (lambda c: dict(layer=1.0), r"layer=1.0 must be a Python int"),
+    (lambda c: dict(q=c.q[:, :, :16]), r"q head_dim=16 must equal the pool's head_dim=32"),
+    (lambda c: dict(q=c.q[:, :3]), r"num_q_heads=3 must be a multiple of num_kv_heads=2"),
+    (lambda c: dict(q=c.q[0]), r"q.shape=\(4, 32\) must be \[num_tokens"),
+    (lambda c: dict(q=c.q.astype(jnp.int32)), r"q.dtype=int32 must be one of"),
+    (lambda c: dict(q=c.q.astype(jnp.bfloat16)), r"kv_pages.dtype=float32 must equal q.dtype"),
+    (lambda c: dict(block_tables=c.block_tables.astype(jnp.float32)),
+     r"block_tables.dtype=float32 must be int32"),
+    (lambda c: dict(block_tables=c.block_tables[0]), r"block_tables.shape=.* must have rank 2"),
+    (lambda c: dict(seq_lens=c.seq_lens[:2]), r"seq_lens.shape=\(2,\) must be \(3,\)"),
+    (lambda c: dict(cu_q_lens=c.cu_q_lens[:3]), r"cu_q_lens.shape=\(3,\) must be \(4,\)"),
+    (lambda c: dict(num_seqs=jnp.array(2, jnp.int32)), r"num_seqs must be int32\[1\]"),
+    (lambda c: dict(sliding_window=0), r"sliding_window=0 must be a positive int"),
+    (lambda c: dict(soft_cap=-1.0), r"soft_cap=-1.0 must be a positive float"),
+    (lambda c: dict(sm_scale=0.0), r"sm_scale=0.0 must be a positive float"),
+    (lambda c: dict(impl="cuda"), r"impl='cuda' is not a known implementation"),
+])
+def test_static_errors(case, override, message):
+    with pytest.raises(ValueError, match=message):
+        _call(case, **override(case))
+
+
+def test_pallas_cannot_compile_off_its_backend():
+    assert resolve_impl(None) == "xla"  # this suite runs on CPU
+    assert resolve_interpret("pallas_gpu", None) is True
+    assert resolve_interpret("xla", True) is False
+    with pytest.raises(ValueError, match=r"impl='pallas_tpu' cannot compile on backend 'cpu'"):
+        resolve_interpret("pallas_tpu", False)
+
+
+def _metadata(case, **overrides):
+    meta = dict(block_tables=case.block_tables, seq_lens=case.seq_lens,
+                cu_q_lens=case.cu_q_lens, num_seqs=case.num_seqs)
+    meta.update(overrides)
+    check_paged_attention_metadata(**meta, num_blocks=case.kv_pages.shape[0], page_size=8,
+                                   num_tokens=case.q.shape[0])
+
+
+def test_metadata_accepts_a_valid_batch(case):
+    _metadata(case)
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(num_seqs=np.array([4])), r"num_seqs=4 must be within \[0, 3\]"),
+    (dict(cu_q_lens=np.array([1, 2, 3, 3])), r"cu_q_lens\[0\]=1 must be 0"),
+    (dict(cu_q_lens=np.array([0, 2, 1, 1])), r"cu_q_lens\[2\]=1 < cu_q_lens\[1\]=2"),
+    (dict(cu_q_lens=np.array([0, 2, 99, 99])), r"cu_q_lens\[num_seqs\]=99 exceeds num_tokens=6"),
+    (dict(seq_lens=np.array([1, 9, 0])), r"seq_lens\[0\]=1 must be >= its query length 2"),
+    (dict(seq_lens=np.array([5, 99, 0])), r"seq_lens\[1\]=99 .* capacity 24 tokens"),
+])
+def test_metadata_errors(case, override, message):
+    with pytest.raises(ValueError, match=message):
+        _metadata(case, **override)
+
+
+def test_metadata_rejects_block_outside_pool(case):
+    tables = np.array(case.block_tables)
+    tables[1, 1] = 1000
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\]=1000 is outside the pool"):
+        _metadata(case, block_tables=tables)
+
+
+def test_slot_mapping_errors():
+    check_slot_mapping(np.array([0, 5, -1, -1]), num_blocks=2, page_size=4)
+    with pytest.raises(ValueError, match=r"slot 8 is outside the pool of 8 slots"):
+        check_slot_mapping(np.array([0, 8]), num_blocks=2, page_size=4)
+    with pytest.raises(ValueError, match=r"slot 3 is written more than once"):
+        check_slot_mapping(np.array([3, 1, 3]), num_blocks=2, page_size=4)
