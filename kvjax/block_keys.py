@@ -1,0 +1,162 @@
+"""Block keys: stable chained identities for full pages of tokens, scoped by a namespace.
+
+A page's key is ``blake2b(parent_key || page_token_bytes, key=namespace_digest, digest_size=16)``:
+it depends on the namespace (tenant, model, adapter, salt), on every token of the page and,
+through the parent key, on every token before it. Token ids are serialised as little-endian
+int32, so keys are identical across processes and machines (Python's ``hash()`` is never used).
+
+Collision odds: keys are 128-bit. For n distinct pages the chance that any two of them share a
+key is about n**2 / 2**129; a trillion (1e12) pages gives ~1.5e-15. The in-memory prefix trie
+does not rely on keys at all (it compares token bytes exactly); keys are for the tiers and
+directories that must name a page without its tokens (disk index, cross-process lookup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "KEY_BYTES",
+    "TOKEN_DTYPE",
+    "Namespace",
+    "as_namespace",
+    "chained_block_keys",
+    "validate_tokens",
+]
+
+KEY_BYTES = 16
+"""Width of a block key in bytes (128 bits)."""
+
+TOKEN_DTYPE = np.dtype("<i4")
+"""Canonical token layout: little-endian int32, the bytes that keys and the trie compare."""
+
+_INT32_LIMIT = 2**31
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Namespace:
+    """Who may share a cached block: blocks are shared only between equal namespaces.
+
+    Every tier (device, host, disk) keys its blocks under the namespace, so two tenants, two
+    models or two adapters never read each other's KV. ``salt`` lets a caller split a tenant
+    further (e.g. per-user isolation of private prompts).
+    """
+
+    tenant: str = "default"
+    model: str = ""
+    adapter: str = ""
+    salt: str = ""
+
+    def digest(self) -> bytes:
+        """16-byte stable digest of all four fields; the seed of every block key chain."""
+        return _namespace_digest(self.tenant, self.model, self.adapter, self.salt)
+
+
+def as_namespace(namespace: Namespace | str | None) -> Namespace:
+    """Accept a Namespace, a tenant name, or None (the default namespace)."""
+    if namespace is None:
+        return _DEFAULT_NAMESPACE
+    if isinstance(namespace, Namespace):
+        return namespace
+    if isinstance(namespace, str):
+        return Namespace(tenant=namespace)
+    raise ValueError(
+        f"namespace={namespace!r} must be a kvjax Namespace, a tenant name (str) or None"
+    )
+
+
+def validate_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) -> np.ndarray:
+    """Return ``tokens`` as a 1-D little-endian int32 array, checking every id.
+
+    Ids must lie in ``[0, vocab_size)`` (or ``[0, 2**31)`` without a vocabulary). Raises
+    ValueError naming the first bad id and its index. The result may share memory with the
+    input when it already has the canonical dtype; callers must not mutate it.
+    """
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, TOKEN_DTYPE)
+    if array.dtype.kind not in "iu":
+        if array.dtype.kind == "f" or array.dtype == object:
+            array = _integral_or_raise(array)
+        else:
+            raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
+    limit = _INT32_LIMIT if vocab_size is None else int(vocab_size)
+    low, high = array.min(), array.max()
+    if low < 0 or high >= limit:
+        bad = np.flatnonzero((array < 0) | (array >= limit))[0]
+        raise ValueError(
+            f"token id {int(array[bad])} at index {bad} is out of range; expected 0 <= id < {limit}"
+            + ("" if vocab_size is None else f" ({vocab_size=})")
+        )
+    return array.astype(TOKEN_DTYPE, copy=False)
+
+
+def chained_block_keys(
+    tokens: Sequence[int] | np.ndarray,
+    page_size: int,
+    namespace: Namespace | str | None,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Keys of the full pages of ``tokens`` (the partial last page gets none).
+
+    ``parent`` is the key of the page just before ``tokens[0]`` (None at the start of a
+    sequence), so keys can be extended incrementally as a sequence grows. 16 bytes each.
+
+    >>> a = chained_block_keys([1, 2, 3, 4, 5], 2, "tenant-a")
+    >>> len(a), a == chained_block_keys([1, 2, 3, 4], 2, "tenant-a")
+    (2, True)
+    >>> a[1] == chained_block_keys([3, 4], 2, "tenant-a", parent=a[0])[0]
+    True
+    >>> a == chained_block_keys([1, 2, 3, 4], 2, "tenant-b")
+    False
+    """
+    if page_size <= 0:
+        raise ValueError(f"{page_size=} must be a positive number of tokens")
+    if parent is not None and len(parent) != KEY_BYTES:
+        raise ValueError(f"parent key has {len(parent)} bytes; expected {KEY_BYTES}")
+    ns_digest = as_namespace(namespace).digest()
+    buf = validate_tokens(tokens, None).tobytes()
+    page_bytes = page_size * TOKEN_DTYPE.itemsize
+    key = parent if parent is not None else bytes(KEY_BYTES)
+    keys = []
+    for start in range(0, len(buf) - page_bytes + 1, page_bytes):
+        hasher = hashlib.blake2b(key, digest_size=KEY_BYTES, key=ns_digest)
+        hasher.update(buf[start : start + page_bytes])
+        key = hasher.digest()
+        keys.append(key)
+    return keys
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _namespace_digest(tenant: str, model: str, adapter: str, salt: str) -> bytes:
+    # Length-prefix each field so ("ab", "") and ("a", "b") differ.
+    hasher = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvjax-namespace")
+    for field in (tenant, model, adapter, salt):
+        encoded = field.encode("utf-8")
+        hasher.update(len(encoded).to_bytes(8, "little"))
+        hasher.update(encoded)
+    return hasher.digest()
+
+
+def _integral_or_raise(array: np.ndarray) -> np.ndarray:
+    try:
+        as_float = array.astype(np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"tokens must be integers, got {array.dtype} values") from None
+    bad = np.flatnonzero(~np.isfinite(as_float) | (as_float != np.floor(as_float)))
+    if bad.size:
+        raise ValueError(f"token id {array[bad[0]]!r} at index {bad[0]} is not an integer")
+    return as_float.astype(np.int64)
+
+
+_DEFAULT_NAMESPACE = Namespace()

@@ -1,0 +1,474 @@
+"""Prefix cache: block allocator + prefix trie + eviction policy behind one host-side API.
+
+A block is in exactly one state (see allocator): referenced by running sequences,
+cached-unreferenced (in the trie, evictable, still hittable), or empty-free. A block's
+refcount is the number of live ``SeqHandle``s holding it; trie membership is separate.
+
+The request's path through this module::
+
+    handle = cache.admit(tokens, namespace)   # longest device match, lock it, allocate the rest
+    cache.extend(handle, num_new_tokens)      # decode grows: more blocks, all-or-nothing
+    cache.commit(handle, tokens)              # new full pages enter the trie (never a partial page)
+    cache.release(handle)                     # refcounts drop; committed blocks stay cached
+
+Running out of blocks is a normal result (None / False, state unchanged); bad input raises
+ValueError and changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvjax.allocator import BlockAllocator, fragmentation
+from kvjax.block_keys import Namespace, as_namespace, validate_tokens
+from kvjax.eviction import EvictionPolicy, make_policy
+from kvjax.prefix_trie import Node, PrefixTrie, Tier
+
+__all__ = ["CacheStats", "MatchResult", "PrefixCache", "SeqHandle"]
+
+TokensLike = Sequence[int] | np.ndarray
+NamespaceLike = Namespace | str | None
+_NO_BLOCKS = np.zeros(0, np.int32)
+
+
+@dataclasses.dataclass(slots=True)
+class MatchResult:
+    """Longest cached prefix of a token sequence, in whole pages, any tier."""
+
+    blocks: np.ndarray  # int32 [num_hit_blocks]: device block id, -1 where not on device
+    tiers: np.ndarray  # uint8 [num_hit_blocks]: Tier bits of each page
+    hit_tokens: int  # num_hit_blocks * page_size
+    num_hit_blocks: int
+    num_device_blocks: int  # leading pages with a device copy (what admit can map)
+
+
+@dataclasses.dataclass(slots=True)
+class CacheStats:
+    """Counters since construction. Tokens are prompt tokens; blocks are device blocks."""
+
+    admitted: int = 0
+    admit_failures: int = 0  # did not fit even after eviction
+    extend_failures: int = 0
+    prompt_tokens: int = 0  # of admitted sequences
+    hit_tokens: int = 0  # prompt tokens served from device blocks
+    lower_tier_hit_tokens: int = 0  # matched on host/disk only (recomputed for now)
+    inserted_blocks: int = 0
+    duplicate_blocks: int = 0  # committed pages another sequence had already cached
+    evicted_blocks: int = 0
+    offloaded_pages: int = 0  # evicted from device, a host/disk copy stays indexed
+    dropped_pages: int = 0  # removed from the trie entirely
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens served from device blocks."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class SeqHandle:
+    """A running sequence's hold on the cache. Block tables are append-only."""
+
+    __slots__ = ("seq_id", "namespace", "num_tokens", "num_hit_tokens", "block_ids",
+                 "_tokens", "_tail", "_committed", "_alive")  # fmt: skip
+
+    def __init__(self, seq_id, namespace, num_tokens, num_hit_tokens, block_ids, tokens, tail):
+        self.seq_id: int = seq_id
+        self.namespace: Namespace = namespace
+        self.num_tokens: int = num_tokens  # tokens the blocks must hold (prompt + decoded)
+        self.num_hit_tokens: int = num_hit_tokens  # prompt tokens mapped from cached blocks
+        self.block_ids: np.ndarray = block_ids  # int32 [ceil(num_tokens / page_size)]
+        self._tokens: bytes = tokens  # longest token bytes seen (admit or commit)
+        self._tail: Node = tail  # deepest trie node this sequence locks (a root if none)
+        self._committed: int = num_hit_tokens  # tokens covered by the locked trie path
+        self._alive = True
+
+    @property
+    def block_table(self) -> list[int]:
+        """Device block ids in sequence order."""
+        return self.block_ids.tolist()
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+
+class PrefixCache:
+    """Refcounted device blocks indexed by a prefix trie, evicted by a named policy.
+
+    ``page_size`` tokens per block; ``vocab_size`` bounds token ids (None: any int32 >= 0);
+    ``clock`` returns seconds (monotonic). See the module docstring for the request path.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        page_size: int,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        vocab_size: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.7,
+    ):
+        if page_size <= 0:
+            raise ValueError(f"{page_size=} must be a positive number of tokens")
+        if vocab_size is not None and not 0 < vocab_size <= 2**31:
+            raise ValueError(f"{vocab_size=} must be in [1, 2**31]")
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.allocator = BlockAllocator(num_blocks, high_watermark=high_watermark, low_watermark=low_watermark)
+        self.trie = PrefixTrie(page_size, make_policy(policy), clock)
+        self.allocator.reclaimer = self
+        self._stats = CacheStats()
+        self._handles: dict[int, SeqHandle] = {}
+        self._pins: dict[tuple[Namespace, bytes], list[Node]] = {}  # -> deepest node of each pin
+        self._seq_ids = itertools.count()
+
+    # --- lookup ----------------------------------------------------------------------------
+
+    def match(self, tokens: TokensLike, namespace: NamespaceLike = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in whole pages. Read-only: no heat, no locks."""
+        buf = validate_tokens(tokens, self.vocab_size).tobytes()
+        root = self.trie.root(as_namespace(namespace), create=False)
+        path = [] if root is None else self.trie.walk(root, buf, 0, self._full_bytes(len(buf)))
+        blocks = [node.blocks[:k] for node, k in path]
+        tiers = [node.tiers[:k] for node, k in path]
+        num_device = sum(k for node, k in itertools.takewhile(lambda p: p[0].on_device, path))
+        num_hit = sum(k for _, k in path)
+        return MatchResult(
+            blocks=np.concatenate(blocks) if blocks else _NO_BLOCKS.copy(),
+            tiers=np.concatenate(tiers) if tiers else np.zeros(0, np.uint8),
+            hit_tokens=num_hit * self.page_size,
+            num_hit_blocks=num_hit,
+            num_device_blocks=num_device,
+        )
+
+    # --- the request path ------------------------------------------------------------------
+
+    def admit(self, tokens: TokensLike, namespace: NamespaceLike = None) -> SeqHandle | None:
+        """Map the longest device-cached prefix and allocate blocks for the rest.
+
+        The sequence gets ``ceil(len(tokens) / page_size)`` blocks; at least its last token is
+        always left to compute (its logits are needed), so a prompt's final page never hits.
+        Returns None, changing nothing, when the blocks do not fit even after eviction.
+        """
+        ns = as_namespace(namespace)
+        toks = validate_tokens(tokens, self.vocab_size)
+        num_pages = -(-len(toks) // self.page_size)
+        if num_pages > self.allocator.num_blocks:
+            raise ValueError(f"sequence of {len(toks)} tokens needs {num_pages} blocks; "
+                             f"the pool has {self.allocator.num_blocks}")  # fmt: skip
+        now = self.clock()
+        self.trie.expire_soft_pins(now)
+        buf = toks.tobytes()
+        root = self.trie.root(ns, create=False)
+        limit = max(len(toks) - 1, 0) // self.page_size * self.trie.page_bytes
+        matched = [] if root is None else self.trie.walk(root, buf, 0, limit)
+        path = list(itertools.takewhile(lambda p: p[0].on_device, matched))
+        num_hit = sum(k for _, k in path)
+        locked_away = sum(k for node, k in path if self.trie.is_candidate(node))
+        available = self.allocator.num_free + self.trie.num_evictable - locked_away
+        if available < num_pages - num_hit:
+            self._stats.admit_failures += 1
+            return None
+        tail = self._lock_hit_path(path, root or self.trie.root(ns, create=True), now)
+        hit_blocks = np.concatenate([node.blocks[:k] for node, k in path]) if path else _NO_BLOCKS
+        new_blocks = self.allocator.allocate(num_pages - num_hit)
+        if new_blocks is None:
+            raise RuntimeError("allocation failed after the admission check said it fits")
+        self.allocator.incref(hit_blocks, check=False)
+        handle = SeqHandle(next(self._seq_ids), ns, len(toks), num_hit * self.page_size,
+                           np.concatenate((hit_blocks, new_blocks)), buf, tail)  # fmt: skip
+        self._handles[handle.seq_id] = handle
+        self._count_admission(handle, sum(k for _, k in matched) - num_hit)
+        return handle
+
+    def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
+        self._require_alive(handle)
+        if num_new_tokens < 0:
+            raise ValueError(f"{num_new_tokens=} must be >= 0")
+        num_tokens = handle.num_tokens + num_new_tokens
+        missing = -(-num_tokens // self.page_size) - len(handle.block_ids)
+        if missing > 0:
+            self.trie.expire_soft_pins(self.clock())
+            new_blocks = self.allocator.allocate(missing)
+            if new_blocks is None:
+                self._stats.extend_failures += 1
+                return False
+            handle.block_ids = np.concatenate((handle.block_ids, new_blocks))
+        handle.num_tokens = num_tokens
+        return True
+
+    def commit(self, handle: SeqHandle, tokens: TokensLike) -> int:
+        """Insert the sequence's new full pages into the trie; return how many entered.
+
+        ``tokens`` is the sequence so far (prompt + decoded), at most ``handle.num_tokens``
+        long and consistent with every token given before. Incremental: pages already
+        committed are skipped; the partial last page never enters.
+        """
+        self._require_alive(handle)
+        buf = validate_tokens(tokens, self.vocab_size).tobytes()
+        if len(buf) > 4 * handle.num_tokens:
+            raise ValueError(f"{len(buf) // 4} tokens committed; the sequence has room for "
+                             f"{handle.num_tokens} (call extend first)")  # fmt: skip
+        known = handle._tokens
+        if not (known.startswith(buf) if len(buf) <= len(known) else buf.startswith(known)):
+            raise ValueError("tokens disagree with the tokens this sequence was given before")
+        if len(buf) > len(known):
+            handle._tokens = buf
+        end = self._full_bytes(len(buf))
+        start = handle._committed * 4
+        if end <= start:
+            return 0
+        self._insert_pages(handle, buf, start, end, self.clock())
+        return (end - start) // self.trie.page_bytes
+
+    def release(self, handle: SeqHandle) -> None:
+        """Drop the sequence's references. Committed blocks stay cached (and hittable)."""
+        self._require_alive(handle)
+        trie_blocks = self._path_blocks(handle._tail)
+        private = self._private_blocks(handle, trie_blocks)
+        self.allocator.decref(trie_blocks, check=False)
+        self.allocator.decref(private, check=False)
+        self.allocator.free(private, check=False)
+        if handle._tail.parent is not None:
+            self.trie.unlock(handle._tail, self.clock())
+        handle._alive = False
+        del self._handles[handle.seq_id]
+
+    # --- eviction and pins ------------------------------------------------------------------
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Cached blocks that eviction can free now (unreferenced, unpinned)."""
+        return self.trie.num_evictable
+
+    def reclaim(self, num_blocks: int) -> np.ndarray:
+        """Evict exactly ``num_blocks`` cached blocks and hand them out (allocator hook)."""
+        blocks = self.trie.reclaim(num_blocks, self.clock())
+        self._stats.evicted_blocks += len(blocks)
+        return blocks
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Evict up to ``num_blocks`` cached blocks into the free queue; return their ids."""
+        if num_blocks < 0:
+            raise ValueError(f"{num_blocks=} must be >= 0")
+        self.trie.expire_soft_pins(self.clock())
+        blocks = self.reclaim(min(num_blocks, self.trie.num_evictable))
+        self.allocator.free(blocks, check=False)
+        return blocks.tolist()
+
+    def pin(self, tokens: TokensLike, namespace: NamespaceLike = None, ttl: float | None = None) -> int:
+        """Keep the device-cached prefix of ``tokens`` from eviction; return its token count.
+
+        ``ttl=None``: a hard pin, held until ``unpin`` with the same tokens and namespace.
+        ``ttl`` seconds: a soft pin that expires by itself (hot system prompts).
+        """
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"{ttl=} must be a positive number of seconds (or None: hard pin)")
+        ns = as_namespace(namespace)
+        buf = validate_tokens(tokens, self.vocab_size).tobytes()
+        now = self.clock()
+        self.trie.expire_soft_pins(now)
+        root = self.trie.root(ns, create=False)
+        path = [] if root is None else self.trie.walk(root, buf, 0, self._full_bytes(len(buf)))
+        path = list(itertools.takewhile(lambda p: p[0].on_device, path))
+        if not path:
+            return 0
+        node, k = path[-1]
+        if k < node.num_pages:
+            node = self.trie.split(node, k)
+        if ttl is None:
+            self.trie.hard_pin(node)
+            self._pins.setdefault((ns, buf[: self._full_bytes(len(buf))]), []).append(node)
+        else:
+            self.trie.soft_pin(node, now + ttl)
+        return sum(k for _, k in path) * self.page_size
+
+    def unpin(self, tokens: TokensLike, namespace: NamespaceLike = None) -> None:
+        """Undo one hard ``pin`` made with the same tokens and namespace."""
+        ns = as_namespace(namespace)
+        buf = validate_tokens(tokens, self.vocab_size).tobytes()
+        key = (ns, buf[: self._full_bytes(len(buf))])
+        pinned = self._pins.get(key)
+        if not pinned:
+            raise ValueError(f"no hard pin on these {len(buf) // 4} tokens in namespace {ns}")
+        self.trie.hard_unpin(pinned[-1], self.clock())
+        pinned.pop()
+        if not pinned:
+            del self._pins[key]
+
+    # --- tiers, figures and checks ----------------------------------------------------------
+
+    def set_tier(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier) -> None:
+        """Record that cached page ``page`` of ``tokens`` also has a ``tier`` (HOST/DISK) copy."""
+        node, index = self._locate_page(tokens, namespace, page, tier)
+        self.trie.set_tier(node, index, tier)
+
+    def clear_tier(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier) -> None:
+        """Forget a HOST/DISK copy; an off-device page left without copies leaves the trie."""
+        node, index = self._locate_page(tokens, namespace, page, tier)
+        self.trie.clear_tier(node, index, tier)
+        self._sync_trie_stats()
+
+    @property
+    def stats(self) -> CacheStats:
+        self._sync_trie_stats()
+        return self._stats
+
+    def fragmentation(self) -> float:
+        """Fraction of live sequences' token slots that hold no token (partial last pages)."""
+        handles = list(self._handles.values())
+        return fragmentation([h.num_tokens for h in handles], [len(h.block_ids) for h in handles],
+                             self.page_size)  # fmt: skip
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._handles)
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError unless every documented invariant holds. Changes nothing.
+
+        Every block is in exactly one state (referenced / cached-unreferenced / empty-free);
+        refcounts equal the holds of live handles; each node's lock count equals the live
+        handles whose path crosses it and its hard pins the pins whose path does; every trie
+        page's block is owned by the trie (not free, not private to a sequence); locked and
+        pinned nodes are still on device (the trie's own checks cover structure and counters).
+        """
+        self.allocator.check_invariants()
+        trie_blocks = self.trie.check_invariants()
+        size = self.allocator.num_blocks
+        free = np.zeros(size, bool)
+        free[self.allocator.free_queue()] = True
+        in_trie = np.zeros(size, bool)
+        in_trie[trie_blocks] = True
+        _fail_if(free & in_trie, "is free but still indexed by the trie")
+        expected = np.zeros(size, np.int64)
+        locks: dict[int, int] = {}
+        for handle in self._handles.values():
+            held = self._check_handle(handle, in_trie)
+            np.add.at(expected, held, 1)
+            _count_path(handle._tail, locks)
+        refcounts = self.allocator.refcounts()
+        _fail_if(refcounts != expected, "has a refcount unequal to the live sequences holding it")
+        _fail_if((refcounts == 0) & ~free & ~in_trie, "is unreferenced, uncached and not free (leaked)")
+        pins: dict[int, int] = {}
+        for nodes in self._pins.values():
+            for node in nodes:
+                _count_path(node, pins)
+        for node in self.trie.nodes():
+            if (node.lock, node.hard_pins) != (locks.get(id(node), 0), pins.get(id(node), 0)):
+                raise RuntimeError(f"node at page {node.first_page} has lock={node.lock}, "
+                                   f"hard_pins={node.hard_pins}; handles and pins say "
+                                   f"{locks.get(id(node), 0)}, {pins.get(id(node), 0)}")  # fmt: skip
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _full_bytes(self, num_bytes: int) -> int:
+        return num_bytes - num_bytes % self.trie.page_bytes
+
+    def _require_alive(self, handle: SeqHandle) -> None:
+        if not isinstance(handle, SeqHandle) or self._handles.get(handle.seq_id) is not handle:
+            raise ValueError(f"{handle!r} is not a live sequence of this cache (released already?)")
+
+    def _lock_hit_path(self, path: list[tuple[Node, int]], root: Node, now: float) -> Node:
+        if not path:
+            return root
+        node, k = path[-1]
+        if k < node.num_pages:
+            node = self.trie.split(node, k)
+            path[-1] = (node, k)
+        self.trie.lock(node, now)
+        return node
+
+    def _count_admission(self, handle: SeqHandle, num_lower_tier_pages: int) -> None:
+        stats = self._stats
+        stats.admitted += 1
+        stats.prompt_tokens += handle.num_tokens
+        stats.hit_tokens += handle.num_hit_tokens
+        stats.lower_tier_hit_tokens += num_lower_tier_pages * self.page_size
+
+    def _insert_pages(self, handle: SeqHandle, buf: bytes, start: int, end: int, now: float) -> None:
+        trie, page_bytes = self.trie, self.trie.page_bytes
+        node = handle._tail
+        for child, num_pages in trie.walk(node, buf, start, end):
+            if num_pages < child.num_pages:
+                child = trie.split(child, num_pages)
+            first = start // page_bytes
+            if child.on_device:  # cached meanwhile by another sequence: hold that copy too
+                trie.lock(child, whole_path=False)
+                self.allocator.incref(child.blocks, check=False)
+                self._stats.duplicate_blocks += num_pages
+            else:  # only a host/disk copy was indexed: our fresh blocks become its device copy
+                trie.attach(child, handle.block_ids[first : first + num_pages], now)
+                self._stats.inserted_blocks += num_pages
+            node = child
+            start += num_pages * page_bytes
+        if start < end:
+            own = handle.block_ids[start // page_bytes : end // page_bytes]
+            if trie.can_extend(node):
+                trie.extend(node, buf[start:end], own, now)
+            else:
+                node = trie.insert(node, buf[start:end], own, now)
+            self._stats.inserted_blocks += len(own)
+        handle._tail = node
+        handle._committed = end // 4
+
+    def _check_handle(self, handle: SeqHandle, in_trie: np.ndarray) -> np.ndarray:
+        """Consistency of one live handle; returns every block it holds."""
+        held = self._path_blocks(handle._tail)
+        private = self._private_blocks(handle, held)
+        table = handle.block_ids
+        if len(table) != -(-handle.num_tokens // self.page_size) or len(np.unique(table)) != len(table):
+            raise RuntimeError(f"sequence {handle.seq_id} has {len(table)} blocks for {handle.num_tokens} tokens")
+        if handle._committed != len(held) * self.page_size or in_trie[private].any():
+            raise RuntimeError(f"sequence {handle.seq_id} disagrees with the trie about its committed pages")
+        return np.concatenate((held, private))
+
+    def _locate_page(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier):
+        if tier not in (Tier.HOST, Tier.DISK):
+            raise ValueError(f"{tier=} must be Tier.HOST or Tier.DISK (device copies change by admit/evict)")
+        buf = validate_tokens(tokens, self.vocab_size).tobytes()
+        root = self.trie.root(as_namespace(namespace), create=False)
+        end = (page + 1) * self.trie.page_bytes
+        path = [] if root is None or page < 0 or end > len(buf) else self.trie.walk(root, buf, 0, end)
+        if sum(k for _, k in path) != page + 1:
+            raise ValueError(f"{page=} of these tokens is not cached in namespace {namespace!r}")
+        node, k = path[-1]
+        return node, k - 1
+
+    def _sync_trie_stats(self) -> None:
+        stats = self._stats
+        stats.offloaded_pages = self.trie.offloaded_pages
+        stats.dropped_pages = self.trie.dropped_pages
+
+    def _path_blocks(self, node: Node) -> np.ndarray:
+        runs = []
+        while node.parent is not None:
+            runs.append(node.blocks)
+            node = node.parent
+        return np.concatenate(runs[::-1]) if runs else _NO_BLOCKS
+
+    def _private_blocks(self, handle: SeqHandle, trie_blocks: np.ndarray) -> np.ndarray:
+        """The handle's blocks that the trie does not own (uncommitted or duplicate pages)."""
+        committed = len(trie_blocks)
+        table = handle.block_ids
+        duplicate = table[:committed][table[:committed] != trie_blocks]
+        return np.concatenate((duplicate, table[committed:])) if len(duplicate) else table[committed:]
+
+
+def _fail_if(bad: np.ndarray, problem: str) -> None:
+    if bad.any():
+        raise RuntimeError(f"block {int(np.flatnonzero(bad)[0])} {problem}")
+
+
+def _count_path(node: Node, counts: dict[int, int]) -> None:
+    while node.parent is not None:
+        counts[id(node)] = counts.get(id(node), 0) + 1
+        node = node.parent

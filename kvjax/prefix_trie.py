@@ -1,0 +1,453 @@
+"""Prefix trie: a radix trie over page-sized chunks of token ids, one root per namespace.
+
+Each node covers a run of whole pages (a compressed edge). Its ``label`` holds the pages'
+token ids as little-endian int32 bytes, so a lookup compares a whole edge with one
+``bytes.startswith`` (a memcmp) and never hashes a page; exact comparison also means a match
+can never be a false positive. Children are keyed by the bytes of their first page.
+
+Per node: ``blocks`` (device block id of each page, -1 where the page is not on device),
+``tiers`` (Tier bits of each page), ``lock`` (running sequences holding the node), ``hits``,
+``last_access`` (clock seconds), ``hard_pins`` and a soft pin that expires at ``soft_until``.
+A node's recompute cost follows from ``first_page``/``num_pages`` (see ``CostModel``).
+
+Invariants (``check_invariants`` verifies them all):
+- closure: a node's lock count, hard pins and soft-pin expiry are never above its parent's,
+  and a node on device has a parent on device, because every sequence and every pin holds a
+  whole path from the root. So every unlocked, unpinned device page can be reached by
+  evicting leaves, and ``num_evictable`` is exactly what eviction can free.
+- a node is either wholly on device (``on_device``: every page has a block) or wholly off
+  it (a host/disk copy of every page remains); splits keep that true.
+- split(node, k) keeps the original object as the DEEPER part, so whoever remembers the
+  deepest node of its path (a sequence handle, a pin) still reaches the whole path by
+  walking parents.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from kvjax.block_keys import Namespace, chained_block_keys
+from kvjax.eviction import EvictionPolicy, EvictionQueue
+
+__all__ = ["Node", "PrefixTrie", "Tier"]
+
+
+class Tier(enum.IntFlag):
+    """Where a page has a copy. A page may be in several tiers at once."""
+
+    DEVICE = 1
+    HOST = 2
+    DISK = 4
+
+
+_LOWER = int(Tier.HOST | Tier.DISK)
+_NO_BLOCKS = np.zeros(0, np.int32)
+_NO_TIERS = np.zeros(0, np.uint8)
+
+
+class Node:
+    """A run of pages; see the module docstring for the meaning of each field."""
+
+    __slots__ = (
+        "parent", "key", "label", "blocks", "tiers", "first_page", "children", "lock",
+        "hard_pins", "soft_until", "soft_pinned", "hits", "last_access", "on_device",
+        "num_device_children", "heap_version", "namespace", "keys",
+    )  # fmt: skip
+
+    def __init__(self, parent, key, label, blocks, tiers, first_page, on_device, now):
+        self.parent: Node | None = parent  # None for a root and for a removed node
+        self.key: bytes = key  # bytes of the first page: the key in parent.children
+        self.label: bytes = label  # int32 token bytes of all pages
+        self.blocks: np.ndarray = blocks  # int32 [num_pages]
+        self.tiers: np.ndarray = tiers  # uint8 [num_pages]
+        self.first_page = first_page  # pages before this node on its path
+        self.children: dict[bytes, Node] = {}
+        self.lock = 0
+        self.hard_pins = 0
+        self.soft_until = 0.0
+        self.soft_pinned = False
+        self.hits = 0
+        self.last_access = now
+        self.on_device = on_device
+        self.num_device_children = 0
+        self.heap_version = -1  # version of this node's live eviction-queue entry, -1: none
+        self.namespace: Namespace | None = None  # set on roots only
+        self.keys: list[bytes] | None = None  # lazily computed stable keys of a prefix of pages
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def tail_tiers(self) -> int:
+        return int(self.tiers[-1])
+
+
+class PrefixTrie:
+    """Radix trie of cached pages plus the evictable-leaf queue of one eviction policy."""
+
+    def __init__(self, page_size: int, policy: EvictionPolicy, clock: Callable[[], float]):
+        self.page_size = page_size
+        self.page_bytes = 4 * page_size
+        self.policy = policy
+        policy.bind(page_size)
+        self.queue = EvictionQueue(policy)
+        self.clock = clock
+        self.num_evictable = 0  # device pages in unlocked, unpinned nodes
+        self.num_nodes = 0  # excluding roots
+        self.evicted_pages = 0  # pages that lost their device copy
+        self.offloaded_pages = 0  # ... of which a host/disk copy remains in the trie
+        self.dropped_pages = 0  # pages removed from the trie entirely
+        self.on_drop: Callable[[Node], None] | None = None  # sees nodes with host/disk copies leave
+        self._roots: dict[Namespace, Node] = {}
+        self._soft: list[tuple[float, int, Node]] = []  # heap of soft-pin expiries
+        self._order = itertools.count()
+
+    # --- lookup ----------------------------------------------------------------------------
+
+    def root(self, namespace: Namespace, *, create: bool) -> Node | None:
+        root = self._roots.get(namespace)
+        if root is None and create:
+            root = Node(None, b"", b"", _NO_BLOCKS, _NO_TIERS, 0, True, 0.0)
+            root.namespace = namespace
+            self._roots[namespace] = root
+        return root
+
+    def walk(self, node: Node, buf: bytes, start: int, end: int) -> list[tuple[Node, int]]:
+        """Nodes below ``node`` matching ``buf[start:end]``, each with its matched page count.
+
+        Every node but the last is matched whole; the last may be matched partly.
+        """
+        page_bytes = self.page_bytes
+        path = []
+        while start < end:
+            child = node.children.get(buf[start : start + page_bytes])
+            if child is None:
+                break
+            label = child.label
+            if buf.startswith(label, start, end):
+                path.append((child, len(child.blocks)))
+                start += len(label)
+                node = child
+                continue
+            path.append((child, self._common_pages(label, buf, start, end)))
+            break
+        return path
+
+    # --- structure -------------------------------------------------------------------------
+
+    def split(self, node: Node, num_head_pages: int) -> Node:
+        """Cut ``node`` after ``num_head_pages``; return the new head, ``node`` keeps the rest."""
+        cut = num_head_pages * self.page_bytes
+        parent = node.parent
+        head = Node(parent, node.key, node.label[:cut], node.blocks[:num_head_pages],
+                    node.tiers[:num_head_pages], node.first_page, node.on_device, node.last_access)  # fmt: skip
+        for field in ("lock", "hard_pins", "soft_until", "soft_pinned", "hits"):
+            setattr(head, field, getattr(node, field))
+        node.key = node.label[cut : cut + self.page_bytes]
+        node.label = node.label[cut:]
+        node.blocks = node.blocks[num_head_pages:]
+        node.tiers = node.tiers[num_head_pages:]
+        node.first_page += num_head_pages
+        if node.keys is not None:
+            head.keys, node.keys = node.keys[:num_head_pages], node.keys[num_head_pages:] or None
+        head.children[node.key] = node
+        head.num_device_children = int(node.on_device)
+        parent.children[head.key] = head
+        node.parent = head
+        self.num_nodes += 1
+        if head.soft_pinned:
+            heapq.heappush(self._soft, (head.soft_until, next(self._order), head))
+        return head
+
+    def insert(self, parent: Node, label: bytes, blocks: np.ndarray, now: float) -> Node:
+        """Add a device node under ``parent``, locked once (by the sequence that holds ``parent``)."""
+        num_pages = len(blocks)
+        node = Node(parent, label[: self.page_bytes], label, blocks,
+                    np.full(num_pages, Tier.DEVICE, np.uint8), parent.first_page + parent.num_pages,
+                    True, now)  # fmt: skip
+        node.lock = 1
+        parent.children[node.key] = node
+        parent.num_device_children += 1
+        self.num_nodes += 1
+        return node
+
+    def can_extend(self, node: Node) -> bool:
+        """Whether new pages may join ``node`` in place: a device leaf held by one sequence only."""
+        return (node.parent is not None and node.lock == 1 and not node.children
+                and node.hard_pins == 0 and not node.soft_pinned)  # fmt: skip
+
+    def extend(self, node: Node, label: bytes, blocks: np.ndarray, now: float) -> None:
+        node.label += label
+        node.blocks = np.concatenate((node.blocks, blocks))
+        node.tiers = np.concatenate((node.tiers, np.full(len(blocks), Tier.DEVICE, np.uint8)))
+        node.last_access = now
+
+    def attach(self, node: Node, blocks: np.ndarray, now: float) -> None:
+        """Give an off-device node device blocks again, locked once by the attaching sequence."""
+        node.blocks = np.array(blocks, np.int32)
+        node.tiers = node.tiers | np.uint8(Tier.DEVICE)
+        node.on_device = True
+        node.lock = 1
+        node.last_access = now
+        node.parent.num_device_children += 1
+
+    # --- locks, heat and pins --------------------------------------------------------------
+
+    def lock(self, node: Node, now: float | None = None, *, whole_path: bool = True) -> None:
+        """Lock ``node`` (and its ancestors); with ``now``, also count a hit on each."""
+        while node.parent is not None:
+            if self.is_candidate(node):
+                self.num_evictable -= len(node.blocks)
+            node.lock += 1
+            if now is not None:
+                node.hits += 1
+                node.last_access = now
+            if not whole_path:
+                return
+            node = node.parent
+
+    def unlock(self, node: Node, now: float) -> None:
+        """Undo ``lock(node)``. ValueError (nothing changed) if a node on the path is unlocked."""
+        self._require_path(node, "lock", "is not locked")
+        self._decrement_path(node, "lock", now)
+
+    def hard_pin(self, node: Node) -> None:
+        while node.parent is not None:
+            if self.is_candidate(node):
+                self.num_evictable -= len(node.blocks)
+            node.hard_pins += 1
+            node = node.parent
+
+    def hard_unpin(self, node: Node, now: float) -> None:
+        self._require_path(node, "hard_pins", "is not pinned")
+        self._decrement_path(node, "hard_pins", now)
+
+    def soft_pin(self, node: Node, until: float) -> None:
+        """Keep ``node``'s path on device until clock time ``until`` (seconds)."""
+        while node.parent is not None:
+            if self.is_candidate(node):
+                self.num_evictable -= len(node.blocks)
+            node.soft_pinned = True
+            if until > node.soft_until:
+                node.soft_until = until
+                heapq.heappush(self._soft, (until, next(self._order), node))
+            node = node.parent
+
+    def expire_soft_pins(self, now: float) -> None:
+        """Release soft pins whose time has come (deepest first: entries expire in time order)."""
+        soft = self._soft
+        while soft and soft[0][0] <= now:
+            _, _, node = heapq.heappop(soft)
+            if node.soft_pinned and node.soft_until <= now and node.parent is not None:
+                node.soft_pinned = False
+                if self.is_candidate(node):
+                    self._became_candidate(node, now)
+
+    # --- eviction --------------------------------------------------------------------------
+
+    def is_evictable_leaf(self, node: Node) -> bool:
+        return (node.num_device_children == 0 and node.parent is not None
+                and self.is_candidate(node))  # fmt: skip
+
+    def reclaim(self, num_pages: int, now: float) -> np.ndarray:
+        """Evict exactly ``num_pages`` device pages in policy order; return their block ids."""
+        if num_pages > self.num_evictable:
+            raise RuntimeError(f"{num_pages=} exceeds num_evictable={self.num_evictable}")
+        if not self.policy.time_invariant:
+            self.queue.rebuild([n for n in self.nodes() if self.is_evictable_leaf(n)], now)
+        freed = []
+        while num_pages:
+            node = self.queue.pop(self.is_evictable_leaf)
+            if node is None:
+                raise RuntimeError(f"eviction queue is empty with {self.num_evictable=}")
+            take = min(num_pages, len(node.blocks))
+            freed.append(self._evict_tail(node, take, now))
+            num_pages -= take
+        return np.concatenate(freed) if freed else _NO_BLOCKS
+
+    def set_tier(self, node: Node, page: int, tier: Tier) -> None:
+        """Record a host or disk copy of page ``page`` of ``node``."""
+        node.tiers[page] |= np.uint8(tier)
+        if page == len(node.blocks) - 1 and self.is_evictable_leaf(node):
+            self.queue.push(node, self.clock())  # the policy may rank it differently now
+
+    def clear_tier(self, node: Node, page: int, tier: Tier) -> None:
+        """Forget a host or disk copy; an off-device page left with no copy leaves the trie,
+        and so do the pages after it (they are unreachable without it)."""
+        node.tiers[page] &= np.uint8(~tier & 0xFF)
+        if not node.on_device and node.tiers[page] == 0:
+            if page:
+                self.split(node, page)
+            self._drop(node)
+
+    # --- stable keys and traversal ---------------------------------------------------------
+
+    def page_keys(self, node: Node) -> list[bytes]:
+        """Stable 16-byte chained keys of ``node``'s pages (see block_keys), computed once."""
+        keys = node.keys or []
+        if len(keys) < len(node.blocks):
+            if keys:
+                parent_key = keys[-1]
+            elif node.parent.parent is None:
+                parent_key = None
+            else:
+                parent_key = self.page_keys(node.parent)[-1]
+            rest = np.frombuffer(node.label, "<i4")[len(keys) * self.page_size :]
+            keys = keys + chained_block_keys(rest, self.page_size, self._namespace_of(node), parent_key)
+            node.keys = keys
+        return keys
+
+    def nodes(self) -> Iterator[Node]:
+        """Every live non-root node, parents before children."""
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.parent is not None:
+                yield node
+
+    def roots(self) -> dict[Namespace, Node]:
+        return self._roots
+
+    def check_invariants(self) -> np.ndarray:
+        """Raise RuntimeError on any broken structural invariant; return all device block ids."""
+        blocks, evictable, count = [], 0, 0
+        for node in self.nodes():
+            count += 1
+            _check_node(self, node)
+            evictable += len(node.blocks) if self.is_candidate(node) else 0
+            if node.on_device:
+                blocks.append(node.blocks)
+            if self.is_evictable_leaf(node) and node.heap_version < 0:
+                raise RuntimeError(f"evictable leaf at page {node.first_page} is not in the queue")
+        if (count, evictable) != (self.num_nodes, self.num_evictable):
+            raise RuntimeError(f"counted {count} nodes, {evictable} evictable pages; "
+                               f"trie says {self.num_nodes}, {self.num_evictable}")  # fmt: skip
+        device_blocks = np.concatenate(blocks) if blocks else _NO_BLOCKS
+        if len(np.unique(device_blocks)) != len(device_blocks):
+            raise RuntimeError("a device block backs two trie pages")
+        return device_blocks
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _common_pages(self, label: bytes, buf: bytes, start: int, end: int) -> int:
+        size = min(len(label), end - start)
+        ours = np.frombuffer(label, np.uint8, size)
+        theirs = np.frombuffer(buf, np.uint8, size, start)
+        differ = np.flatnonzero(ours != theirs)
+        return int(differ[0] if differ.size else size) // self.page_bytes
+
+    @staticmethod
+    def is_candidate(node: Node) -> bool:
+        """On device, unlocked and unpinned: its pages count in ``num_evictable``."""
+        return node.on_device and node.lock == 0 and node.hard_pins == 0 and not node.soft_pinned
+
+    def _became_candidate(self, node: Node, now: float) -> None:
+        self.num_evictable += len(node.blocks)
+        if node.num_device_children == 0:
+            self.queue.push(node, now)
+            self._maybe_compact(now)
+
+    def _require_path(self, node: Node, field: str, problem: str) -> None:
+        if node.parent is None:
+            raise ValueError("node is a root or no longer in the trie")
+        walker = node
+        while walker.parent is not None:
+            if getattr(walker, field) <= 0:
+                raise ValueError(f"node at page {walker.first_page} {problem}")
+            walker = walker.parent
+
+    def _decrement_path(self, node: Node, field: str, now: float) -> None:
+        while node.parent is not None:
+            setattr(node, field, getattr(node, field) - 1)
+            if self.is_candidate(node):
+                self._became_candidate(node, now)
+            node = node.parent
+
+    def _evict_tail(self, node: Node, num_pages: int, now: float) -> np.ndarray:
+        if num_pages < len(node.blocks):
+            self.split(node, len(node.blocks) - num_pages)
+        blocks, parent = node.blocks, node.parent
+        self.num_evictable -= num_pages
+        self.evicted_pages += num_pages
+        has_copy = (node.tiers & _LOWER) != 0
+        keep = num_pages if has_copy.all() else int(np.argmin(has_copy))
+        if 0 < keep < num_pages:
+            survivor = self.split(node, keep)
+            self._drop(node)
+            self._offload(survivor)
+        elif keep == num_pages:
+            self._offload(node)
+        else:
+            self._drop(node)
+        if parent.parent is not None and self.is_evictable_leaf(parent):
+            self.queue.push(parent, now)
+        return blocks
+
+    def _offload(self, node: Node) -> None:
+        node.on_device = False
+        node.blocks = np.full(len(node.blocks), -1, np.int32)
+        node.tiers = node.tiers & np.uint8(_LOWER)
+        node.parent.num_device_children -= 1
+        self.offloaded_pages += len(node.blocks)
+
+    def _drop(self, node: Node) -> None:
+        parent = node.parent
+        del parent.children[node.key]
+        parent.num_device_children -= int(node.on_device)
+        stack, gone_nodes = [node], []
+        while stack:
+            gone_nodes.append(stack.pop())
+            stack.extend(gone_nodes[-1].children.values())
+        if self.on_drop is not None:  # before unlinking, so page_keys() still works
+            for gone in gone_nodes:
+                if (gone.tiers & _LOWER).any():
+                    self.on_drop(gone)
+        for gone in gone_nodes:
+            self.dropped_pages += len(gone.blocks)
+            self.num_nodes -= 1
+            gone.parent = None
+            gone.on_device = False
+
+    def _maybe_compact(self, now: float) -> None:
+        # Stale entries pile up as nodes are locked and unlocked; rebuild when they dominate.
+        if len(self.queue) > 4 * self.num_nodes + 1024:
+            self.queue.rebuild([n for n in self.nodes() if self.is_evictable_leaf(n)], now)
+
+    def _namespace_of(self, node: Node) -> Namespace:
+        while node.parent is not None:
+            node = node.parent
+        return node.namespace
+
+
+def _check_node(trie: PrefixTrie, node: Node) -> None:
+    parent = node.parent
+    where = f"node at page {node.first_page}"
+    if parent.children.get(node.key) is not node or node.key != node.label[: trie.page_bytes]:
+        raise RuntimeError(f"{where} is not linked under its first page")
+    if len(node.blocks) == 0 or len(node.label) != len(node.blocks) * trie.page_bytes:
+        raise RuntimeError(f"{where} has {len(node.blocks)} blocks for {len(node.label)} label bytes")
+    if node.first_page != parent.first_page + len(parent.blocks):
+        raise RuntimeError(f"{where} follows a parent ending at page {parent.first_page + len(parent.blocks)}")
+    on_device = (node.tiers & Tier.DEVICE) != 0
+    if not (on_device == node.on_device).all() or not ((node.blocks >= 0) == node.on_device).all():
+        raise RuntimeError(f"{where}: blocks and DEVICE bits disagree with {node.on_device=}")
+    if not node.on_device and (node.tiers == 0).any():
+        raise RuntimeError(f"{where} keeps a page with no copy in any tier")
+    if node.num_device_children != sum(c.on_device for c in node.children.values()):
+        raise RuntimeError(f"{where} miscounts its device children")
+    if node.on_device and not parent.on_device:
+        raise RuntimeError(f"{where} is on device below an off-device parent")
+    if (node.lock or node.hard_pins or node.soft_pinned) and not node.on_device:
+        raise RuntimeError(f"{where} is locked or pinned but was evicted from device")
+    if parent.parent is not None and (
+        node.lock > parent.lock or node.hard_pins > parent.hard_pins
+        or node.soft_pinned > parent.soft_pinned or node.soft_until > parent.soft_until
+    ):  # fmt: skip
+        raise RuntimeError(f"{where} is locked or pinned more than its parent")
