@@ -1,0 +1,237 @@
+"""Disk segment files: many KV blocks saved as one orbax checkpoint plus a JSON manifest.
+
+Layout under the disk tier's directory:
+
+    seg-000000000042/       orbax checkpoint {"payload": u8[num_blocks, block_nbytes]}, one
+                            zarr3 chunk per block, uncompressed (KV does not compress)
+    seg-000000000042.json   manifest: block shape and dtype, each block's namespace, key and
+                            blake2b checksum; its presence is the segment's commit record
+
+Commit protocol: orbax writes into a temporary directory and renames it when complete
+(`AtomicRenameTemporaryPath`, checked in orbax 0.12.8); then the manifest is written to a
+temporary file, fsynced, renamed, and the directory fsynced. A crash at any point leaves either
+a complete segment or files without a manifest, which `scan_directory` reports as orphans.
+
+A block's checksum covers namespace, key and payload, so bytes served under the wrong key or
+namespace, or damaged on disk, fail verification and become a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import os
+import re
+import shutil
+
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+__all__ = [
+    "SegmentManifest",
+    "block_checksum",
+    "make_checkpointer",
+    "read_manifest",
+    "read_rows",
+    "remove_segment",
+    "scan_directory",
+    "segment_name",
+    "write_segment",
+]
+
+MANIFEST_FORMAT = "kvjax-disk-segment-v1"
+PAYLOAD = "payload"  # the checkpoint's single array
+_NAME_RE = re.compile(r"^seg-(\d{12})$")
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SegmentManifest:
+    """What one committed segment holds; row i of the payload is block i."""
+
+    name: str
+    block_shape: tuple[int, ...]
+    dtype: str  # numpy/ml_dtypes name, e.g. "bfloat16"
+    block_nbytes: int
+    use_ocdbt: bool
+    namespaces: tuple[bytes, ...]
+    keys: tuple[bytes, ...]
+    checksums: tuple[str, ...]  # blake2b-128 hex of (namespace, key, payload row)
+    bytes_on_disk: int  # checkpoint files plus manifest
+
+
+def segment_name(seq: int) -> str:
+    return f"seg-{seq:012d}"
+
+
+def block_checksum(namespace: bytes, key: bytes, payload_row: np.ndarray) -> str:
+    """blake2b-128 over length-prefixed namespace and key, then the block's bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (namespace, key):
+        digest.update(len(part).to_bytes(4, "little"))
+        digest.update(part)
+    digest.update(np.ascontiguousarray(payload_row).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+def make_checkpointer(use_ocdbt: bool) -> ocp.Checkpointer:
+    """A synchronous orbax checkpointer for segments: zarr3, no compression."""
+    options = dict(use_ocdbt=use_ocdbt, use_zarr3=True, use_compression=False)
+    accepted = inspect.signature(ocp.PyTreeCheckpointHandler).parameters
+    handler = ocp.PyTreeCheckpointHandler(**{k: v for k, v in options.items() if k in accepted})
+    return ocp.Checkpointer(handler)
+
+
+def write_segment(checkpointer: ocp.Checkpointer, directory: str, manifest: SegmentManifest,
+                  payload: np.ndarray) -> SegmentManifest:
+    """Writes and commits one segment; returns the manifest with `bytes_on_disk` filled in.
+
+    payload: u8[num_blocks, block_nbytes]. Raises OSError (or orbax's error) on failure, after
+    removing what it wrote.
+    """
+    path = os.path.join(directory, manifest.name)
+    try:
+        _save_payload(checkpointer, path, payload)
+        size = _tree_bytes(path)
+        size += len(_manifest_to_json(manifest, size))  # the manifest's own size, near enough
+        _write_manifest(directory, manifest.name, _manifest_to_json(manifest, size))
+    except BaseException:
+        remove_segment(directory, manifest.name)
+        raise
+    return dataclasses.replace(manifest, bytes_on_disk=size)
+
+
+def read_manifest(path: str) -> SegmentManifest:
+    """Parses a manifest file; ValueError when it is not a well-formed kvjax manifest."""
+    try:
+        with open(path, "rb") as f:
+            raw = json.loads(f.read())
+        if raw["format"] != MANIFEST_FORMAT:
+            raise ValueError(f"format={raw['format']!r}, expected {MANIFEST_FORMAT!r}")
+        blocks = raw["blocks"]
+        manifest = SegmentManifest(
+            name=str(raw["name"]), block_shape=tuple(int(d) for d in raw["block_shape"]),
+            dtype=str(raw["dtype"]), block_nbytes=int(raw["block_nbytes"]),
+            use_ocdbt=bool(raw["use_ocdbt"]),
+            namespaces=tuple(bytes.fromhex(b["namespace"]) for b in blocks),
+            keys=tuple(bytes.fromhex(b["key"]) for b in blocks),
+            checksums=tuple(str(b["blake2b"]) for b in blocks),
+            bytes_on_disk=int(raw["bytes_on_disk"]))
+    except (OSError, KeyError, TypeError, ValueError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"segment manifest {path} is unreadable: {err}") from err
+    if os.path.basename(path) != manifest.name + ".json":
+        raise ValueError(f"segment manifest {path} names segment {manifest.name!r}")
+    return manifest
+
+
+def read_rows(checkpointer: ocp.Checkpointer, directory: str, manifest: SegmentManifest,
+              rows: list[int]) -> np.ndarray:
+    """Reads payload rows u8[len(rows), block_nbytes] of a segment (checksums not checked).
+
+    Reads only the chunks of the requested rows through TensorStore (orbax's storage layer);
+    falls back to a full orbax restore if that layout cannot be opened.
+    """
+    path = os.path.join(directory, manifest.name)
+    expected = (len(manifest.keys), manifest.block_nbytes)
+    try:
+        array = _open_payload(path, manifest.use_ocdbt)
+    except Exception as err:  # noqa: BLE001 - any layout surprise: use orbax's own reader
+        _log.info("segment %s: direct read unavailable (%s); restoring with orbax", path, err)
+        payload = _restore_payload(checkpointer, path)
+        if payload.shape != expected or payload.dtype != np.uint8:
+            raise ValueError(f"segment {path} payload is {payload.shape}, expected {expected}")
+        return payload[rows]
+    if tuple(array.shape) != expected or array.dtype != ts.uint8:
+        raise ValueError(f"segment {path} payload is {tuple(array.shape)}, expected {expected}")
+    return array[np.asarray(rows, np.int64)].read().result()
+
+
+def remove_segment(directory: str, name: str) -> None:
+    """Uncommits (manifest first) and deletes a segment; errors are logged, not raised."""
+    for path in (os.path.join(directory, name + ".json"), os.path.join(directory, name)):
+        try:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+        except OSError as err:
+            _log.warning("disk tier: could not remove %s: %s", path, err)
+
+
+def scan_directory(directory: str) -> tuple[list[tuple[int, str]], list[str]]:
+    """Committed segments as sorted (seq, manifest path) and orphan entries to delete.
+
+    Orphans: segment directories without a manifest, orbax temporary directories, temporary
+    manifests, and manifests whose segment directory is gone.
+    """
+    entries = set(os.listdir(directory))
+    committed, orphans = [], []
+    for entry in sorted(entries):
+        stem = entry[:-len(".json")] if entry.endswith(".json") else entry
+        match = _NAME_RE.match(stem)
+        if entry.endswith(".json") and match:
+            if stem in entries:
+                committed.append((int(match.group(1)), os.path.join(directory, entry)))
+            else:
+                orphans.append(entry)
+        elif match and entry + ".json" not in entries:
+            orphans.append(entry)
+        elif entry.startswith("seg-") and not match and not entry.endswith(".json"):
+            orphans.append(entry)  # orbax's "<name>.orbax-checkpoint-tmp..." and our ".tmp"
+    return committed, orphans
+
+
+def _save_payload(checkpointer: ocp.Checkpointer, path: str, payload: np.ndarray) -> None:
+    # One chunk per block (shard_axes=(0,)) lets a read fetch just the blocks it needs.
+    fields = {f.name for f in dataclasses.fields(ocp.SaveArgs)}
+    save_args = ocp.SaveArgs(shard_axes=(0,)) if "shard_axes" in fields else ocp.SaveArgs()
+    checkpointer.save(path, args=ocp.args.PyTreeSave(
+        {PAYLOAD: payload}, save_args={PAYLOAD: save_args}))
+
+
+def _restore_payload(checkpointer: ocp.Checkpointer, path: str) -> np.ndarray:
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        restore_args={PAYLOAD: ocp.RestoreArgs(restore_type=np.ndarray)}))
+    return restored[PAYLOAD]
+
+
+def _open_payload(path: str, use_ocdbt: bool) -> ts.TensorStore:
+    base = "file://" + os.path.abspath(path) + "/"
+    kvstore = ({"driver": "ocdbt", "base": base, "path": PAYLOAD + "/"} if use_ocdbt
+               else base + PAYLOAD + "/")
+    return ts.open({"driver": "zarr3", "kvstore": kvstore}, open=True, read=True).result()
+
+
+def _manifest_to_json(manifest: SegmentManifest, bytes_on_disk: int) -> bytes:
+    blocks = [{"namespace": ns.hex(), "key": key.hex(), "blake2b": checksum}
+              for ns, key, checksum in zip(manifest.namespaces, manifest.keys,
+                                           manifest.checksums)]
+    return json.dumps({
+        "format": MANIFEST_FORMAT, "name": manifest.name,
+        "block_shape": list(manifest.block_shape), "dtype": manifest.dtype,
+        "block_nbytes": manifest.block_nbytes, "use_ocdbt": manifest.use_ocdbt,
+        "bytes_on_disk": bytes_on_disk, "blocks": blocks}).encode()
+
+
+def _write_manifest(directory: str, name: str, content: bytes) -> None:
+    final = os.path.join(directory, name + ".json")
+    temporary = final + ".tmp"
+    with open(temporary, "wb") as f:
+        f.write(content)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, final)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # makes the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f))
+               for root, _, files in os.walk(path) for f in files)

@@ -1,0 +1,370 @@
+"""Disk tier: bit-exact segments, restart, fault injection (each fault is a miss and a metric)."""
+
+import contextlib
+import errno
+import glob
+import json
+import os
+import shutil
+import subprocess
+
+import hypothesis
+import hypothesis.strategies as st
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvjax import disk_segments
+from kvjax.disk_tier import DiskTier
+
+BLOCK_SHAPE = (2, 2, 4, 8)
+DTYPES = ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"]
+NS = b"N" * 16
+OTHER_NS = b"O" * 16
+
+
+def random_blocks(n, dtype="float32", seed=0):
+    """Random bit patterns (NaNs included) viewed as `dtype`."""
+    dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    raw = np.random.default_rng(seed).integers(
+        0, 256, size=(n, *BLOCK_SHAPE, dtype.itemsize), dtype=np.uint8)
+    return raw.view(dtype).reshape(n, *BLOCK_SHAPE)
+
+
+def keys(n, start=0):
+    return [i.to_bytes(16, "little") for i in range(start, start + n)]
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
+        a.view(np.uint8), b.view(np.uint8))
+
+
+def block_bytes(dtype="float32"):
+    return int(np.prod(BLOCK_SHAPE)) * np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
+
+
+def make_tier(path, dtype="float32", capacity=1 << 20, blocks_per_segment=4, **kw):
+    return DiskTier(str(path), BLOCK_SHAPE, dtype, capacity,
+                    segment_bytes=blocks_per_segment * block_bytes(dtype), **kw)
+
+
+def segment_dirs(path):
+    return sorted(p for p in glob.glob(os.path.join(path, "seg-*")) if os.path.isdir(p))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_is_bit_exact_and_survives_a_restart(tmp_path, dtype):
+    blocks = random_blocks(6, dtype, seed=len(dtype))
+    tier = make_tier(tmp_path, dtype)
+    assert tier.put(keys(6), blocks, NS) == keys(6)
+    read = tier.get(keys(6)[::-1], NS)
+    assert read.hits.all() and same_bits(read.blocks, blocks[::-1])
+    del tier  # drop all process state; only the directory remains
+    reopened = make_tier(tmp_path, dtype)
+    assert reopened.stats().recovered_segments == 2  # 6 blocks at 4 per segment
+    read = reopened.get(keys(6), NS)
+    assert read.hits.all() and same_bits(read.blocks, blocks)
+
+
+@pytest.mark.parametrize("use_ocdbt", [False, True])
+def test_blocks_are_grouped_into_segments_and_partial_reads_hit(tmp_path, use_ocdbt):
+    blocks = random_blocks(10)
+    tier = make_tier(tmp_path, use_ocdbt=use_ocdbt)
+    assert tier.put(keys(10), blocks, NS) == keys(10)
+    assert len(segment_dirs(tmp_path)) == 3 and tier.stats().written_segments == 3
+    read = tier.get([keys(10)[9], keys(10)[2], b"absent".ljust(16)], NS)
+    assert read.hits.tolist() == [True, True, False]
+    assert same_bits(read.blocks[:2], blocks[[9, 2]])
+    tier.check_invariants()
+
+
+def test_namespaces_are_isolated_and_stored_with_the_blocks(tmp_path):
+    tier = make_tier(tmp_path)
+    blocks = random_blocks(2)
+    tier.put(keys(2), blocks, [NS, OTHER_NS])
+    assert tier.get(keys(2), NS).hits.tolist() == [True, False]
+    assert tier.get(keys(2), OTHER_NS).hits.tolist() == [False, True]
+    manifest = json.loads(open(glob.glob(str(tmp_path / "seg-*.json"))[0]).read())
+    assert [b["namespace"] for b in manifest["blocks"]] == [NS.hex(), OTHER_NS.hex()]
+
+
+def test_a_manifest_that_relabels_a_block_never_serves_it(tmp_path):
+    tier = make_tier(tmp_path)
+    tier.put(keys(2), random_blocks(2), [NS, OTHER_NS])
+    path = glob.glob(str(tmp_path / "seg-*.json"))[0]
+    manifest = json.loads(open(path).read())
+    manifest["blocks"][1]["namespace"] = NS.hex()  # claim block 1 belongs to NS
+    open(path, "w").write(json.dumps(manifest))
+    reopened = make_tier(tmp_path)
+    read = reopened.get(keys(2), NS)
+    assert read.hits.tolist() == [True, False]
+    assert reopened.stats().corrupt_blocks == 1
+
+
+def flip_byte(path, offset=None):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2 if offset is None else offset] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_corrupt_block_is_a_miss_and_a_metric(tmp_path):
+    blocks = random_blocks(4)
+    tier = make_tier(tmp_path)
+    tier.put(keys(4), blocks, NS)
+    flip_byte(os.path.join(segment_dirs(tmp_path)[0], "payload", "c", "2", "0"))
+    read = tier.get(keys(4), NS)
+    assert read.hits.tolist() == [True, True, False, True]
+    assert same_bits(read.blocks[[0, 1, 3]], blocks[[0, 1, 3]])
+    assert not read.blocks[2].view(np.uint8).any()  # nothing of the corrupt block is served
+    assert tier.stats().corrupt_blocks == 1 and not tier.contains(keys(4)[2], NS)
+    tier.check_invariants()
+
+
+@pytest.mark.parametrize("use_ocdbt", [False, True])
+@pytest.mark.parametrize("fault", ["corrupt", "truncate", "delete_files", "delete_segment"])
+def test_damaged_segment_is_a_miss_and_a_metric(tmp_path, fault, use_ocdbt):
+    blocks = random_blocks(8)
+    tier = make_tier(tmp_path, use_ocdbt=use_ocdbt)
+    tier.put(keys(8), blocks, NS)
+    damaged = segment_dirs(tmp_path)[0]  # holds blocks 0..3
+    data_files = [f for f in glob.glob(os.path.join(damaged, "**", "*"), recursive=True)
+                  if os.path.isfile(f) and ("/c/" in f or "/d/" in f)]
+    assert data_files
+    for path in data_files:
+        if fault == "corrupt":
+            flip_byte(path)
+        elif fault == "truncate":
+            os.truncate(path, os.path.getsize(path) // 2)
+        elif fault == "delete_files":
+            os.remove(path)
+    if fault == "delete_segment":
+        shutil.rmtree(damaged)
+    read = tier.get(keys(8), NS)
+    assert read.hits.tolist() == [False] * 4 + [True] * 4
+    assert same_bits(read.blocks[4:], blocks[4:]) and not read.blocks[:4].view(np.uint8).any()
+    stats = tier.stats()
+    assert stats.corrupt_blocks + stats.read_errors >= 1 and stats.miss_blocks == 4
+    assert stats.blocks == 4
+    tier.check_invariants()
+
+
+@contextlib.contextmanager
+def unwritable(path, monkeypatch):
+    """Makes `path` refuse new entries: immutable flag, else mode bits, else a failing write."""
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0:
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    elif os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        try:
+            yield
+        finally:
+            os.chmod(path, 0o755)
+    else:
+        def refuse(*args, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        with monkeypatch.context() as patch:
+            patch.setattr(disk_segments, "_save_payload", refuse)
+            yield
+
+
+def test_read_only_directory_drops_writes_and_keeps_serving(tmp_path, monkeypatch):
+    blocks = random_blocks(6)
+    tier = make_tier(tmp_path)
+    tier.put(keys(2), blocks[:2], NS)
+    with unwritable(tmp_path, monkeypatch):
+        assert tier.put(keys(4, start=2), blocks[2:], NS) == []
+        read = tier.get(keys(6), NS)
+    assert read.hits.tolist() == [True, True, False, False, False, False]
+    assert same_bits(read.blocks[:2], blocks[:2])
+    stats = tier.stats()
+    assert stats.write_errors == 1 and stats.rejected_blocks == 4
+    tier.check_invariants()
+
+
+@pytest.mark.parametrize("failing_step", ["_save_payload", "_write_manifest"])
+def test_full_disk_drops_the_segment_and_leaves_no_files(tmp_path, monkeypatch, failing_step):
+    tier = make_tier(tmp_path)
+    tier.put(keys(2), random_blocks(2), NS)
+    before = sorted(os.listdir(tmp_path))
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(disk_segments, failing_step, no_space)
+    assert tier.put(keys(3, start=2), random_blocks(3), NS) == []
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == before
+    stats = tier.stats()
+    assert (stats.write_errors, stats.enospc_errors, stats.rejected_blocks) == (1, 1, 3)
+    assert tier.get(keys(5), NS).hits.tolist() == [True, True, False, False, False]
+    assert tier.put(keys(3, start=2), random_blocks(3), NS) == keys(3, start=2)  # recovers
+
+
+def test_reopen_removes_leftovers_of_a_crashed_write(tmp_path):
+    blocks = random_blocks(3)
+    tier = make_tier(tmp_path)
+    tier.put(keys(3), blocks, NS)
+    committed = sorted(os.listdir(tmp_path))
+    del tier
+    # What a crash leaves at each step of the commit protocol:
+    (tmp_path / "seg-000000000007.orbax-checkpoint-tmp-123").mkdir()  # during orbax's write
+    shutil.copytree(segment_dirs(tmp_path)[0], tmp_path / "seg-000000000008")  # before manifest
+    (tmp_path / "seg-000000000009.json.tmp").write_text("{")  # during the manifest write
+    reopened = make_tier(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == committed
+    stats = reopened.stats()
+    assert (stats.orphans_removed, stats.recovered_segments) == (3, 1)
+    read = reopened.get(keys(3), NS)
+    assert read.hits.all() and same_bits(read.blocks, blocks)
+
+
+def test_reopen_skips_unreadable_manifests_and_other_block_layouts(tmp_path):
+    make_tier(tmp_path).put(keys(2), random_blocks(2), NS)
+    other = DiskTier(str(tmp_path), (3, 3), "float32", 1 << 20)
+    assert other.stats().skipped_segments == 1 and other.get(keys(1), NS).hits.tolist() == [False]
+    manifest = glob.glob(str(tmp_path / "seg-*.json"))[0]
+    open(manifest, "w").write("{not json")
+    reopened = make_tier(tmp_path)
+    assert reopened.stats().skipped_segments == 1 and len(reopened) == 0
+
+
+def test_eviction_removes_the_least_recently_used_unpinned_segment(tmp_path):
+    tier = make_tier(tmp_path, blocks_per_segment=2)
+    tier.put(keys(2), random_blocks(2), NS)
+    segment_size = tier.bytes_used
+    tier = make_tier(tmp_path, capacity=3 * segment_size, blocks_per_segment=2)
+    tier.put(keys(4, start=2), random_blocks(4), NS)  # now three segments: 0-1, 2-3, 4-5
+    tier.get(keys(1), NS)  # segment 0-1 becomes the most recently used
+    assert tier.lock(keys(1, start=2), NS)  # pins segment 2-3
+    tier.put(keys(2, start=6), random_blocks(2), NS)
+    held = [k for k in keys(8) if tier.contains(k, NS)]
+    assert held == keys(4) + keys(2, start=6)  # 4-5 went: least recently used and unpinned
+    assert tier.stats().evicted_segments == 1 and tier.bytes_used <= tier.capacity_bytes
+    tier.unlock(keys(1, start=2), NS)
+    with pytest.raises(ValueError, match=r"key=02000.* is not locked in the disk tier"):
+        tier.unlock(keys(1, start=2), NS)
+    tier.check_invariants()
+
+
+def test_a_batch_that_cannot_fit_is_rejected(tmp_path):
+    tier = make_tier(tmp_path, capacity=block_bytes())
+    assert tier.put(keys(2), random_blocks(2), NS) == []
+    assert tier.stats().rejected_blocks == 2 and tier.bytes_used == 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_discarding_every_block_of_a_segment_deletes_it(tmp_path):
+    tier = make_tier(tmp_path, blocks_per_segment=2)
+    tier.put(keys(4), random_blocks(4), NS)
+    assert tier.discard(keys(3) + [b"x" * 16], NS) == 3
+    assert len(segment_dirs(tmp_path)) == 1 and tier.get(keys(4), NS).hits.tolist() == [
+        False, False, False, True]
+    assert tier.put(keys(1), random_blocks(1), NS) == keys(1)  # discarded keys can come back
+    tier.check_invariants()
+
+
+def test_reads_fall_back_to_orbax_restore(tmp_path, monkeypatch):
+    blocks = random_blocks(4)
+    tier = make_tier(tmp_path)
+    tier.put(keys(4), blocks, NS)
+
+    def no_direct_read(*args):
+        raise RuntimeError("layout changed")
+    monkeypatch.setattr(disk_segments, "_open_payload", no_direct_read)
+    read = tier.get(keys(4)[1:3], NS)
+    assert read.hits.all() and same_bits(read.blocks, blocks[1:3])
+
+
+def test_bad_input_raises_and_leaves_state_unchanged(tmp_path):
+    tier = make_tier(tmp_path)
+    with pytest.raises(ValueError, match=r"blocks shape \(1, 2, 2, 4, 8\) dtype float16 must be "
+                                         r"\(1, 2, 2, 4, 8\) float32"):
+        tier.put(keys(1), random_blocks(1, "float16"), NS)
+    with pytest.raises(ValueError, match=r"len\(namespaces\)=2 must be 1 or len\(keys\)=1"):
+        tier.put(keys(1), random_blocks(1), [NS, NS])
+    with pytest.raises(ValueError, match=r"block key or namespace b'' must be non-empty bytes"):
+        tier.put(keys(1), random_blocks(1), b"")
+    with pytest.raises(ValueError, match=r"keys contain duplicates: len\(keys\)=2"):
+        tier.put(keys(1) * 2, random_blocks(2), NS)
+    with pytest.raises(ValueError, match=r"capacity_bytes=-1 must be >= 0 and segment_bytes=0"):
+        DiskTier(str(tmp_path), BLOCK_SHAPE, "float32", -1, segment_bytes=0)
+    with pytest.raises(ValueError, match=r"block_shape=\(\) must be a non-empty shape"):
+        DiskTier(str(tmp_path), (), "float32", 1)
+    assert os.listdir(tmp_path) == [] and tier.stats().put_blocks == 0
+
+
+class DiskTierMachine(RuleBasedStateMachine):
+    """Random put/get/discard/lock/reopen sequences; the tier never serves a wrong block."""
+
+    def __init__(self):
+        super().__init__()
+        self.path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                                 f"kvjax-disk-machine-{os.getpid()}")
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.tier = self.open()
+        self.locked = []  # keys locked and not yet unlocked
+
+    def open(self):
+        return DiskTier(self.path, (4,), "int8", 6 * 4 + 3000, segment_bytes=8)
+
+    def teardown(self):
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    @staticmethod
+    def block(key):
+        return np.full((4,), key[0], np.int8)
+
+    @rule(ids=st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True))
+    def put(self, ids):
+        ks = [bytes([i]) * 16 for i in ids]
+        stored = self.tier.put(ks, np.stack([self.block(k) for k in ks]), NS)
+        assert set(stored) <= set(ks)
+
+    @rule(ids=st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True))
+    def get(self, ids):
+        ks = [bytes([i]) * 16 for i in ids]
+        expected_hits = [self.tier.contains(k, NS) for k in ks]
+        read = self.tier.get(ks, NS)
+        assert read.hits.tolist() == expected_hits
+        for k, hit, row in zip(ks, read.hits, read.blocks):
+            assert not hit or np.array_equal(row, self.block(k))
+
+    @rule(ids=st.lists(st.integers(0, 9), min_size=1, max_size=3, unique=True))
+    def discard(self, ids):
+        ks = [bytes([i]) * 16 for i in ids]
+        held = sum(self.tier.contains(k, NS) for k in ks)
+        assert self.tier.discard(ks, NS) == held
+
+    @rule(i=st.integers(0, 9))
+    def lock(self, i):
+        key = bytes([i]) * 16
+        if self.tier.lock([key], NS):
+            self.locked.append(key)
+
+    @precondition(lambda self: self.locked)
+    @rule()
+    def unlock(self):
+        key = self.locked.pop()
+        if self.tier.contains(key, NS):
+            self.tier.unlock([key], NS)
+
+    @precondition(lambda self: not self.locked)
+    @rule()
+    def reopen(self):
+        held = {bytes([i]) * 16 for i in range(10) if self.tier.contains(bytes([i]) * 16, NS)}
+        self.tier = self.open()
+        reopened = {bytes([i]) * 16 for i in range(10) if self.tier.contains(bytes([i]) * 16, NS)}
+        assert held <= reopened  # discards are not persisted; nothing spilled is lost
+
+    @invariant()
+    def consistent(self):
+        self.tier.check_invariants()
+
+
+TestDiskTierMachine = DiskTierMachine.TestCase
+TestDiskTierMachine.settings = hypothesis.settings(
+    max_examples=15, stateful_step_count=12, deadline=None)
