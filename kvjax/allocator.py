@@ -26,8 +26,12 @@ import numpy as np
 
 __all__ = ["BLOCK_DTYPE", "BlockAllocator", "Reclaimer", "fragmentation"]
 
-BLOCK_DTYPE = np.dtype(np.int32)
-"""Block ids are int32 everywhere: they cross to the device in int32 block tables."""
+BLOCK_DTYPE = np.dtype(np.intp)
+"""Host-side block id arrays use the platform index type: numpy scatters and gathers with it
+run about twice as fast as with int32. Ids are < 2**31, so block tables convert to the
+device's int32 losslessly."""
+
+_FREE = -1  # refcount value that marks an empty-free block
 
 
 class Reclaimer(Protocol):
@@ -62,8 +66,7 @@ class BlockAllocator:
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.reclaimer: Reclaimer | None = None
-        self._refcount = np.zeros(num_blocks, np.int32)  # [num_blocks]
-        self._is_free = np.ones(num_blocks, bool)  # [num_blocks]: in the free queue
+        self._refcount = np.full(num_blocks, _FREE, np.int32)  # [num_blocks]; -1: empty-free
         self._queue = np.arange(num_blocks, dtype=BLOCK_DTYPE)  # ring buffer, FIFO
         self._head = 0
         self._count = num_blocks
@@ -82,10 +85,9 @@ class BlockAllocator:
         blocks = self._pop(from_queue)
         if from_cache:
             reclaimed = np.asarray(self.reclaimer.reclaim(from_cache), BLOCK_DTYPE)
-            if reclaimed.shape != (from_cache,) or self._refcount[reclaimed].any():
+            if reclaimed.shape != (from_cache,):
                 raise RuntimeError(f"reclaimer returned {reclaimed!r}; expected {from_cache} unreferenced blocks")
             blocks = np.concatenate((blocks, reclaimed))
-        self._is_free[blocks] = False
         self._refcount[blocks] = 1
         return blocks
 
@@ -98,27 +100,38 @@ class BlockAllocator:
         """
         ids = self._ids(blocks) if check else blocks
         if check:
+            self._require(self._refcount[ids] != _FREE, ids, "is already free")
             self._require(self._refcount[ids] == 0, ids, "is still referenced (refcount > 0)")
-            self._require(~self._is_free[ids], ids, "is already free")
-        self._is_free[ids] = True
+        self._refcount[ids] = _FREE
         self._push(ids)
+
+    def free_held(self, blocks: np.ndarray) -> None:
+        """Drop the only reference to each of ``blocks`` and free them in one step (trusted ids).
+
+        For a sequence's private blocks (refcount exactly 1): one scatter instead of a
+        decref followed by a free.
+        """
+        self._refcount[blocks] = _FREE
+        self._push(blocks)
 
     def incref(self, blocks: Sequence[int] | np.ndarray | int, *, check: bool = True) -> None:
         """Add one reference to each block (a hit on a cached or shared block)."""
         ids = self._ids(blocks) if check else blocks
         if check:
-            self._require(~self._is_free[ids], ids, "is free; allocate it before referencing it")
+            self._require(self._refcount[ids] != _FREE, ids, "is free; allocate it before referencing it")
         self._refcount[ids] += 1
 
-    def decref(self, blocks: Sequence[int] | np.ndarray | int, *, check: bool = True) -> np.ndarray:
+    def decref(self, blocks: Sequence[int] | np.ndarray | int, *, check: bool = True) -> np.ndarray | None:
         """Drop one reference from each block; return the ids whose refcount reached 0.
 
         Blocks reaching 0 are NOT freed: cached ones stay hittable until reclaimed; the caller
-        frees the ones it does not cache.
+        frees the ones it does not cache. With ``check=False`` (trusted ids) returns None.
         """
         ids = self._ids(blocks) if check else blocks
-        if check:
-            self._require(self._refcount[ids] > 0, ids, "has refcount 0")
+        if not check:
+            self._refcount[ids] -= 1
+            return None
+        self._require(self._refcount[ids] > 0, ids, "has refcount 0 (nothing to release)")
         self._refcount[ids] -= 1
         return ids[self._refcount[ids] == 0]
 
@@ -132,7 +145,7 @@ class BlockAllocator:
     @property
     def num_referenced(self) -> int:
         """Blocks with refcount > 0."""
-        return int(np.count_nonzero(self._refcount))
+        return int(np.count_nonzero(self._refcount > 0))
 
     @property
     def occupancy(self) -> float:
@@ -148,18 +161,20 @@ class BlockAllocator:
         return max(0, self.num_blocks - self._count - target)
 
     def refcount(self, block: int) -> int:
-        return int(self._refcount[self._ids(block)[0]])
+        """References to ``block`` (0 for a free block)."""
+        return max(0, int(self._refcount[self._ids(block)[0]]))
 
     def refcounts(self) -> np.ndarray:
-        """Copy of all refcounts, ``[num_blocks]``."""
-        return self._refcount.copy()
+        """Copy of all refcounts, ``[num_blocks]`` (0 for free blocks)."""
+        return np.maximum(self._refcount, 0)
 
     def free_queue(self) -> np.ndarray:
         """Copy of the free queue in allocation order (next block handed out first)."""
         return self._peek(self._count)
 
     def is_free(self, block: int) -> bool:
-        return bool(self._is_free[self._ids(block)[0]])
+        """Whether ``block`` is empty-free (in the free queue)."""
+        return bool(self._refcount[self._ids(block)[0]] == _FREE)
 
     def check_invariants(self) -> None:
         """Raise RuntimeError unless the free queue, the free flags and refcounts agree."""
@@ -168,12 +183,10 @@ class BlockAllocator:
             raise RuntimeError("free queue holds a block twice")
         flags = np.zeros(self.num_blocks, bool)
         flags[queue] = True
-        if not np.array_equal(flags, self._is_free):
-            raise RuntimeError("free flags disagree with the free queue")
-        if (self._refcount < 0).any():
-            raise RuntimeError(f"negative refcount on blocks {np.flatnonzero(self._refcount < 0)}")
-        if self._refcount[queue].any():
-            raise RuntimeError("a referenced block is in the free queue")
+        if not np.array_equal(flags, self._refcount == _FREE):
+            raise RuntimeError("free marks disagree with the free queue")
+        if (self._refcount < _FREE).any():
+            raise RuntimeError(f"negative refcount on blocks {np.flatnonzero(self._refcount < _FREE)}")
 
     # --- helpers ---------------------------------------------------------------------------
 

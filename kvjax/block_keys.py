@@ -88,8 +88,11 @@ def validate_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) 
         else:
             raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
     limit = _INT32_LIMIT if vocab_size is None else int(vocab_size)
-    low, high = array.min(), array.max()
-    if low < 0 or high >= limit:
+    if array.dtype == TOKEN_DTYPE:  # one pass: negative ids wrap to >= 2**31 as uint32
+        out_of_range = int(array.view(np.uint32).max()) >= limit
+    else:
+        out_of_range = array.min() < 0 or array.max() >= limit
+    if out_of_range:
         bad = np.flatnonzero((array < 0) | (array >= limit))[0]
         raise ValueError(
             f"token id {int(array[bad])} at index {bad} is out of range; expected 0 <= id < {limit}"

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvjax.allocator import BlockAllocator, fragmentation
-from kvjax.block_keys import Namespace, as_namespace, validate_tokens
+from kvjax.allocator import BLOCK_DTYPE, BlockAllocator, fragmentation
+from kvjax.block_keys import TOKEN_DTYPE, Namespace, as_namespace, validate_tokens
 from kvjax.eviction import EvictionPolicy, make_policy
 from kvjax.prefix_trie import Node, PrefixTrie, Tier
 
@@ -33,14 +33,14 @@ __all__ = ["CacheStats", "MatchResult", "PrefixCache", "SeqHandle"]
 
 TokensLike = Sequence[int] | np.ndarray
 NamespaceLike = Namespace | str | None
-_NO_BLOCKS = np.zeros(0, np.int32)
+_NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
 
 
 @dataclasses.dataclass(slots=True)
 class MatchResult:
     """Longest cached prefix of a token sequence, in whole pages, any tier."""
 
-    blocks: np.ndarray  # int32 [num_hit_blocks]: device block id, -1 where not on device
+    blocks: np.ndarray  # BLOCK_DTYPE [num_hit_blocks]: device block id, -1 where not on device
     tiers: np.ndarray  # uint8 [num_hit_blocks]: Tier bits of each page
     hit_tokens: int  # num_hit_blocks * page_size
     num_hit_blocks: int
@@ -73,17 +73,19 @@ class SeqHandle:
     """A running sequence's hold on the cache. Block tables are append-only."""
 
     __slots__ = ("seq_id", "namespace", "num_tokens", "num_hit_tokens", "block_ids",
-                 "_tokens", "_tail", "_committed", "_alive")  # fmt: skip
+                 "_tokens", "_tail", "_committed", "_dup_own", "_dup_trie", "_alive")  # fmt: skip
 
-    def __init__(self, seq_id, namespace, num_tokens, num_hit_tokens, block_ids, tokens, tail):
+    def __init__(self, seq_id, namespace, num_tokens, num_hit_pages, page_size, block_ids, tokens, tail):
         self.seq_id: int = seq_id
         self.namespace: Namespace = namespace
         self.num_tokens: int = num_tokens  # tokens the blocks must hold (prompt + decoded)
-        self.num_hit_tokens: int = num_hit_tokens  # prompt tokens mapped from cached blocks
-        self.block_ids: np.ndarray = block_ids  # int32 [ceil(num_tokens / page_size)]
+        self.num_hit_tokens: int = num_hit_pages * page_size  # prompt tokens mapped from cached blocks
+        self.block_ids: np.ndarray = block_ids  # BLOCK_DTYPE [ceil(num_tokens / page_size)]
         self._tokens: bytes = tokens  # longest token bytes seen (admit or commit)
         self._tail: Node = tail  # deepest trie node this sequence locks (a root if none)
-        self._committed: int = num_hit_tokens  # tokens covered by the locked trie path
+        self._committed: int = num_hit_pages  # pages on the locked trie path
+        self._dup_own: list[np.ndarray] = []  # own blocks of pages another sequence cached first
+        self._dup_trie: list[np.ndarray] = []  # ... and the trie's blocks we hold for them
         self._alive = True
 
     @property
@@ -137,7 +139,7 @@ class PrefixCache:
         root = self.trie.root(as_namespace(namespace), create=False)
         path = [] if root is None else self.trie.walk(root, buf, 0, self._full_bytes(len(buf)))
         blocks = [node.blocks[:k] for node, k in path]
-        tiers = [node.tiers[:k] for node, k in path]
+        tiers = [node.page_tiers()[:k] for node, k in path]
         num_device = sum(k for node, k in itertools.takewhile(lambda p: p[0].on_device, path))
         num_hit = sum(k for _, k in path)
         return MatchResult(
@@ -182,7 +184,7 @@ class PrefixCache:
         if new_blocks is None:
             raise RuntimeError("allocation failed after the admission check said it fits")
         self.allocator.incref(hit_blocks, check=False)
-        handle = SeqHandle(next(self._seq_ids), ns, len(toks), num_hit * self.page_size,
+        handle = SeqHandle(next(self._seq_ids), ns, len(toks), num_hit, self.page_size,
                            np.concatenate((hit_blocks, new_blocks)), buf, tail)  # fmt: skip
         self._handles[handle.seq_id] = handle
         self._count_admission(handle, sum(k for _, k in matched) - num_hit)
@@ -213,17 +215,11 @@ class PrefixCache:
         committed are skipped; the partial last page never enters.
         """
         self._require_alive(handle)
-        buf = validate_tokens(tokens, self.vocab_size).tobytes()
-        if len(buf) > 4 * handle.num_tokens:
-            raise ValueError(f"{len(buf) // 4} tokens committed; the sequence has room for "
-                             f"{handle.num_tokens} (call extend first)")  # fmt: skip
-        known = handle._tokens
-        if not (known.startswith(buf) if len(buf) <= len(known) else buf.startswith(known)):
-            raise ValueError("tokens disagree with the tokens this sequence was given before")
-        if len(buf) > len(known):
+        buf = self._commit_bytes(handle, tokens)
+        if len(buf) > len(handle._tokens):
             handle._tokens = buf
         end = self._full_bytes(len(buf))
-        start = handle._committed * 4
+        start = handle._committed * self.trie.page_bytes
         if end <= start:
             return 0
         self._insert_pages(handle, buf, start, end, self.clock())
@@ -232,11 +228,13 @@ class PrefixCache:
     def release(self, handle: SeqHandle) -> None:
         """Drop the sequence's references. Committed blocks stay cached (and hittable)."""
         self._require_alive(handle)
-        trie_blocks = self._path_blocks(handle._tail)
-        private = self._private_blocks(handle, trie_blocks)
-        self.allocator.decref(trie_blocks, check=False)
-        self.allocator.decref(private, check=False)
-        self.allocator.free(private, check=False)
+        table, committed = handle.block_ids, handle._committed
+        # table[:committed] are trie blocks except at duplicate pages, where the sequence's
+        # own block is decremented here and freed just below (free_held overwrites it).
+        self.allocator.decref(table[:committed], check=False)
+        if handle._dup_trie:
+            self.allocator.decref(np.concatenate(handle._dup_trie), check=False)
+        self.allocator.free_held(self._private_blocks(handle))
         if handle._tail.parent is not None:
             self.trie.unlock(handle._tail, self.clock())
         handle._alive = False
@@ -404,6 +402,8 @@ class PrefixCache:
             if child.on_device:  # cached meanwhile by another sequence: hold that copy too
                 trie.lock(child, whole_path=False)
                 self.allocator.incref(child.blocks, check=False)
+                handle._dup_own.append(handle.block_ids[first : first + num_pages])
+                handle._dup_trie.append(child.blocks)
                 self._stats.duplicate_blocks += num_pages
             else:  # only a host/disk copy was indexed: our fresh blocks become its device copy
                 trie.attach(child, handle.block_ids[first : first + num_pages], now)
@@ -412,22 +412,25 @@ class PrefixCache:
             start += num_pages * page_bytes
         if start < end:
             own = handle.block_ids[start // page_bytes : end // page_bytes]
+            label = memoryview(buf)[start:end]  # zero-copy: the trie keeps a view of buf
             if trie.can_extend(node):
-                trie.extend(node, buf[start:end], own, now)
+                trie.extend(node, label, own, now)
             else:
-                node = trie.insert(node, buf[start:end], own, now)
+                node = trie.insert(node, label, own, now)
             self._stats.inserted_blocks += len(own)
         handle._tail = node
-        handle._committed = end // 4
+        handle._committed = end // page_bytes
 
     def _check_handle(self, handle: SeqHandle, in_trie: np.ndarray) -> np.ndarray:
         """Consistency of one live handle; returns every block it holds."""
         held = self._path_blocks(handle._tail)
-        private = self._private_blocks(handle, held)
+        private = self._private_blocks(handle)
         table = handle.block_ids
         if len(table) != -(-handle.num_tokens // self.page_size) or len(np.unique(table)) != len(table):
             raise RuntimeError(f"sequence {handle.seq_id} has {len(table)} blocks for {handle.num_tokens} tokens")
-        if handle._committed != len(held) * self.page_size or in_trie[private].any():
+        mapped = np.concatenate([table[: handle._committed]] + handle._dup_trie)
+        expected = np.setdiff1d(mapped, np.concatenate([_NO_BLOCKS] + handle._dup_own))
+        if not np.array_equal(np.sort(held), expected) or in_trie[private].any():
             raise RuntimeError(f"sequence {handle.seq_id} disagrees with the trie about its committed pages")
         return np.concatenate((held, private))
 
@@ -455,12 +458,27 @@ class PrefixCache:
             node = node.parent
         return np.concatenate(runs[::-1]) if runs else _NO_BLOCKS
 
-    def _private_blocks(self, handle: SeqHandle, trie_blocks: np.ndarray) -> np.ndarray:
+    def _private_blocks(self, handle: SeqHandle) -> np.ndarray:
         """The handle's blocks that the trie does not own (uncommitted or duplicate pages)."""
-        committed = len(trie_blocks)
-        table = handle.block_ids
-        duplicate = table[:committed][table[:committed] != trie_blocks]
-        return np.concatenate((duplicate, table[committed:])) if len(duplicate) else table[committed:]
+        uncommitted = handle.block_ids[handle._committed :]
+        if not handle._dup_own:
+            return uncommitted
+        return np.concatenate(handle._dup_own + [uncommitted])
+
+    def _commit_bytes(self, handle: SeqHandle, tokens: TokensLike) -> bytes:
+        """Token bytes for commit, validating only tokens the handle has not seen before."""
+        array = np.asarray(tokens)
+        if array.dtype != TOKEN_DTYPE or array.ndim != 1:
+            array = validate_tokens(array, self.vocab_size)  # before any narrowing cast
+        if len(array) > handle.num_tokens:
+            raise ValueError(f"{len(array)} tokens committed; the sequence has room for "
+                             f"{handle.num_tokens} (call extend first)")  # fmt: skip
+        buf, known = array.tobytes(), handle._tokens
+        if not (known.startswith(buf) if len(buf) <= len(known) else buf.startswith(known)):
+            raise ValueError("tokens disagree with the tokens this sequence was given before")
+        if len(buf) > len(known):
+            validate_tokens(array[len(known) // 4 :], self.vocab_size)
+        return buf
 
 
 def _fail_if(bad: np.ndarray, problem: str) -> None:

@@ -6,7 +6,8 @@ token ids as little-endian int32 bytes, so a lookup compares a whole edge with o
 can never be a false positive. Children are keyed by the bytes of their first page.
 
 Per node: ``blocks`` (device block id of each page, -1 where the page is not on device),
-``tiers`` (Tier bits of each page), ``lock`` (running sequences holding the node), ``hits``,
+``tiers`` (Tier bits of each page; None while the node is on device only, the common
+case, so the hot path keeps no array for it), ``lock`` (running sequences holding the node), ``hits``,
 ``last_access`` (clock seconds), ``hard_pins`` and a soft pin that expires at ``soft_until``.
 A node's recompute cost follows from ``first_page``/``num_pages`` (see ``CostModel``).
 
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from kvjax.allocator import BLOCK_DTYPE
 from kvjax.block_keys import Namespace, chained_block_keys
 from kvjax.eviction import EvictionPolicy, EvictionQueue
 
@@ -46,8 +48,7 @@ class Tier(enum.IntFlag):
 
 
 _LOWER = int(Tier.HOST | Tier.DISK)
-_NO_BLOCKS = np.zeros(0, np.int32)
-_NO_TIERS = np.zeros(0, np.uint8)
+_NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
 
 
 class Node:
@@ -62,9 +63,9 @@ class Node:
     def __init__(self, parent, key, label, blocks, tiers, first_page, on_device, now):
         self.parent: Node | None = parent  # None for a root and for a removed node
         self.key: bytes = key  # bytes of the first page: the key in parent.children
-        self.label: bytes = label  # int32 token bytes of all pages
-        self.blocks: np.ndarray = blocks  # int32 [num_pages]
-        self.tiers: np.ndarray = tiers  # uint8 [num_pages]
+        self.label: memoryview = label  # int32 token bytes of all pages (a view, see _compact)
+        self.blocks: np.ndarray = blocks  # BLOCK_DTYPE [num_pages]
+        self.tiers: np.ndarray | None = tiers  # uint8 [num_pages]; None: DEVICE only
         self.first_page = first_page  # pages before this node on its path
         self.children: dict[bytes, Node] = {}
         self.lock = 0
@@ -85,7 +86,13 @@ class Node:
 
     @property
     def tail_tiers(self) -> int:
-        return int(self.tiers[-1])
+        return int(Tier.DEVICE) if self.tiers is None else int(self.tiers[-1])
+
+    def page_tiers(self) -> np.ndarray:
+        """Tier bits of every page, uint8 ``[num_pages]`` (a fresh array when tiers is None)."""
+        if self.tiers is None:
+            return np.full(len(self.blocks), Tier.DEVICE, np.uint8)
+        return self.tiers
 
 
 class PrefixTrie:
@@ -113,7 +120,7 @@ class PrefixTrie:
     def root(self, namespace: Namespace, *, create: bool) -> Node | None:
         root = self._roots.get(namespace)
         if root is None and create:
-            root = Node(None, b"", b"", _NO_BLOCKS, _NO_TIERS, 0, True, 0.0)
+            root = Node(None, b"", memoryview(b""), _NO_BLOCKS, None, 0, True, 0.0)
             root.namespace = namespace
             self._roots[namespace] = root
         return root
@@ -145,14 +152,15 @@ class PrefixTrie:
         """Cut ``node`` after ``num_head_pages``; return the new head, ``node`` keeps the rest."""
         cut = num_head_pages * self.page_bytes
         parent = node.parent
-        head = Node(parent, node.key, node.label[:cut], node.blocks[:num_head_pages],
-                    node.tiers[:num_head_pages], node.first_page, node.on_device, node.last_access)  # fmt: skip
+        head = Node(parent, node.key, _compact(node.label[:cut]), node.blocks[:num_head_pages],
+                    None, node.first_page, node.on_device, node.last_access)  # fmt: skip
         for field in ("lock", "hard_pins", "soft_until", "soft_pinned", "hits"):
             setattr(head, field, getattr(node, field))
-        node.key = node.label[cut : cut + self.page_bytes]
-        node.label = node.label[cut:]
+        node.key = bytes(node.label[cut : cut + self.page_bytes])
+        node.label = _compact(node.label[cut:])
         node.blocks = node.blocks[num_head_pages:]
-        node.tiers = node.tiers[num_head_pages:]
+        if node.tiers is not None:
+            head.tiers, node.tiers = node.tiers[:num_head_pages], node.tiers[num_head_pages:]
         node.first_page += num_head_pages
         if node.keys is not None:
             head.keys, node.keys = node.keys[:num_head_pages], node.keys[num_head_pages:] or None
@@ -165,12 +173,13 @@ class PrefixTrie:
             heapq.heappush(self._soft, (head.soft_until, next(self._order), head))
         return head
 
-    def insert(self, parent: Node, label: bytes, blocks: np.ndarray, now: float) -> Node:
-        """Add a device node under ``parent``, locked once (by the sequence that holds ``parent``)."""
-        num_pages = len(blocks)
-        node = Node(parent, label[: self.page_bytes], label, blocks,
-                    np.full(num_pages, Tier.DEVICE, np.uint8), parent.first_page + parent.num_pages,
-                    True, now)  # fmt: skip
+    def insert(self, parent: Node, label: memoryview, blocks: np.ndarray, now: float) -> Node:
+        """Add a device node under ``parent``, locked once (by the sequence that holds ``parent``).
+
+        ``label`` may be a view of the caller's token bytes: slicing it later costs nothing.
+        """
+        node = Node(parent, bytes(label[: self.page_bytes]), label, blocks, None,
+                    parent.first_page + parent.num_pages, True, now)  # fmt: skip
         node.lock = 1
         parent.children[node.key] = node
         parent.num_device_children += 1
@@ -182,15 +191,16 @@ class PrefixTrie:
         return (node.parent is not None and node.lock == 1 and not node.children
                 and node.hard_pins == 0 and not node.soft_pinned)  # fmt: skip
 
-    def extend(self, node: Node, label: bytes, blocks: np.ndarray, now: float) -> None:
-        node.label += label
+    def extend(self, node: Node, label: memoryview, blocks: np.ndarray, now: float) -> None:
+        node.label = memoryview(bytes(node.label) + label)
         node.blocks = np.concatenate((node.blocks, blocks))
-        node.tiers = np.concatenate((node.tiers, np.full(len(blocks), Tier.DEVICE, np.uint8)))
+        if node.tiers is not None:
+            node.tiers = np.concatenate((node.tiers, np.full(len(blocks), Tier.DEVICE, np.uint8)))
         node.last_access = now
 
     def attach(self, node: Node, blocks: np.ndarray, now: float) -> None:
         """Give an off-device node device blocks again, locked once by the attaching sequence."""
-        node.blocks = np.array(blocks, np.int32)
+        node.blocks = np.array(blocks, BLOCK_DTYPE)
         node.tiers = node.tiers | np.uint8(Tier.DEVICE)
         node.on_device = True
         node.lock = 1
@@ -273,6 +283,7 @@ class PrefixTrie:
 
     def set_tier(self, node: Node, page: int, tier: Tier) -> None:
         """Record a host or disk copy of page ``page`` of ``node``."""
+        node.tiers = node.page_tiers()
         node.tiers[page] |= np.uint8(tier)
         if page == len(node.blocks) - 1 and self.is_evictable_leaf(node):
             self.queue.push(node, self.clock())  # the policy may rank it differently now
@@ -280,6 +291,8 @@ class PrefixTrie:
     def clear_tier(self, node: Node, page: int, tier: Tier) -> None:
         """Forget a host or disk copy; an off-device page left with no copy leaves the trie,
         and so do the pages after it (they are unreachable without it)."""
+        if node.tiers is None:
+            return  # device only: no host/disk copy to forget
         node.tiers[page] &= np.uint8(~tier & 0xFF)
         if not node.on_device and node.tiers[page] == 0:
             if page:
@@ -336,7 +349,7 @@ class PrefixTrie:
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _common_pages(self, label: bytes, buf: bytes, start: int, end: int) -> int:
+    def _common_pages(self, label: memoryview, buf: bytes, start: int, end: int) -> int:
         size = min(len(label), end - start)
         ours = np.frombuffer(label, np.uint8, size)
         theirs = np.frombuffer(buf, np.uint8, size, start)
@@ -376,8 +389,11 @@ class PrefixTrie:
         blocks, parent = node.blocks, node.parent
         self.num_evictable -= num_pages
         self.evicted_pages += num_pages
-        has_copy = (node.tiers & _LOWER) != 0
-        keep = num_pages if has_copy.all() else int(np.argmin(has_copy))
+        if node.tiers is None:
+            keep = 0
+        else:
+            has_copy = (node.tiers & _LOWER) != 0
+            keep = num_pages if has_copy.all() else int(np.argmin(has_copy))
         if 0 < keep < num_pages:
             survivor = self.split(node, keep)
             self._drop(node)
@@ -392,7 +408,7 @@ class PrefixTrie:
 
     def _offload(self, node: Node) -> None:
         node.on_device = False
-        node.blocks = np.full(len(node.blocks), -1, np.int32)
+        node.blocks = np.full(len(node.blocks), -1, BLOCK_DTYPE)
         node.tiers = node.tiers & np.uint8(_LOWER)
         node.parent.num_device_children -= 1
         self.offloaded_pages += len(node.blocks)
@@ -407,7 +423,7 @@ class PrefixTrie:
             stack.extend(gone_nodes[-1].children.values())
         if self.on_drop is not None:  # before unlinking, so page_keys() still works
             for gone in gone_nodes:
-                if (gone.tiers & _LOWER).any():
+                if gone.tiers is not None and (gone.tiers & _LOWER).any():
                     self.on_drop(gone)
         for gone in gone_nodes:
             self.dropped_pages += len(gone.blocks)
@@ -429,16 +445,17 @@ class PrefixTrie:
 def _check_node(trie: PrefixTrie, node: Node) -> None:
     parent = node.parent
     where = f"node at page {node.first_page}"
-    if parent.children.get(node.key) is not node or node.key != node.label[: trie.page_bytes]:
+    if parent.children.get(node.key) is not node or node.key != bytes(node.label[: trie.page_bytes]):
         raise RuntimeError(f"{where} is not linked under its first page")
     if len(node.blocks) == 0 or len(node.label) != len(node.blocks) * trie.page_bytes:
         raise RuntimeError(f"{where} has {len(node.blocks)} blocks for {len(node.label)} label bytes")
     if node.first_page != parent.first_page + len(parent.blocks):
         raise RuntimeError(f"{where} follows a parent ending at page {parent.first_page + len(parent.blocks)}")
-    on_device = (node.tiers & Tier.DEVICE) != 0
+    tiers = node.page_tiers()
+    on_device = (tiers & Tier.DEVICE) != 0
     if not (on_device == node.on_device).all() or not ((node.blocks >= 0) == node.on_device).all():
         raise RuntimeError(f"{where}: blocks and DEVICE bits disagree with {node.on_device=}")
-    if not node.on_device and (node.tiers == 0).any():
+    if not node.on_device and (tiers == 0).any():
         raise RuntimeError(f"{where} keeps a page with no copy in any tier")
     if node.num_device_children != sum(c.on_device for c in node.children.values()):
         raise RuntimeError(f"{where} miscounts its device children")
@@ -451,3 +468,15 @@ def _check_node(trie: PrefixTrie, node: Node) -> None:
         or node.soft_pinned > parent.soft_pinned or node.soft_until > parent.soft_until
     ):  # fmt: skip
         raise RuntimeError(f"{where} is locked or pinned more than its parent")
+
+
+def _compact(label: memoryview) -> memoryview:
+    """Copy a label out of its request's token buffer once it is a small part of it.
+
+    Labels are zero-copy views of the buffer that inserted them, so splits and evictions
+    never copy token bytes; a view under a quarter of its buffer gets its own copy so a
+    small surviving node does not keep a large prompt alive (amortised O(1) per byte).
+    """
+    if 4 * len(label) < label.obj.__len__():
+        return memoryview(bytes(label))
+    return label
