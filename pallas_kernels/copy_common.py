@@ -1,0 +1,65 @@
+"""Pieces shared by the data-moving Pallas kernels (KV write, block gather/scatter)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+__all__ = ["pow2_pieces", "largest_pow2_divisor", "run_copies", "tpu_interpret_mode",
+           "triton_params"]
+
+
+def pow2_pieces(n: int) -> list[tuple[int, int]]:
+    """Splits ``range(n)`` into ``(start, size)`` runs of power-of-two sizes, largest first.
+
+    Triton only loads and stores power-of-two vectors; 96 elements move as 64 + 32.
+    """
+    pieces, start = [], 0
+    for bit in reversed(range(n.bit_length())):
+        if n & (1 << bit):
+            pieces.append((start, 1 << bit))
+            start += 1 << bit
+    return pieces
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``cap`` (both >= 1)."""
+    return min(n & -n, 1 << (cap.bit_length() - 1))
+
+
+def run_copies(count: int, copies_at: Callable[[jax.Array], Sequence[tuple]]) -> None:
+    """Starts every live DMA of ``copies_at(i)`` for ``i < count``, then waits for them all.
+
+    ``copies_at(i)`` returns ``(live, descriptor)`` pairs and must be pure in ``i``: it is
+    called again to rebuild the same descriptors for the waits. Starting all before waiting
+    any keeps ``count`` DMAs in flight at once; the grid around this bounds that number.
+    Every descriptor must share the DMA semaphore and move the same number of bytes, so any
+    wait matches any completed copy.
+    """
+    def start(i, carry):
+        for live, copy in copies_at(i):
+            pl.when(live)(copy.start)
+        return carry
+
+    def wait(i, carry):
+        for live, copy in copies_at(i):
+            pl.when(live)(copy.wait)
+        return carry
+
+    jax.lax.fori_loop(0, count, start, 0)
+    jax.lax.fori_loop(0, count, wait, 0)
+
+
+def tpu_interpret_mode(interpret: bool):
+    """The ``interpret=`` value for a TPU ``pallas_call``: the TPU simulator, or compiled."""
+    return pltpu.InterpretParams() if interpret else False
+
+
+def triton_params(num_warps: int):
+    """Triton compiler parameters (imported lazily: only a GPU build needs the module)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
