@@ -206,6 +206,13 @@ class HostTier:
             out[row] = np.asarray(bits)
         return out.view(self.dtype)
 
+    def wait_until_ready(self, keys: Sequence[bytes]) -> None:
+        """Blocks until the host copies of the held keys among `keys` are complete."""
+        keys = _check_keys(keys)
+        with self._lock:
+            pending = [self._entries[key].bits for key in keys if key in self._entries]
+        jax.block_until_ready(pending)
+
     # ---- lifetime ------------------------------------------------------------------------
 
     def discard(self, keys: Sequence[bytes]) -> int:
