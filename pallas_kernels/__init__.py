@@ -1,6 +1,8 @@
 """Device kernels over the kvjax page pool (paged attention, KV write, block copy)."""
 
 from pallas_kernels.backend import IMPLS, resolve_impl
+from pallas_kernels.block_copy import gather_blocks, scatter_blocks
+from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.reference import (
     gather_blocks_reference,
@@ -9,6 +11,7 @@ from pallas_kernels.reference import (
     write_kv_reference,
 )
 from pallas_kernels.validation import check_paged_attention_metadata, check_slot_mapping
+from pallas_kernels.validation import check_block_ids
 
 __all__ = [
     "IMPLS",
@@ -20,4 +23,8 @@ __all__ = [
     "scatter_blocks_reference",
     "check_paged_attention_metadata",
     "check_slot_mapping",
+    "write_kv",
+    "gather_blocks",
+    "scatter_blocks",
+    "check_block_ids",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "check_block_copy_args",
     "check_paged_attention_metadata",
     "check_slot_mapping",
+    "check_block_ids",
 ]
 
 # Float formats attention runs on. Quantized pools (int8 / fp8) come with their own scales.
@@ -158,13 +159,28 @@ def check_paged_attention_metadata(
 
 def check_slot_mapping(slot_mapping, *, num_blocks: int, page_size: int) -> None:
     """Slots must lie in the pool and be distinct (negative slots are padding)."""
-    slots = np.asarray(slot_mapping)
-    live = slots[slots >= 0]
-    too_big = live >= num_blocks * page_size
-    if too_big.any():
+    too_big, repeated = _outside_or_repeated(slot_mapping, num_blocks * page_size)
+    if too_big is not None:
         raise ValueError(
-            f"slot {int(live[np.argmax(too_big)])} is outside the pool of "
-            f"{num_blocks * page_size} slots")
+            f"slot {too_big} is outside the pool of {num_blocks * page_size} slots")
+    if repeated is not None:
+        raise ValueError(f"slot {repeated} is written more than once")
+
+
+def check_block_ids(block_ids, *, num_blocks: int) -> None:
+    """Block ids must lie in the pool and be distinct (negative ids are padding)."""
+    too_big, repeated = _outside_or_repeated(block_ids, num_blocks)
+    if too_big is not None:
+        raise ValueError(f"block id {too_big} is outside the pool [0, {num_blocks})")
+    if repeated is not None:
+        raise ValueError(f"block id {repeated} appears more than once")
+
+
+def _outside_or_repeated(indices, bound: int) -> tuple[int | None, int | None]:
+    """The first non-negative index ``>= bound`` and the smallest repeated one (or None)."""
+    values = np.asarray(indices)
+    live = values[values >= 0]
+    too_big = live >= bound
     uniq, counts = np.unique(live, return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(f"slot {int(uniq[np.argmax(counts > 1)])} is written more than once")
+    return (int(live[np.argmax(too_big)]) if too_big.any() else None,
+            int(uniq[np.argmax(counts > 1)]) if (counts > 1).any() else None)
