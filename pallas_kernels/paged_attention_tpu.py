@@ -1,0 +1,373 @@
+"""Ragged paged attention as a TPU (Mosaic) Pallas kernel.
+
+Same semantics as :func:`pallas_kernels.reference.paged_attention_reference`; reached through
+``pallas_kernels.paged_attention(..., impl="pallas_tpu")``.
+
+How the work is laid out:
+
+* The flattened query tokens are cut into aligned blocks of ``block_q`` tokens; the grid has one
+  step per block. A block may hold the tail of one sequence, several whole decode sequences and
+  the head of another: the step walks every sequence its tokens belong to (the range comes from
+  a small schedule computed in XLA and prefetched into SMEM) and, for each, the pages that the
+  block's tokens of that sequence can see (causal, and the sliding window when given).
+* The pages stay in HBM (``memory_space=pl.ANY``). One DMA per page moves that page's
+  ``[2, num_kv_heads, page_size, head_dim]`` tile of the layer, which the page-major pool keeps
+  contiguous, into a double-buffered VMEM scratch: the pages of the next (sequence, page range)
+  item are in flight while the current item is computed. Pages outside an item's visible range
+  are not fetched at all.
+* All KV heads are handled in one step. Queries are regrouped outside the kernel into
+  ``[num_kv_heads, tokens * group, head_dim]`` (row = token * group + head-in-group) so one KV
+  head's queries are one ``[block_q * group, head_dim]`` tile and one matmul covers the group.
+* Softmax statistics and the accumulator live in float32 VMEM scratch. Logits of slots a row
+  must not see become ``-inf`` and V rows past the last visible position are zeroed, so NaN in
+  unowned pages, tail slots or stale buffer contents never reaches the output. Rows of padding
+  tokens keep a zero denominator and come out as exactly 0.
+
+TPU constraints (checked at trace time): ``head_dim`` a multiple of 128 (lanes), ``page_size``
+a multiple of the dtype's sublane tile (8 for float32, 16 for bfloat16), float32 or bfloat16
+(TPU vector units have no float16 arithmetic).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+__all__ = ["paged_attention_tpu", "check_tpu_layout"]
+
+_LANES = 128
+# Target query rows (block_q * group) per matmul: big enough to feed the MXU in prefill, small
+# enough that decode blocks, which compute every row against each sequence, waste little.
+_TARGET_ROWS = 64
+# Target KV columns per step (pages_per_block * page_size).
+_TARGET_COLS = 128
+# Mosaic's default scoped VMEM limit on the smallest current chips.
+_DEFAULT_VMEM_LIMIT = 16 * 1024 * 1024
+
+
+def paged_attention_tpu(
+    q,  # [num_tokens, num_q_heads, head_dim]
+    kv_pages,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]
+    block_tables,  # i32[max_num_seqs, pages_per_seq]
+    seq_lens,  # i32[max_num_seqs]
+    cu_q_lens,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1]
+    *,
+    layer: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+):
+    """Ragged paged attention on a TPU core; ``[num_tokens, num_q_heads, head_dim]`` in q.dtype.
+
+    Arguments are validated by :func:`pallas_kernels.paged_attention`; this adds the TPU layout
+    checks of :func:`check_tpu_layout`. ``interpret=True`` runs the TPU interpreter
+    (``pltpu.InterpretParams()``, which simulates DMAs and semaphores on CPU); an
+    ``InterpretParams`` instance is passed through as is (e.g. with ``detect_races=True``).
+
+    Tuning: ``block_q`` query tokens per grid step (``block_q * group`` must be a multiple of
+    the sublane tile), ``pages_per_block`` pages per DMA batch and matmul,
+    ``vmem_limit_bytes`` to override the scoped VMEM limit.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // kv_pages.shape[3]
+    check_tpu_layout(q.dtype, page_size=kv_pages.shape[4], head_dim=head_dim, group=group,
+                     block_q=block_q, pages_per_block=pages_per_block)
+    if num_tokens == 0:
+        return jnp.zeros_like(q)
+    if block_q is None:
+        block_q = _default_block_q(num_tokens, group, _sublane_tile(q.dtype))
+    if pages_per_block is None:
+        pages_per_block = max(1, _TARGET_COLS // kv_pages.shape[4])
+    pages_per_block = min(pages_per_block, block_tables.shape[1])
+    if interpret is True:
+        interpret = pltpu.InterpretParams()
+    return _paged_attention_tpu(
+        q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, layer=layer,
+        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+        interpret=interpret or False, block_q=block_q, pages_per_block=pages_per_block,
+        vmem_limit_bytes=vmem_limit_bytes)
+
+
+def check_tpu_layout(dtype, *, page_size: int, head_dim: int, group: int,
+                     block_q: int | None = None, pages_per_block: int | None = None) -> None:
+    """Raises ``ValueError`` for shapes or dtypes the TPU kernel's VMEM tiling cannot take."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(
+            f"dtype={dtype} is not supported by the TPU kernel: expected float32 or bfloat16 "
+            "(TPU vector units have no float16 arithmetic); use impl='xla' for float16")
+    tile = _sublane_tile(dtype)
+    if page_size % tile:
+        raise ValueError(
+            f"{page_size=} must be a multiple of {tile} for {dtype} on TPU (one page is a "
+            "[page_size, head_dim] VMEM tile of sublanes x lanes)")
+    if head_dim % _LANES:
+        raise ValueError(f"{head_dim=} must be a multiple of {_LANES} (TPU lanes) on TPU")
+    if block_q is not None and (block_q < 1 or (block_q * group) % tile):
+        raise ValueError(
+            f"{block_q=} must be positive with block_q * group ({group=}) a multiple of {tile} "
+            f"for {dtype}")
+    if pages_per_block is not None and pages_per_block < 1:
+        raise ValueError(f"{pages_per_block=} must be a positive number of pages")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("layer", "sm_scale", "sliding_window", "soft_cap", "interpret",
+                              "block_q", "pages_per_block", "vmem_limit_bytes"))
+def _paged_attention_tpu(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *, layer,
+                         sm_scale, sliding_window, soft_cap, interpret, block_q,
+                         pages_per_block, vmem_limit_bytes):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = kv_pages.shape[3], kv_pages.shape[4]
+    group = num_q_heads // num_kv_heads
+    num_q_blocks = -(-num_tokens // block_q)
+    rows = block_q * group
+    # [num_kv_heads, padded_tokens * group, head_dim]: one KV head's queries are one tile.
+    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, num_q_blocks * block_q - num_tokens), (0, 0), (0, 0)))
+    q_rows = q_rows.reshape(num_kv_heads, num_q_blocks * rows, head_dim)
+    seq_bounds = _block_seq_bounds(cu_q_lens, num_seqs, num_q_blocks, block_q)
+
+    kernel = functools.partial(
+        _attention_kernel, layer=layer, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, block_q=block_q, group=group, pages_per_seq=block_tables.shape[1])
+    q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
+    kv_buf_shape = (2, pages_per_block, 2, num_kv_heads, page_size, head_dim)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(num_q_blocks,),
+        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=q_spec,
+        scratch_shapes=[
+            pltpu.VMEM(kv_buf_shape, kv_pages.dtype),  # two slots of pages_per_block pages
+            pltpu.SemaphoreType.DMA((2,)),  # one per slot
+            pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # running max, lane-copied
+            pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # running denominator
+            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # accumulator
+        ])
+    if vmem_limit_bytes is None:
+        vmem_limit_bytes = _vmem_limit(q.dtype, kv_buf_shape, num_kv_heads, rows, head_dim)
+    out_rows = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit_bytes),
+        interpret=interpret,
+    )(seq_bounds, block_tables.reshape(-1), seq_lens, cu_q_lens, q_rows, kv_pages)
+    out = out_rows.reshape(num_kv_heads, num_q_blocks * block_q, group, head_dim)
+    return out.transpose(1, 0, 2, 3)[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+
+
+class _Span(NamedTuple):
+    """What one sequence contributes to the current query block (int32 scalars)."""
+    seq: jax.Array  # sequence index, clamped into the table
+    q_start: jax.Array  # its first token row in q
+    q_end: jax.Array  # one past its last token row
+    offset: jax.Array  # position of token row t is t + offset
+    active: jax.Array  # whether any of its tokens lie in this block
+    pos_hi: jax.Array  # last KV position any of its tokens in this block can see
+    page_lo: jax.Array  # first page (table column) a token in this block can see
+    page_hi: jax.Array  # last such page; -1 when inactive
+
+
+def _attention_kernel(
+    seq_bounds_ref,  # i32[2 * num_q_blocks] (SMEM): [lo, hi) sequences per query block
+    tables_ref,  # i32[max_num_seqs * pages_per_seq] (SMEM)
+    lens_ref,  # i32[max_num_seqs] (SMEM)
+    cu_ref,  # i32[max_num_seqs + 1] (SMEM)
+    q_ref,  # [num_kv_heads, rows, head_dim] (VMEM), rows = block_q * group
+    kv_hbm_ref,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim] (HBM)
+    out_ref,  # [num_kv_heads, rows, head_dim] (VMEM)
+    kv_buf,  # [2, pages_per_block, 2, num_kv_heads, page_size, head_dim] (VMEM)
+    sems,  # DMA[2]
+    m_ref,  # f32[num_kv_heads, rows, 128]
+    l_ref,  # f32[num_kv_heads, rows, 128]
+    acc_ref,  # f32[num_kv_heads, rows, head_dim]
+    *, layer, sm_scale, sliding_window, soft_cap, block_q, group, pages_per_seq,
+):
+    block = pl.program_id(0)
+    first_token = block * block_q
+    page_size, pages_per_block = kv_buf.shape[4], kv_buf.shape[1]
+    span_of = functools.partial(
+        _span, cu_ref, lens_ref, first_token=first_token, block_q=block_q, page_size=page_size,
+        sliding_window=sliding_window)
+
+    def each_page_copy(span, page0, slot, action):
+        # Only pages this block can see are fetched; the other slots keep stale data that the
+        # masks below never let through.
+        def page_copy(j, carry):
+            page = page0 + j
+
+            @pl.when(span.active & (page <= span.page_hi))
+            def _():
+                col = span.seq * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)
+                block_id = jnp.clip(tables_ref[col], 0, kv_hbm_ref.shape[0] - 1)
+                copy = pltpu.make_async_copy(
+                    kv_hbm_ref.at[block_id, layer], kv_buf.at[slot, j], sems.at[slot])
+                getattr(copy, action)()
+
+            return carry
+
+        lax.fori_loop(0, pages_per_block, page_copy, None)
+
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    seq_lo, seq_hi = seq_bounds_ref[2 * block], seq_bounds_ref[2 * block + 1]
+    first = span_of(seq_lo)
+
+    @pl.when(seq_lo < seq_hi)
+    def _():
+        each_page_copy(first, first.page_lo, 0, "start")
+
+    def item(carry):
+        # One item: a sequence and up to pages_per_block of its visible pages.
+        seq, page0, slot = carry
+        span = span_of(seq)
+        more = page0 + pages_per_block <= span.page_hi
+        next_seq = jnp.where(more, seq, seq + 1)
+        next_span = span_of(next_seq)
+        next_page0 = jnp.where(more, page0 + pages_per_block, next_span.page_lo)
+
+        @pl.when(next_seq < seq_hi)
+        def _():
+            each_page_copy(next_span, next_page0, 1 - slot, "start")
+
+        each_page_copy(span, page0, slot, "wait")
+
+        @pl.when(span.active)
+        def _():
+            _attend(q_ref, kv_buf.at[slot], m_ref, l_ref, acc_ref, span, page0,
+                    first_token=first_token, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
+                    sliding_window=sliding_window)
+
+        return next_seq, next_page0, 1 - slot
+
+    lax.while_loop(lambda carry: carry[0] < seq_hi, item, (seq_lo, first.page_lo, 0))
+    head_dim = out_ref.shape[2]
+    for h in range(out_ref.shape[0]):
+        l = l_ref[h]
+        # Padding rows saw nothing: their accumulator is 0, and so is their output.
+        out_ref[h] = (acc_ref[h] / _lanes(jnp.where(l == 0.0, 1.0, l), head_dim)).astype(
+            out_ref.dtype)
+
+
+def _span(cu_ref, lens_ref, seq, *, first_token, block_q, page_size, sliding_window) -> _Span:
+    seq = jnp.minimum(seq, lens_ref.shape[0] - 1)  # a loop's look-ahead may step past the end
+    q_start, q_end = cu_ref[seq], cu_ref[seq + 1]
+    offset = lens_ref[seq] - q_end
+    row_lo = jnp.maximum(first_token, q_start)
+    row_hi = jnp.minimum(first_token + block_q, q_end) - 1
+    active = row_lo <= row_hi
+    pos_hi = jnp.maximum(row_hi + offset, 0)
+    page_hi = jnp.where(active, lax.div(pos_hi, page_size), -1)
+    if sliding_window is None:
+        page_lo = jnp.int32(0)
+    else:
+        page_lo = lax.div(jnp.maximum(row_lo + offset - (sliding_window - 1), 0), page_size)
+    return _Span(seq, q_start, q_end, offset, active, pos_hi, page_lo, page_hi)
+
+
+def _attend(q_ref, kv_slot, m_ref, l_ref, acc_ref, span: _Span, page0, *, first_token, group,
+            sm_scale, soft_cap, sliding_window):
+    """Folds one item (a sequence, a run of its pages) into every KV head's running softmax."""
+    num_kv_heads, rows, head_dim = q_ref.shape
+    pages_per_block, page_size = kv_slot.shape[0], kv_slot.shape[3]
+    cols = pages_per_block * page_size
+    row_ids = lax.broadcasted_iota(jnp.int32, (rows, cols), 0)
+    token = first_token + (row_ids if group == 1 else lax.div(row_ids, group))
+    q_pos = token + span.offset
+    kv_pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+    visible = (token >= span.q_start) & (token < span.q_end) & (kv_pos <= q_pos)
+    if sliding_window is not None:
+        visible &= kv_pos > q_pos - sliding_window
+    # V rows no token here can see are zeroed: 0 * NaN would otherwise poison the sum.
+    v_pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (cols, head_dim), 0)
+    v_valid = v_pos <= span.pos_hi
+
+    def head(h, carry):
+        k = kv_slot[:, 0, h].reshape(cols, head_dim)
+        v = kv_slot[:, 1, h].reshape(cols, head_dim)
+        # Select in float32: older TPUs have no bfloat16 VPU ops.
+        v = jnp.where(v_valid, v.astype(jnp.float32), 0.0).astype(v.dtype)
+        _online_softmax_step(q_ref[h], k, v, visible, m_ref.at[h], l_ref.at[h], acc_ref.at[h],
+                             sm_scale=sm_scale, soft_cap=soft_cap)
+        return carry
+
+    lax.fori_loop(0, num_kv_heads, head, None)
+
+
+def _online_softmax_step(q, k, v, visible, m_ref, l_ref, acc_ref, *, sm_scale, soft_cap):
+    """One flash-attention update of ``[rows, cols]`` logits; statistics stay in float32."""
+    # float32 inputs would otherwise be rounded to bfloat16 passes on the MXU.
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(visible, logits, -jnp.inf)  # also drops NaN read from unowned slots
+    m_block = logits.max(axis=1, keepdims=True)  # [rows, 1]
+    p = jnp.exp(logits - _finite_or_zero(m_block))  # rows that see nothing here: all 0
+    m_prev = m_ref[...]  # [rows, 128], every lane holds the row's value
+    m_new = jnp.maximum(m_prev, m_block)
+    shift = _finite_or_zero(m_new)
+    alpha = jnp.exp(m_prev - shift)  # rescales what was accumulated so far
+    beta = jnp.exp(m_block - shift)  # rescales this block's p, taken relative to m_block
+    m_ref[...] = m_new
+    l_ref[...] = alpha * l_ref[...] + beta * p.sum(axis=1, keepdims=True)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    head_dim = acc_ref.shape[1]
+    acc_ref[...] = _lanes(alpha, head_dim) * acc_ref[...] + _lanes(beta, head_dim) * pv
+
+
+def _finite_or_zero(x):
+    return jnp.where(x == -jnp.inf, 0.0, x)
+
+
+def _lanes(x, width: int):
+    """Widens a lane-replicated ``[rows, 128]`` array to ``[rows, width]``."""
+    return x if width == x.shape[1] else jnp.concatenate([x] * (width // x.shape[1]), axis=1)
+
+
+def _block_seq_bounds(cu_q_lens, num_seqs, num_q_blocks: int, block_q: int):
+    """i32[2 * num_q_blocks]: per query block, ``[lo, hi)`` of the live sequences it touches."""
+    first = jnp.arange(num_q_blocks, dtype=jnp.int32)[:, None] * block_q
+    live = jnp.arange(cu_q_lens.shape[0] - 1)[None, :] < num_seqs[0]
+    lo = jnp.sum(live & (cu_q_lens[None, 1:] <= first), axis=1, dtype=jnp.int32)
+    hi = jnp.sum(live & (cu_q_lens[None, :-1] < first + block_q), axis=1, dtype=jnp.int32)
+    return jnp.stack([lo, hi], axis=1).reshape(-1)
+
+
+def _sublane_tile(dtype) -> int:
+    """Rows of one VMEM tile: 8 for 32-bit types, 16 for 16-bit (two rows packed per sublane)."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def _default_block_q(num_tokens: int, group: int, tile: int) -> int:
+    align = tile // math.gcd(tile, group)  # smallest token count filling whole tiles
+    block_q = -(-max(align, _TARGET_ROWS // group) // align) * align
+    return min(block_q, -(-num_tokens // align) * align)
+
+
+def _vmem_limit(dtype, kv_buf_shape, num_kv_heads, rows, head_dim) -> int | None:
+    """A scoped VMEM limit when the default would be too small, else None (keep the default)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    need = (math.prod(kv_buf_shape) * itemsize  # both page slots
+            + 4 * num_kv_heads * rows * head_dim * itemsize  # q and out blocks, double-buffered
+            + num_kv_heads * rows * (2 * _LANES + head_dim) * 4  # m, l, acc
+            + 4 * rows * kv_buf_shape[1] * kv_buf_shape[4] * 4)  # logits-sized temporaries
+    return None if need * 5 // 4 <= _DEFAULT_VMEM_LIMIT else need * 3 // 2
