@@ -166,7 +166,6 @@ class DiskTier:
     def get(self, keys: Sequence[bytes], namespace: bytes) -> DiskRead:
         """Reads blocks of one namespace; checksum-verified, misses where absent or broken."""
         keys, _ = _check_keys(keys, namespace)
-        out = np.zeros((len(keys), self.block_nbytes), np.uint8)
         hits = np.zeros(len(keys), bool)
         with self._lock:
             by_segment: dict[str, list[tuple[int, int]]] = {}  # name -> [(index, row)]
@@ -177,10 +176,19 @@ class DiskTier:
             for name in by_segment:
                 self._segments[name].pins += 1  # no eviction while its files are read
                 self._segments.move_to_end(name)
+        out = None  # u8[len(keys), block_nbytes]
         try:
             for name, wanted in by_segment.items():
                 payload, verified = self._read_segment(
                     name, [(keys[i], row) for i, row in wanted], namespace)
+                if payload is None:
+                    continue
+                if len(wanted) == len(keys) and all(verified):
+                    out = payload  # one segment served every key, in order: no second copy
+                    hits[:] = True
+                    continue
+                if out is None:
+                    out = np.zeros((len(keys), self.block_nbytes), np.uint8)
                 for j, (i, _) in enumerate(wanted):
                     if verified[j]:
                         out[i] = payload[j]
@@ -191,6 +199,8 @@ class DiskTier:
                     self._unpin(name)
                 self._stats.hit_blocks += int(hits.sum())
                 self._stats.miss_blocks += len(keys) - int(hits.sum())
+        if out is None:
+            out = np.zeros((len(keys), self.block_nbytes), np.uint8)
         return DiskRead(out.view(self.dtype).reshape(len(keys), *self.block_shape), hits)
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -255,13 +265,10 @@ class DiskTier:
                 return False
             name = seg.segment_name(self._next_seq)
             self._next_seq += 1
-        checksums = tuple(seg.block_checksum(ns, key, row)
-                          for ns, key, row in zip(namespaces, keys, payload))
         manifest = seg.SegmentManifest(
             name=name, block_shape=self.block_shape, dtype=self.dtype.name,
             block_nbytes=self.block_nbytes, use_ocdbt=self.use_ocdbt,
-            namespaces=tuple(namespaces), keys=tuple(keys), checksums=checksums,
-            bytes_on_disk=0)
+            namespaces=tuple(namespaces), keys=tuple(keys), checksums=(), bytes_on_disk=0)
         try:
             with self._write_lock:
                 manifest = seg.write_segment(self._checkpointer, self.directory, manifest,
@@ -299,11 +306,10 @@ class DiskTier:
                 self._stats.read_errors += 1
                 self._forget_segment(name)
             return None, [False] * len(wanted)
-        verified = []
-        for j, (key, row) in enumerate(wanted):
-            ok = (manifest.keys[row] == key and manifest.namespaces[row] == namespace
-                  and seg.block_checksum(namespace, key, payload[j]) == manifest.checksums[row])
-            verified.append(ok)
+        keys = [key for key, _ in wanted]
+        rows = [row for _, row in wanted]
+        verified = seg.verify_rows(manifest, namespace, keys, rows, payload)
+        for key, row, ok in zip(keys, rows, verified):
             if ok:
                 continue
             _log.warning("disk tier: checksum mismatch for key %s in %s", key.hex(), name)

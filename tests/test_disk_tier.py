@@ -10,7 +10,6 @@ import subprocess
 
 import hypothesis
 import hypothesis.strategies as st
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -18,31 +17,21 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvjax import disk_segments
 from kvjax.disk_tier import DiskTier
 
+import tier_cases
+from tier_cases import DTYPES, same_bits
+from tier_cases import int_keys as keys
+
 BLOCK_SHAPE = (2, 2, 4, 8)
-DTYPES = ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"]
 NS = b"N" * 16
 OTHER_NS = b"O" * 16
 
 
 def random_blocks(n, dtype="float32", seed=0):
-    """Random bit patterns (NaNs included) viewed as `dtype`."""
-    dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
-    raw = np.random.default_rng(seed).integers(
-        0, 256, size=(n, *BLOCK_SHAPE, dtype.itemsize), dtype=np.uint8)
-    return raw.view(dtype).reshape(n, *BLOCK_SHAPE)
-
-
-def keys(n, start=0):
-    return [i.to_bytes(16, "little") for i in range(start, start + n)]
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
-        a.view(np.uint8), b.view(np.uint8))
+    return tier_cases.random_blocks(n, BLOCK_SHAPE, dtype, seed)
 
 
 def block_bytes(dtype="float32"):
-    return int(np.prod(BLOCK_SHAPE)) * np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
+    return tier_cases.block_bytes(BLOCK_SHAPE, dtype)
 
 
 def make_tier(path, dtype="float32", capacity=1 << 20, blocks_per_segment=4, **kw):

@@ -7,7 +7,6 @@ import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -15,30 +14,22 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvjax import host_tier
 from kvjax.host_tier import HostTier
 
+import tier_cases
+from tier_cases import DTYPES, same_bits
+
 BLOCK_SHAPE = (2, 2, 1, 4, 8)  # [num_layers, 2, num_kv_heads, page_size, head_dim]
-DTYPES = ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"]
 
 
 def random_blocks(n, dtype, seed=0):
-    """Random bit patterns (NaNs and infinities included) viewed as `dtype`."""
-    dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
-    raw = np.random.default_rng(seed).integers(
-        0, 256, size=(n, *BLOCK_SHAPE, dtype.itemsize), dtype=np.uint8)
-    return raw.view(dtype).reshape(n, *BLOCK_SHAPE)
+    return tier_cases.random_blocks(n, BLOCK_SHAPE, dtype, seed)
 
 
 def keys(*names):
     return [name.encode().ljust(16, b"\0") for name in names]
 
 
-def same_bits(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
-        a.view(np.uint8), b.view(np.uint8))
-
-
 def block_bytes(dtype="float32"):
-    return int(np.prod(BLOCK_SHAPE)) * np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
+    return tier_cases.block_bytes(BLOCK_SHAPE, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,7 +7,6 @@ import threading
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,36 +17,22 @@ from kvjax.token_bucket import TokenBucket
 from kvjax.transfer import (Link, LinkBudget, Priority, TransferEngine, gather_blocks_xla,
                             scatter_blocks_xla)
 
+import tier_cases
+from tier_cases import DTYPES, same_bits
+from tier_cases import int_keys as keys
+
 BLOCK_SHAPE = (2, 2, 1, 4, 8)  # [num_layers, 2, num_kv_heads, page_size, head_dim]
-DTYPES = ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"]
 NS = b"N" * 16
 WAIT_S = 20  # generous: a loaded 2-core CI box; a hang fails instead of blocking forever
 
 
-def np_dtype(dtype):
-    return np.dtype(getattr(ml_dtypes, dtype, dtype))
-
-
 def random_pool(num_blocks, dtype, seed=0):
     """A page pool of random bit patterns (NaNs and infinities included)."""
-    dtype = np_dtype(dtype)
-    raw = np.random.default_rng(seed).integers(
-        0, 256, size=(num_blocks, *BLOCK_SHAPE, dtype.itemsize), dtype=np.uint8)
-    return raw.view(dtype).reshape(num_blocks, *BLOCK_SHAPE)
-
-
-def keys(n, start=0):
-    return [i.to_bytes(16, "little") for i in range(start, start + n)]
-
-
-def same_bits(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
-        a.view(np.uint8), b.view(np.uint8))
+    return tier_cases.random_blocks(num_blocks, BLOCK_SHAPE, dtype, seed)
 
 
 def block_bytes(dtype="float32"):
-    return int(np.prod(BLOCK_SHAPE)) * np_dtype(dtype).itemsize
+    return tier_cases.block_bytes(BLOCK_SHAPE, dtype)
 
 
 def tiers(tmp_path, dtype="float32", host_blocks=64, blocks_per_segment=4):

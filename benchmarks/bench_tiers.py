@@ -1,0 +1,210 @@
+"""Tier bandwidth and latency, each next to the same bytes moved by plain means in the same run.
+
+    .venv/bin/python benchmarks/bench_tiers.py [--segment-mib 64] [--repeats 5] [--dir DIR]
+
+(with kvjax installed, `pip install -e .`, or `PYTHONPATH=.`)
+
+Host links: HostTier.put (device -> pinned_host, one device_put per batch) and HostTier.get
+(pinned_host -> device, stacked) against numpy memcpy of the same bytes, into a fresh buffer
+and into a warm one. Disk links: DiskTier.put (one orbax segment, checksums, manifest, fsync)
+and DiskTier.get (every block, checksums verified) against a raw file write + fsync and a raw
+read into a fresh buffer, warm (page cache) and cold (page cache dropped with
+posix_fadvise(DONTNEED) for both). Orbax's defaults (StandardCheckpointer, compressed) are
+shown for reference. Latency: one-block fetch from the host tier, direct and through the
+transfer engine. Figures are medians over --repeats runs; "vs plain" divides by the plain
+figure of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from kvjax.disk_tier import DiskTier
+from kvjax.host_tier import HostTier
+from kvjax.transfer import Priority, TransferEngine
+
+NS = b"bench-namespace!"
+
+
+def main() -> None:
+    args = _parse_args()
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save
+    block_shape = tuple(args.block_shape)
+    dtype = jnp.dtype(args.dtype)
+    block_nbytes = int(np.prod(block_shape)) * dtype.itemsize
+    num_blocks = max(1, (args.segment_mib << 20) // block_nbytes)
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (num_blocks, block_nbytes), np.uint8).view(dtype).reshape(
+        num_blocks, *block_shape)
+    mib = blocks.nbytes / 2**20
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, orbax "
+          f"{ocp.__version__}; {num_blocks} blocks of {block_shape} {dtype.name} "
+          f"({block_nbytes >> 10} KiB) = {mib:.0f} MiB per transfer; "
+          f"median of {args.repeats}\n")
+    rows = _host_rows(blocks, args.repeats)
+    root = tempfile.mkdtemp(prefix="kvjax-bench-", dir=args.dir)
+    try:
+        for use_ocdbt in (False, True):
+            rows += _disk_rows(blocks, args.repeats, os.path.join(root, f"ocdbt{use_ocdbt}"),
+                               use_ocdbt, args.segment_mib << 20)
+        rows += _orbax_default_rows(blocks, args.repeats, os.path.join(root, "defaults"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    _print_table(rows, mib)
+    _print_latency(blocks, args.latency_trials)
+
+
+def _host_rows(blocks: np.ndarray, repeats: int) -> list[tuple]:
+    keys = [i.to_bytes(16, "little") for i in range(len(blocks))]
+    device_blocks = jax.device_put(blocks)
+    warm = np.empty_like(blocks)
+    put_s, get_s, fresh_s, warm_s = [], [], [], []
+    for _ in range(repeats + 1):  # the first round compiles and is dropped
+        tier = HostTier(blocks.shape[1:], blocks.dtype, blocks.nbytes)
+        put_s.append(_timed(lambda: tier.wait_until_ready(
+            tier.put(keys, device_blocks, namespace=NS))))
+        get_s.append(_timed(lambda: tier.get(keys).block_until_ready()))
+        fresh_s.append(_timed(lambda: blocks.copy()))
+        warm_s.append(_timed(lambda: np.copyto(warm, blocks)))
+    kind = tier.memory_kind
+    return [
+        ("device->host", f"HostTier.put ({kind})", put_s[1:], fresh_s[1:], "memcpy, fresh"),
+        ("device->host", "numpy memcpy, warm dst", warm_s[1:], fresh_s[1:], "memcpy, fresh"),
+        ("host->device", "HostTier.get (stacked)", get_s[1:], fresh_s[1:], "memcpy, fresh"),
+        ("host (plain)", "numpy memcpy, fresh dst", fresh_s[1:], fresh_s[1:], "memcpy, fresh"),
+    ]
+
+
+def _disk_rows(blocks: np.ndarray, repeats: int, directory: str, use_ocdbt: bool,
+               segment_bytes: int) -> list[tuple]:
+    tier = DiskTier(directory, blocks.shape[1:], blocks.dtype, 1 << 40,
+                    segment_bytes=segment_bytes, use_ocdbt=use_ocdbt)
+    raw_path = os.path.join(directory, "raw.bin")
+    put_s, raw_w, get_warm, raw_warm, get_cold, raw_cold = [], [], [], [], [], []
+    for rep in range(repeats):
+        keys = [(rep << 32 | i).to_bytes(16, "little") for i in range(len(blocks))]
+        raw_w.append(_timed(lambda: _raw_write(raw_path, blocks)))
+        put_s.append(_timed(lambda: _expect(len(tier.put(keys, blocks, NS)), len(keys))))
+        raw_warm.append(_timed(lambda: _raw_read(raw_path, blocks)))
+        get_warm.append(_timed(lambda: _expect(int(tier.get(keys, NS).hits.sum()), len(keys))))
+        _drop_page_cache(directory)
+        raw_cold.append(_timed(lambda: _raw_read(raw_path, blocks)))
+        get_cold.append(_timed(lambda: _expect(int(tier.get(keys, NS).hits.sum()), len(keys))))
+    layout = "ocdbt" if use_ocdbt else "file per block"
+    return [
+        ("host->disk", f"DiskTier.put, {layout}", put_s, raw_w, "write+fsync"),
+        ("disk->host", f"DiskTier.get warm, {layout}", get_warm, raw_warm, "read warm"),
+        ("disk->host", f"DiskTier.get cold, {layout}", get_cold, raw_cold, "read cold"),
+    ]
+
+
+def _orbax_default_rows(blocks: np.ndarray, repeats: int, directory: str) -> list[tuple]:
+    checkpointer = ocp.StandardCheckpointer()
+    raw_path = os.path.join(directory, "raw.bin")
+    os.makedirs(directory)
+    save_s, restore_s, raw_w, raw_r = [], [], [], []
+    for rep in range(repeats):
+        path = os.path.join(directory, f"step{rep}")
+        raw_w.append(_timed(lambda: _raw_write(raw_path, blocks)))
+        save_s.append(_timed(lambda: (checkpointer.save(path, {"payload": blocks}),
+                                      checkpointer.wait_until_finished())))
+        _drop_page_cache(directory)
+        raw_r.append(_timed(lambda: _raw_read(raw_path, blocks)))
+        restore_s.append(_timed(lambda: checkpointer.restore(path)))
+    checkpointer.close()
+    return [
+        ("host->disk", "orbax defaults: save", save_s, raw_w, "write+fsync"),
+        ("disk->host", "orbax defaults: restore cold", restore_s, raw_r, "read cold"),
+    ]
+
+
+def _print_table(rows: list[tuple], mib: float) -> None:
+    header = ("link", "path", "ms", "MiB/s", "plain", "plain ms", "plain MiB/s", "vs plain")
+    lines = [header]
+    for link, path, seconds, plain_seconds, plain_name in rows:
+        ms, plain_ms = 1e3 * statistics.median(seconds), 1e3 * statistics.median(plain_seconds)
+        lines.append((link, path, f"{ms:.1f}", f"{mib / ms * 1e3:.0f}", plain_name,
+                      f"{plain_ms:.1f}", f"{mib / plain_ms * 1e3:.0f}", f"{plain_ms / ms:.0%}"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)))
+
+
+def _print_latency(blocks: np.ndarray, trials: int) -> None:
+    tier = HostTier(blocks.shape[1:], blocks.dtype, blocks.nbytes)
+    keys = [i.to_bytes(16, "little") for i in range(len(blocks))]
+    tier.wait_until_ready(tier.put(keys, blocks, namespace=NS))
+    picks = np.random.default_rng(1).integers(0, len(keys), trials)
+    tier.get(keys[:1]).block_until_ready()  # compile
+    direct = [_timed(lambda: tier.get([keys[i]]).block_until_ready()) for i in picks]
+    with TransferEngine(tier) as engine:
+        via_engine = [_timed(lambda: engine.fetch([keys[i]], priority=Priority.DEMAND)
+                             .result(timeout=30).blocks) for i in picks]
+    print(f"\none-block host->device fetch ({blocks[0].nbytes >> 10} KiB), {trials} trials:")
+    for name, seconds in (("HostTier.get", direct), ("TransferEngine.fetch", via_engine)):
+        p50, p99 = np.percentile(np.array(seconds) * 1e3, [50, 99])
+        print(f"  {name:<22} p50 {p50:.3f} ms  p99 {p99:.3f} ms")
+
+
+def _raw_write(path: str, blocks: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        f.write(blocks.view(np.uint8).data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_read(path: str, like: np.ndarray) -> np.ndarray:
+    out = np.empty(like.nbytes, np.uint8)  # fresh, as DiskTier.get returns a fresh array
+    with open(path, "rb") as f:
+        f.readinto(out.data)
+    return out
+
+
+def _drop_page_cache(directory: str) -> None:
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _expect(got: int, want: int) -> None:
+    if got != want:
+        raise RuntimeError(f"benchmark moved {got} blocks, expected {want}")
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--segment-mib", type=int, default=64)
+    parser.add_argument("--block-shape", type=int, nargs="+", default=[8, 2, 4, 16, 128],
+                        help="num_layers 2 num_kv_heads page_size head_dim")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--latency-trials", type=int, default=300)
+    parser.add_argument("--dir", default=None, help="where segments go (default: TMPDIR)")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()
