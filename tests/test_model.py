@@ -1,0 +1,97 @@
+"""The tiny Flax model: the paged forward must match the dense, uncached forward."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax.model import BatchInputs, ModelConfig, Transformer, load_config
+
+PAGE = 8
+
+
+def _pool(cfg, num_blocks=16):
+    # NaN, not zeros: any read of a slot the model never wrote shows up in the logits.
+    return jnp.full((num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, PAGE, cfg.head_dim),
+                    jnp.nan, jnp.float32)
+
+
+BUCKET = 32  # every step padded to one token count: one compilation for the whole file
+
+
+@nnx.jit
+def _forward(model, batch, pool):
+    return model(batch, pool)
+
+
+def _step(model, pool, tokens, blocks, start, end):
+    n = end - start
+    pos = np.zeros(BUCKET, np.int32)
+    pos[:n] = np.arange(start, end)
+    slots = np.full(BUCKET, -1, np.int32)
+    slots[:n] = [blocks[p // PAGE] * PAGE + p % PAGE for p in range(start, end)]
+    padded = np.zeros(BUCKET, np.int32)
+    padded[:n] = tokens[start:end]
+    table = np.zeros((1, 8), np.int32)
+    table[0, : len(blocks)] = blocks
+    batch = BatchInputs(
+        tokens=jnp.asarray(padded), positions=jnp.asarray(pos),
+        slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(table),
+        seq_lens=jnp.array([end], jnp.int32), cu_q_lens=jnp.array([0, n], jnp.int32),
+        num_seqs=jnp.array([1], jnp.int32))
+    logits, pool = _forward(model, batch, pool)
+    return logits[:n], pool
+
+
+@nnx.jit
+def _dense(model, tokens):
+    return model.forward_dense(tokens)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(ModelConfig(num_layers=2, d_model=64, num_q_heads=4, num_kv_heads=2,
+                                   head_dim=16, mlp_dim=128))
+
+
+@pytest.mark.parametrize("chunks", [[21], [8, 13], [5, 1, 1, 14], [16, 5]])
+def test_chunked_paged_prefill_matches_dense(model, chunks):
+    tokens = np.random.default_rng(1).integers(0, 256, sum(chunks)).astype(np.int32)
+    blocks = [7, 2, 11]  # shuffled, non-contiguous pages
+    pool, outs, start = _pool(model.cfg), [], 0
+    for n in chunks:
+        logits, pool = _step(model, pool, tokens, blocks, start, start + n)
+        outs.append(logits)
+        start += n
+    dense = _dense(model, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.concatenate(outs), dense, atol=2e-5, rtol=2e-5)
+
+
+def test_reused_prefix_pages_give_the_same_logits(model):
+    """A second sequence that maps the first one's full pages and prefills only its tail."""
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(0, 256, 2 * PAGE).astype(np.int32)
+    a = np.concatenate([prefix, rng.integers(0, 256, 3).astype(np.int32)])
+    b = np.concatenate([prefix, rng.integers(0, 256, 6).astype(np.int32)])
+    pool = _pool(model.cfg)
+    _, pool = _step(model, pool, a, [3, 9, 4], 0, len(a))
+    # b shares blocks 3 and 9 (the prefix) and computes only its own 6 tokens.
+    logits_b, _ = _step(model, pool, b, [3, 9, 12], 2 * PAGE, len(b))
+    dense_b = _dense(model, jnp.asarray(b))[2 * PAGE:]
+    np.testing.assert_allclose(logits_b, dense_b, atol=2e-5, rtol=2e-5)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match=r"num_q_heads=3 must be a multiple of num_kv_heads=2"):
+        ModelConfig(num_q_heads=3)
+    with pytest.raises(ValueError, match=r"head_dim=7 must be even"):
+        ModelConfig(head_dim=7)
+    with pytest.raises(ValueError, match=r"unknown model config keys \['layers'\]"):
+        ModelConfig.from_dict({"layers": 3})
+    with pytest.raises(ValueError, match=r"preset 'nope' not found; expected .*'tiny'"):
+        load_config("nope")
+
+
+def test_tiny_preset_loads():
+    cfg = ModelConfig.from_dict(load_config("tiny")["model"])
+    assert cfg.num_q_heads % cfg.num_kv_heads == 0 and cfg.vocab_size == 256
