@@ -1,0 +1,411 @@
+"""Ragged paged attention as a Pallas kernel lowered through Triton (GPU).
+
+Same semantics as :func:`pallas_kernels.reference.paged_attention_reference`; see
+:mod:`pallas_kernels.paged_attention` for the public entry point.
+
+How the work is cut:
+
+* A *work item* is one block of ``block_q`` consecutive query tokens of one sequence. The
+  wrapper lists the work items of the ragged batch (``i32[num_work, 5]``) in plain jnp before
+  the kernel; the list has a static length, a bound on the work any ragged layout of
+  ``num_tokens`` tokens can need (see :func:`_num_work_items`), so a decode batch gets one item
+  per sequence instead of ``cdiv(num_tokens, block_q)`` per sequence.
+* Grid ``(num_work, num_kv_heads, num_splits)``. A program loads the work item's tokens times
+  the ``group = num_q_heads // num_kv_heads`` query heads sharing its KV head as one
+  ``[block_q * group, head_dim]`` matrix, so every K/V page is read once per group, not once
+  per query head: that is what makes GQA decode bandwidth-bound rather than latency-bound.
+* It walks only the pages inside the causal / sliding-window range of its tokens,
+  ``pages_per_compute_block`` pages per step, keeping a float32 online softmax.
+* Split-K (flash-decoding): with ``num_splits > 1`` each program takes a contiguous share of
+  the item's page steps and writes unnormalised partials ``(m, l, acc)``; a small jnp step
+  combines them. Few long sequences then still fill all SMs.
+
+Triton constraints (checked at trace time with a ``ValueError``): every loaded tile has a
+power-of-two size and a tensor-core dot needs each dimension >= 16, so ``head_dim`` and
+``page_size`` are powers of two, ``head_dim >= 16`` and ``page_size * pages_per_compute_block
+>= 16``; the query group is padded to a power of two inside.
+
+NaN safety: unowned pages, slots past ``seq_len`` and table entries past a sequence's last page
+may hold anything. Table entries past the last page are replaced by block 0 before any load,
+logits of invisible keys become ``-inf`` (so NaN keys drop out) and V rows at or past
+``seq_len`` are zeroed (``0 * NaN`` would still poison the sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["paged_attention_gpu"]
+
+# A tensor-core dot (Triton's tt.dot) needs M, N and K of at least 16.
+_MIN_DOT_DIM = 16
+# Query rows per program for batches that may hold prefill chunks: enough reuse of each K/V
+# tile to make prefill compute-bound, few enough registers for the float32 accumulator.
+_PREFILL_ROWS = 64
+# Tokens per inner step: a 128 x 128 bf16 K tile plus the V tile is 64 KiB in flight per program.
+_BLOCK_K_TOKENS = 128
+# H200/H100 have 132 SMs. Below two programs per SM split-K is used, aiming at four per SM.
+_MIN_PROGRAMS = 2 * 132
+_TARGET_PROGRAMS = 4 * 132
+
+# The Triton compiler-params class was renamed across JAX versions (0.11.2 vs 0.12).
+_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("layer", "sm_scale", "sliding_window", "soft_cap", "interpret", "max_q_len",
+                     "block_q", "pages_per_compute_block", "num_splits", "num_warps",
+                     "num_stages"))
+def paged_attention_gpu(
+    q,  # [num_tokens, num_q_heads, head_dim]
+    kv_pages,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]
+    block_tables,  # i32[max_num_seqs, pages_per_seq]
+    seq_lens,  # i32[max_num_seqs]
+    cu_q_lens,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1]
+    *,
+    layer: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    max_q_len: int | None = None,
+    block_q: int | None = None,
+    pages_per_compute_block: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """Ragged paged attention on a GPU (or under ``interpret=True`` anywhere).
+
+    Tuning (all static):
+
+    * ``max_q_len``: an upper bound on every sequence's query length in this batch (tokens);
+      the engine passes its bucket, e.g. 1 for a decode-only batch. Defaults to ``num_tokens``
+      (always safe). A bound that is too small leaves tokens uncomputed.
+    * ``block_q``: query tokens per program (power of two); ``block_q * group`` rows must
+      reach 16. Default: 16 rows when the batch looks like decode (``max_q_len == 1`` or
+      ``num_tokens <= max_num_seqs``), 64 rows otherwise.
+    * ``pages_per_compute_block``: pages per inner step (power of two); default 128 tokens.
+    * ``num_splits``: split-K factor; default fills about 4 programs per SM (1 in interpret).
+    * ``num_warps`` / ``num_stages``: Triton launch and software-pipelining depth.
+    """
+    plan = _plan(q, kv_pages, block_tables, interpret=interpret, max_q_len=max_q_len,
+                 block_q=block_q, pages_per_compute_block=pages_per_compute_block,
+                 num_splits=num_splits)
+    num_tokens, num_q_heads, head_dim = q.shape
+    work = _work_items(cu_q_lens, seq_lens, num_seqs, plan)
+    q_rows = _group_rows(q, plan)  # [num_kv_heads, num_tokens * group_pad, head_dim]
+    outs = _call_kernel(
+        work, block_tables, q_rows, kv_pages, plan, layer=layer, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages)
+    out_rows = outs[0] if plan.num_splits == 1 else _combine_splits(*outs)
+    live_tokens = cu_q_lens[num_seqs[0]]
+    return _ungroup_rows(out_rows, plan, live_tokens, num_q_heads).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static shape decisions for one call (all sizes in tokens, pages or rows)."""
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    group_pad: int  # group rounded up to a power of two
+    block_q: int  # query tokens per work item
+    page_size: int
+    pages_per_block: int  # pages per inner step
+    num_work: int  # static length of the work list
+    num_splits: int
+
+    @property
+    def rows(self) -> int:
+        return self.block_q * self.group_pad
+
+
+def _plan(q, kv_pages, block_tables, *, interpret, max_q_len, block_q, pages_per_compute_block,
+          num_splits) -> _Plan:
+    """Validates the Triton constraints and picks defaults; raises ``ValueError``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = kv_pages.shape[3], kv_pages.shape[4]
+    max_num_seqs, pages_per_seq = block_tables.shape
+    if not _is_pow2(head_dim) or head_dim < _MIN_DOT_DIM:
+        raise ValueError(f"{head_dim=} must be a power of two >= {_MIN_DOT_DIM} for the GPU kernel")
+    if not _is_pow2(page_size):
+        raise ValueError(f"{page_size=} must be a power of two for the GPU kernel")
+    if max_q_len is None:
+        max_q_len = num_tokens
+    if not isinstance(max_q_len, int) or max_q_len < 1:
+        raise ValueError(f"max_q_len={max_q_len!r} must be a positive int")
+    group = num_q_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    if block_q is None:
+        # No more tokens than sequence slots is the shape of a decode batch: one token each.
+        decode_like = max_q_len == 1 or num_tokens <= max_num_seqs
+        target_rows = _MIN_DOT_DIM if decode_like else _PREFILL_ROWS
+        block_q = min(max(1, target_rows // group_pad), _next_pow2(max_q_len))
+        block_q = max(block_q, _MIN_DOT_DIM // group_pad, 1)
+    if not isinstance(block_q, int) or not _is_pow2(block_q) or block_q * group_pad < _MIN_DOT_DIM:
+        raise ValueError(
+            f"block_q={block_q!r} must be a power of two with block_q * {group_pad=} >= "
+            f"{_MIN_DOT_DIM} (query rows per program)")
+    pps = pages_per_compute_block
+    if pps is None:
+        pps = max(1, _BLOCK_K_TOKENS // page_size, -(-_MIN_DOT_DIM // page_size))
+    if not isinstance(pps, int) or not _is_pow2(pps) or pps * page_size < _MIN_DOT_DIM:
+        raise ValueError(
+            f"pages_per_compute_block={pps!r} must be a power of two with "
+            f"pages_per_compute_block * {page_size=} >= {_MIN_DOT_DIM}")
+    num_work = _num_work_items(num_tokens, max_num_seqs, block_q, max_q_len)
+    if num_splits is None:
+        num_splits = 1 if interpret else _default_splits(num_work * num_kv_heads,
+                                                         -(-pages_per_seq // pps))
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits={num_splits!r} must be a positive int")
+    return _Plan(num_kv_heads=num_kv_heads, group=group, group_pad=group_pad, block_q=block_q,
+                 page_size=page_size, pages_per_block=pps, num_work=num_work,
+                 num_splits=num_splits)
+
+
+def _default_splits(programs: int, steps_per_seq: int) -> int:
+    """Split-K factor: none when ``programs`` already fill the GPU, else enough to reach
+    ``_TARGET_PROGRAMS``, keeping at least two page steps per split of a full-width table."""
+    if programs >= _MIN_PROGRAMS:
+        return 1
+    return max(1, min(-(-_TARGET_PROGRAMS // programs), steps_per_seq // 2))
+
+
+def _num_work_items(num_tokens: int, max_num_seqs: int, block_q: int, max_q_len: int) -> int:
+    """Static bound on ``sum_s cdiv(q_len_s, block_q)`` over any ragged layout.
+
+    At most ``n = min(max_num_seqs, num_tokens)`` sequences have tokens, and
+    ``cdiv(q, b) <= (q + b - 1) / b``, so the sum is at most ``(num_tokens + n * (b - 1)) / b``;
+    it is also at most ``n * cdiv(max_q_len, b)``. A decode batch (``block_q`` = 1 token used
+    per item) gets exactly ``num_tokens`` items.
+    """
+    n = min(max_num_seqs, num_tokens)
+    bound = (num_tokens + n * (block_q - 1)) // block_q
+    bound = min(bound, n * -(-min(max_q_len, num_tokens) // block_q))
+    return max(1, bound)
+
+
+def _work_items(cu_q_lens, seq_lens, num_seqs, plan: _Plan):
+    """Lists the work items: ``i32[num_work, 5]`` = (seq, first row, rows, first pos, kv len).
+
+    ``first row`` is the item's first token in ``q``; ``rows`` its live tokens (0 for a spare
+    item); ``first pos`` the position of its first token in the sequence.
+    """
+    max_num_seqs = seq_lens.shape[0]
+    live = jnp.arange(max_num_seqs) < num_seqs[0]
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    blocks = (q_lens + plan.block_q - 1) // plan.block_q
+    ends = jnp.cumsum(blocks)
+    w = jnp.arange(plan.num_work, dtype=jnp.int32)
+    # The item's sequence: how many sequences end at or before it. A compare-all count fuses
+    # into one small kernel, where a binary search would be a loop of launches on a GPU.
+    seq = jnp.sum(ends[None, :] <= w[:, None], axis=1, dtype=jnp.int32)
+    seq = jnp.minimum(seq, max_num_seqs - 1)
+    q_block = w - (ends[seq] - blocks[seq])
+    first = q_block * plan.block_q
+    rows = jnp.where(w < ends[-1], jnp.clip(q_lens[seq] - first, 0, plan.block_q), 0)
+    kv_len = seq_lens[seq]
+    first_pos = kv_len - q_lens[seq] + first
+    return jnp.stack([seq, cu_q_lens[seq] + first, rows, first_pos, kv_len], axis=1).astype(
+        jnp.int32)
+
+
+def _group_rows(q, plan: _Plan):
+    """``[num_tokens, num_q_heads, d]`` -> ``[num_kv_heads, num_tokens * group_pad, d]``.
+
+    Row ``t * group_pad + g`` holds token ``t``'s query head ``g`` of the KV head, so a work
+    item's rows are one contiguous 2-D tile and the kernel needs no reshape of ``q``.
+    """
+    num_tokens, _, head_dim = q.shape
+    qg = q.reshape(num_tokens, plan.num_kv_heads, plan.group, head_dim)
+    if plan.group_pad != plan.group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, plan.group_pad - plan.group), (0, 0)))
+    return qg.transpose(1, 0, 2, 3).reshape(plan.num_kv_heads, num_tokens * plan.group_pad,
+                                            head_dim)
+
+
+def _ungroup_rows(out_rows, plan: _Plan, live_tokens, num_q_heads: int):
+    """Inverse of :func:`_group_rows`; rows of padding tokens (never written) become 0."""
+    num_tokens = out_rows.shape[1] // plan.group_pad
+    head_dim = out_rows.shape[2]
+    out = out_rows.reshape(plan.num_kv_heads, num_tokens, plan.group_pad, head_dim)
+    out = out.transpose(1, 0, 2, 3)[:, :, : plan.group].reshape(num_tokens, num_q_heads, head_dim)
+    live = jnp.arange(num_tokens) < live_tokens
+    return jnp.where(live[:, None, None], out, 0)
+
+
+def _combine_splits(acc, m, l):
+    """Merges split-K partials ``acc [splits, kvh, rows, d]``, ``m``/``l [splits, kvh, rows]``."""
+    m_max = m.max(axis=0)
+    shift = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    scale = jnp.exp(m - shift)  # 0 for a split that saw no visible key
+    denom = (l * scale).sum(axis=0)
+    acc = (acc * scale[..., None]).sum(axis=0)
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def _call_kernel(work, tables, q_rows, kv_pages, plan: _Plan, *, layer, sm_scale, sliding_window,
+                 soft_cap, interpret, num_warps, num_stages):
+    """Builds the grid and BlockSpecs and runs the kernel; returns its outputs."""
+    num_kv_heads, num_rows, head_dim = q_rows.shape
+    num_blocks, page_size = kv_pages.shape[0], kv_pages.shape[4]
+    splits = plan.num_splits
+    full = lambda shape: pl.BlockSpec(shape, lambda w, h, k: (0,) * len(shape))
+    # The pool goes in twice, as K and as V of one layer and KV head: each ref is then a
+    # [num_blocks, page_size, head_dim] stack of contiguous tiles that a page id gathers from.
+    pages_spec = lambda kv: pl.BlockSpec(
+        (num_blocks, None, None, None, page_size, head_dim),
+        lambda w, h, k: (0, layer, kv, h, 0, 0))
+    in_specs = [
+        full(work.shape),
+        full(tables.shape),
+        pl.BlockSpec((None, num_rows, head_dim), lambda w, h, k: (h, 0, 0)),
+        pages_spec(0),
+        pages_spec(1),
+    ]
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)]
+        out_specs = [pl.BlockSpec((None, num_rows, head_dim), lambda w, h, k: (h, 0, 0))]
+    else:
+        part = (splits, num_kv_heads, num_rows)
+        out_shape = [jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, num_rows, head_dim), lambda w, h, k: (k, h, 0, 0)),
+                     pl.BlockSpec((None, None, num_rows), lambda w, h, k: (k, h, 0)),
+                     pl.BlockSpec((None, None, num_rows), lambda w, h, k: (k, h, 0))]
+    kernel = functools.partial(
+        _kernel, plan=plan, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return pl.pallas_call(
+        kernel,
+        grid=(plan.num_work, num_kv_heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="kvjax_ragged_paged_attention",
+    )(work, tables, q_rows, kv_pages, kv_pages)
+
+
+def _kernel(
+    work_ref,  # i32[num_work, 5]
+    tables_ref,  # i32[max_num_seqs, pages_per_seq]
+    q_ref,  # [num_tokens * group_pad, head_dim] of this KV head
+    k_ref,  # [num_blocks, page_size, head_dim] of this layer and KV head
+    v_ref,  # [num_blocks, page_size, head_dim]
+    *out_refs,  # out [rows, d], or partial acc [rows, d], m [rows], l [rows]
+    plan: _Plan,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    w, split = pl.program_id(0), pl.program_id(2)
+    seq, first_row, n_tokens = work_ref[w, 0], work_ref[w, 1], work_ref[w, 2]
+    first_pos, kv_len = work_ref[w, 3], work_ref[w, 4]
+    rows = plan.rows
+    token = lax.div(lax.iota(jnp.int32, rows), plan.group_pad)  # token of each row, in the item
+    row_live = token < n_tokens
+    row_pos = first_pos + token
+    row_slice = pl.ds(first_row * plan.group_pad, rows)
+    live_2d = jnp.broadcast_to(row_live[:, None], (rows, q_ref.shape[-1]))
+    q = _load(q_ref.at[row_slice], mask=live_2d, other=0)
+
+    # Pages that hold keys some live row can see: [page_lo, page_hi), cut into steps of
+    # pages_per_block pages, and this split's contiguous share of the steps.
+    ps, pps = plan.page_size, plan.pages_per_block
+    key_lo = jnp.int32(0) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    page_lo = lax.div(key_lo, ps)
+    page_hi = lax.div(first_pos + n_tokens + ps - 1, ps)
+    n_steps = jnp.where(n_tokens > 0, lax.div(page_hi - page_lo + pps - 1, pps), 0)
+    per_split = lax.div(n_steps + plan.num_splits - 1, plan.num_splits)
+    step_lo = split * per_split
+    step_hi = jnp.minimum(step_lo + per_split, n_steps)
+
+    step = functools.partial(
+        _attend_step, q=q, row_pos=row_pos, seq=seq, kv_len=kv_len, page_lo=page_lo,
+        tables_ref=tables_ref, k_ref=k_ref, v_ref=v_ref, plan=plan, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32))
+    m, l, acc = lax.fori_loop(step_lo, step_hi, step, init)
+
+    if plan.num_splits == 1:
+        [o_ref] = out_refs
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        _store(o_ref.at[row_slice], out.astype(o_ref.dtype), mask=live_2d)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        _store(acc_ref.at[row_slice], acc, mask=live_2d)
+        _store(m_ref.at[row_slice], m, mask=row_live)
+        _store(l_ref.at[row_slice], l, mask=row_live)
+
+
+def _attend_step(i, carry, *, q, row_pos, seq, kv_len, page_lo, tables_ref, k_ref, v_ref,
+                 plan: _Plan, sm_scale, sliding_window, soft_cap):
+    """One online-softmax step over ``pages_per_block`` pages starting at step ``i``."""
+    m, l, acc = carry
+    ps, pps = plan.page_size, plan.pages_per_block
+    block_k = ps * pps
+    head_dim = q.shape[-1]
+    first_page = page_lo + i * pps
+    # Entries past the sequence's last page (or past the table) may hold anything: read block
+    # 0 there instead; its keys lie past kv_len and are masked below.
+    owned = first_page + lax.iota(jnp.int32, pps) < lax.div(kv_len + ps - 1, ps)
+    page_ids = _load(tables_ref.at[seq, pl.ds(first_page, pps)], mask=owned, other=0)  # [pps]
+    k = k_ref[page_ids].reshape(block_k, head_dim)
+    v = v_ref[page_ids].reshape(block_k, head_dim)
+    key_pos = first_page * ps + lax.iota(jnp.int32, block_k)
+
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    visible = key_pos[None, :] <= row_pos[:, None]
+    if sliding_window is not None:
+        visible &= key_pos[None, :] > row_pos[:, None] - sliding_window
+    logits = jnp.where(visible, logits, -jnp.inf)
+
+    m_new = jnp.maximum(m, logits.max(axis=1))
+    # A row that has seen no visible key keeps m = -inf; shift by 0 there (no inf - inf).
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(logits - shift[:, None])
+    alpha = jnp.exp(m - shift)
+    l = l * alpha + p.sum(axis=1)
+    v = jnp.where((key_pos < kv_len)[:, None], v, jnp.zeros_like(v))
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+def _load(ref, *, mask, other):
+    """Masked load; ``plgpu.load`` where it exists (the generic ``pl.load`` went away)."""
+    if hasattr(plgpu, "load"):
+        return plgpu.load(ref, mask=mask, other=other)
+    return pl.load(ref, (), mask=mask, other=other)  # pragma: no cover - older JAX
+
+
+def _store(ref, value, *, mask):
+    if hasattr(plgpu, "store"):
+        return plgpu.store(ref, value, mask=mask)
+    return pl.store(ref, (), value, mask=mask)  # pragma: no cover - older JAX
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
