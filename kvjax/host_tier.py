@@ -339,10 +339,15 @@ def _check_blocks(blocks, num_keys: int, block_shape: tuple[int, ...], dtype) ->
 
 
 def _split_rows(blocks, rows: list[int], bits_dtype) -> list:
-    """The bits of each selected row, one array per row (numpy views cost no device op)."""
+    """The bits of each selected row, one array per row, owned by the tier.
+
+    Numpy rows are copied: on CPU, `device_put` of a numpy array may alias its memory, and
+    the tier must neither see the caller's later writes nor keep the caller's whole batch
+    alive through one block.
+    """
     if isinstance(blocks, np.ndarray):
         bits = blocks.view(bits_dtype)
-        return [bits[row] for row in rows]
+        return [np.array(bits[row], copy=True) for row in rows]
     return [_take_row_bits(blocks, np.int32(row)) for row in rows]
 
 

@@ -55,6 +55,18 @@ def test_blocks_live_in_pinned_host_memory_and_put_is_one_batch():
     assert tier.namespace_of(keys("a")[0]) == b"ns" and tier.namespace_of(b"x") is None
 
 
+def test_the_tier_keeps_its_own_copy_of_numpy_blocks():
+    tier = HostTier(BLOCK_SHAPE, "float32", 1 << 20)
+    original = random_blocks(2, "float32")
+    buffer = np.empty(original.nbytes + 64, np.uint8)  # 64-byte aligned: CPU device_put of
+    start = -buffer.ctypes.data % 64                    # such numpy memory can alias it
+    blocks = buffer[start:start + original.nbytes].view(np.float32).reshape(original.shape)
+    blocks[:] = original
+    tier.put(keys("a", "b"), blocks, namespace=b"ns")
+    blocks[:] = 0  # the caller reuses its buffer
+    assert same_bits(tier.get_host(keys("a", "b")), original)
+
+
 def test_explicit_memory_kind_and_unknown_kind():
     tier = HostTier(BLOCK_SHAPE, "float32", 1 << 20, memory_kind="unpinned_host")
     tier.put(keys("a"), random_blocks(1, "float32"), namespace=b"ns")
