@@ -40,6 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.copy_common import tpu_interpret_mode
+
 __all__ = ["paged_attention_tpu", "check_tpu_layout"]
 
 _LANES = 128
@@ -90,13 +92,13 @@ def paged_attention_tpu(
         block_q = _default_block_q(num_tokens, group, _sublane_tile(q.dtype))
     if pages_per_block is None:
         pages_per_block = max(1, _TARGET_COLS // kv_pages.shape[4])
-    pages_per_block = min(pages_per_block, block_tables.shape[1])
-    if interpret is True:
-        interpret = pltpu.InterpretParams()
+    pages_per_block = max(1, min(pages_per_block, block_tables.shape[1]))
+    if not isinstance(interpret, pltpu.InterpretParams):
+        interpret = tpu_interpret_mode(interpret)
     return _paged_attention_tpu(
         q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, layer=layer,
         sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        interpret=interpret or False, block_q=block_q, pages_per_block=pages_per_block,
+        interpret=interpret, block_q=block_q, pages_per_block=pages_per_block,
         vmem_limit_bytes=vmem_limit_bytes)
 
 
@@ -107,7 +109,7 @@ def check_tpu_layout(dtype, *, page_size: int, head_dim: int, group: int,
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(
             f"dtype={dtype} is not supported by the TPU kernel: expected float32 or bfloat16 "
-            "(TPU vector units have no float16 arithmetic); use impl='xla' for float16")
+            "(Mosaic lacks float16 on most TPU generations); use impl='xla' for float16")
     tile = _sublane_tile(dtype)
     if page_size % tile:
         raise ValueError(
@@ -235,8 +237,7 @@ def _attention_kernel(
 
     def item(carry):
         # One item: a sequence and up to pages_per_block of its visible pages.
-        seq, page0, slot = carry
-        span = span_of(seq)
+        seq, span, page0, slot = carry
         more = page0 + pages_per_block <= span.page_hi
         next_seq = jnp.where(more, seq, seq + 1)
         next_span = span_of(next_seq)
@@ -254,15 +255,14 @@ def _attention_kernel(
                     first_token=first_token, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
                     sliding_window=sliding_window)
 
-        return next_seq, next_page0, 1 - slot
+        return next_seq, next_span, next_page0, 1 - slot
 
-    lax.while_loop(lambda carry: carry[0] < seq_hi, item, (seq_lo, first.page_lo, 0))
-    head_dim = out_ref.shape[2]
-    for h in range(out_ref.shape[0]):
-        l = l_ref[h]
-        # Padding rows saw nothing: their accumulator is 0, and so is their output.
-        out_ref[h] = (acc_ref[h] / _lanes(jnp.where(l == 0.0, 1.0, l), head_dim)).astype(
-            out_ref.dtype)
+    lax.while_loop(lambda carry: carry[0] < seq_hi, item,
+                   (seq_lo, first, first.page_lo, jnp.int32(0)))
+    # Padding rows saw nothing: their accumulator is 0, and so is their output.
+    l = l_ref[...]
+    out_ref[...] = (acc_ref[...] / _lanes(jnp.where(l == 0.0, 1.0, l), out_ref.shape[2])).astype(
+        out_ref.dtype)
 
 
 def _span(cu_ref, lens_ref, seq, *, first_token, block_q, page_size, sliding_window) -> _Span:
@@ -339,8 +339,8 @@ def _finite_or_zero(x):
 
 
 def _lanes(x, width: int):
-    """Widens a lane-replicated ``[rows, 128]`` array to ``[rows, width]``."""
-    return x if width == x.shape[1] else jnp.concatenate([x] * (width // x.shape[1]), axis=1)
+    """Widens a lane-replicated ``[..., rows, 128]`` array to ``[..., rows, width]``."""
+    return x if width == x.shape[-1] else jnp.concatenate([x] * (width // x.shape[-1]), axis=-1)
 
 
 def _block_seq_bounds(cu_q_lens, num_seqs, num_q_blocks: int, block_q: int):

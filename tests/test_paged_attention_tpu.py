@@ -40,8 +40,9 @@ def test_matches_reference(dtype, page_size, head_dim, num_q_heads, num_kv_heads
 
 
 def _mixed_case(seed=1):
-    # A 21-token prefill spanning query blocks, a chunk over 3 cached pages, two decodes.
-    return make_case(seed, q_lens=[21, 4, 1, 1], kv_lens=[21, 28, 40, 9], head_dim=128)
+    # A 21-token prefill spanning query blocks, a chunk over 3 cached pages, a sequence with
+    # cached KV but no new token this step, two decodes.
+    return make_case(seed, q_lens=[21, 4, 0, 1, 1], kv_lens=[21, 28, 17, 40, 9], head_dim=128)
 
 
 @pytest.mark.parametrize("sliding_window,soft_cap", [(5, None), (9, 2.0)])
@@ -79,9 +80,9 @@ def test_attention_follows_the_table():
     case = _mixed_case(seed=2)
     case.q = case.q.at[26].set(case.q[25])  # both decode tokens ask the same question
     tables = np.asarray(case.block_tables).copy()
-    tables[[2, 3]] = tables[[3, 2]]
+    tables[[3, 4]] = tables[[4, 3]]
     lens = np.asarray(case.seq_lens).copy()
-    lens[[2, 3]] = lens[[3, 2]]
+    lens[[3, 4]] = lens[[4, 3]]
     swapped = dataclasses.replace(case, block_tables=jnp.asarray(tables),
                                   seq_lens=jnp.asarray(lens))
     out = _tpu(case, block_q=8, pages_per_block=1)
