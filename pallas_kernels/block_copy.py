@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_impl, resolve_interpret
+from pallas_kernels.copy_common import on_bits
 from pallas_kernels.validation import check_block_copy_args
 
 __all__ = ["gather_blocks", "scatter_blocks", "gather_blocks_xla", "scatter_blocks_xla"]
@@ -82,6 +83,7 @@ def scatter_blocks(
 
 
 @jax.jit
+@on_bits(0)
 def gather_blocks_xla(kv_pages, block_ids):
     """One XLA gather; padding ids read out of bounds, which ``mode="fill"`` turns into 0."""
     return kv_pages.at[_padding_past_end(block_ids, kv_pages.shape[0])].get(
@@ -89,6 +91,7 @@ def gather_blocks_xla(kv_pages, block_ids):
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
+@on_bits(0, 2)
 def scatter_blocks_xla(kv_pages, block_ids, blocks):
     """One XLA scatter into the donated pool; padding ids land out of bounds and are dropped."""
     return kv_pages.at[_padding_past_end(block_ids, kv_pages.shape[0])].set(blocks, mode="drop")

@@ -2,7 +2,8 @@
 
 A block of the page-major pool, ``kv_pages[b]``, is one contiguous run of
 ``num_layers * 2 * num_kv_heads * page_size * head_dim`` elements, so both backends move
-it as a flat run of bytes whatever its dtype:
+it as a flat run of bits whatever its dtype (kernels see unsigned integers of the pool's
+width, :func:`copy_common.on_bits`):
 
 * GPU (Triton): the pool is viewed as ``[num_blocks, block_elems]`` (a free reshape) and one
   program copies one power-of-two chunk of one block (Triton vectors must be powers of two;
@@ -24,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.copy_common import (
+    on_bits,
     largest_pow2_divisor,
     run_copies,
     tpu_interpret_mode,
@@ -38,6 +40,7 @@ _GPU_CHUNK_BYTES = 16 * 1024
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
+@on_bits(0)
 def gather_blocks_gpu(kv_pages, block_ids, *, interpret: bool, num_warps: int = 4):
     num_blocks, block_shape = kv_pages.shape[0], kv_pages.shape[1:]
     n = block_ids.shape[0]
@@ -53,6 +56,7 @@ def gather_blocks_gpu(kv_pages, block_ids, *, interpret: bool, num_warps: int = 
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps"), donate_argnums=(0,))
+@on_bits(0, 2)
 def scatter_blocks_gpu(kv_pages, block_ids, blocks, *, interpret: bool, num_warps: int = 4):
     num_blocks = kv_pages.shape[0]
     block_elems, chunk = _flat_chunking(kv_pages)
@@ -68,6 +72,7 @@ def scatter_blocks_gpu(kv_pages, block_ids, blocks, *, interpret: bool, num_warp
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "blocks_per_step"))
+@on_bits(0)
 def gather_blocks_tpu(kv_pages, block_ids, *, interpret: bool, blocks_per_step: int = 8):
     n = block_ids.shape[0]
     out_shape = jax.ShapeDtypeStruct((n,) + tuple(kv_pages.shape[1:]), kv_pages.dtype)
@@ -81,6 +86,7 @@ def gather_blocks_tpu(kv_pages, block_ids, *, interpret: bool, blocks_per_step: 
 
 @functools.partial(
     jax.jit, static_argnames=("interpret", "blocks_per_step"), donate_argnums=(0,))
+@on_bits(0, 2)
 def scatter_blocks_tpu(
     kv_pages, block_ids, blocks, *, interpret: bool, blocks_per_step: int = 8,
 ):

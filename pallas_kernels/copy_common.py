@@ -1,15 +1,41 @@
-"""Pieces shared by the data-moving Pallas kernels (KV write, block gather/scatter)."""
+"""Pieces shared by the data-moving kernels (KV write, block gather/scatter)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["pow2_pieces", "largest_pow2_divisor", "run_copies", "tpu_interpret_mode",
+__all__ = ["on_bits", "pow2_pieces", "largest_pow2_divisor", "run_copies", "tpu_interpret_mode",
            "triton_params"]
+
+_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def on_bits(*positions: int):
+    """Runs the wrapped function on unsigned-integer views of the arguments at ``positions``
+    and views its result back as the dtype of the first of them.
+
+    The copy kernels promise bit-exact moves, but XLA's CPU backend rewrites NaN payloads of
+    some float formats (float8_e5m2) when it slices, stacks or scatters them. Integers are
+    never rewritten. Inside a jit the views are free bitcasts and keep buffer aliasing.
+    """
+    def wrap(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            dtype = args[positions[0]].dtype
+            args = [_bits(a) if i in positions else a for i, a in enumerate(args)]
+            return jax.lax.bitcast_convert_type(fn(*args, **kwargs), dtype)
+        return wrapped
+    return wrap
+
+
+def _bits(x):
+    return jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[jnp.dtype(x.dtype).itemsize])
 
 
 def pow2_pieces(n: int) -> list[tuple[int, int]]:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_impl, resolve_interpret
+from pallas_kernels.copy_common import on_bits
 from pallas_kernels.validation import check_kv_write_args
 
 __all__ = ["write_kv", "write_kv_xla"]
@@ -61,6 +62,7 @@ def write_kv(
 
 
 @functools.partial(jax.jit, static_argnames=("layer",), donate_argnums=(0,))
+@on_bits(0, 1, 2)
 def write_kv_xla(kv_pages, k, v, slot_mapping, *, layer: int):
     """One XLA scatter of ``[num_tokens, 2, num_kv_heads, head_dim]`` rows into the pool."""
     num_blocks, page_size = kv_pages.shape[0], kv_pages.shape[4]

@@ -1,7 +1,8 @@
 """Pallas implementations of :func:`pallas_kernels.write_kv`: GPU (Triton) and TPU (Mosaic).
 
 Both alias the pool to the output (``input_output_aliases``) and run under a jit that
-donates it, so the pool is written where it lies and never copied.
+donates it, so the pool is written where it lies and never copied. Kernels see unsigned
+integers of the pool's width (:func:`copy_common.on_bits`): they move bits, not values.
 
 * GPU: one program per (token, KV head) stores that head's K and V rows (``head_dim``
   elements each) at the token's slot. Triton needs power-of-two vectors, so a ``head_dim``
@@ -21,13 +22,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.copy_common import pow2_pieces, run_copies, tpu_interpret_mode, triton_params
+from pallas_kernels.copy_common import (
+    on_bits,
+    pow2_pieces,
+    run_copies,
+    tpu_interpret_mode,
+    triton_params,
+)
 
 __all__ = ["write_kv_gpu", "write_kv_tpu"]
 
 
 @functools.partial(
     jax.jit, static_argnames=("layer", "interpret", "num_warps"), donate_argnums=(0,))
+@on_bits(0, 1, 2)
 def write_kv_gpu(
     kv_pages,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]
     k,  # [num_tokens, num_kv_heads, head_dim]
@@ -53,6 +61,7 @@ def write_kv_gpu(
 
 @functools.partial(
     jax.jit, static_argnames=("layer", "interpret", "tokens_per_step"), donate_argnums=(0,))
+@on_bits(0, 1, 2)
 def write_kv_tpu(
     kv_pages,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]
     k,  # [num_tokens, num_kv_heads, head_dim]
