@@ -1,0 +1,300 @@
+"""Paged attention against dense attention and JAX's shipped GPU paged attention.
+
+Decode: achieved K/V bandwidth (K/V bytes of the live tokens / time) against a copy
+bandwidth measured in the same run (``x + 1`` over a large array: bytes read + written / time).
+Chunked prefill: query tokens per second. Every timed implementation is also checked against
+dense attention on the same inputs (the ``max|diff|`` columns), so a fast wrong kernel shows.
+
+    python benchmarks/bench_paged_attention.py --out gpu_results/bench.json      # on a GPU
+    python benchmarks/bench_paged_attention.py --quick --out /tmp/bench.json     # CPU smoke
+
+Timing: compile and two warm-up calls, then ``--rounds`` rounds of ``n`` back-to-back calls
+(``n`` sized to ~20 ms), each round ended by ``block_until_ready``; the median per-call time is
+reported. Back-to-back dispatch hides Python overhead only when a call takes longer than its
+dispatch, so the smallest cases overstate kernel time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from pallas_kernels import paged_attention  # noqa: E402
+
+DECODE_BATCHES = (8, 32, 64, 128, 256)
+DECODE_CONTEXTS = (512, 2048, 4096, 8192, 32768)
+QUICK_BATCHES, QUICK_CONTEXTS = (2, 8), (256, 1024)
+
+
+def main() -> None:
+    args = _parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    if args.quick:
+        args.batches, args.contexts = QUICK_BATCHES, QUICK_CONTEXTS
+        args.head_dim, args.prefill = 64, [(2, 64, 256)]
+        args.max_kv_gib = min(args.max_kv_gib, 0.0625)
+        args.dtype = "float32"  # XLA:CPU has no bfloat16 x bfloat16 -> float32 dot
+    impl = args.impl or ("pallas_gpu" if on_gpu else "xla")
+    started = time.perf_counter()
+    copy_bw = copy_bandwidth(args.copy_mib * 2**20)
+    rows, prefill_rows, notes = [], [], []
+    for kind, case in _jobs(args):
+        if time.perf_counter() - started > args.budget_s:
+            notes.append(f"{kind} {case}: skipped, past --budget-s={args.budget_s:g}")
+        elif kind == "decode":
+            rows.append(bench_decode(*case, args, impl, on_gpu, copy_bw, notes))
+        else:
+            prefill_rows.append(bench_prefill(*case, args, impl))
+    report = dict(command=" ".join([pathlib.Path(sys.executable).name] + sys.argv),
+                  backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
+                  jax=jax.__version__, impl=impl, dtype=args.dtype, copy_gb_s=copy_bw / 1e9, decode=rows,
+                  prefill=prefill_rows, notes=notes)
+    text = render_markdown(report)
+    print(text)
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        out.with_suffix(".md").write_text(text)
+
+
+def _parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small shapes for a CPU smoke run")
+    p.add_argument("--impl", default=None, help="paged implementation (default: best here)")
+    p.add_argument("--out", default=None, help="write JSON here and markdown beside it (.md)")
+    p.add_argument("--batches", type=_ints, default=DECODE_BATCHES)
+    p.add_argument("--contexts", type=_ints, default=DECODE_CONTEXTS)
+    p.add_argument("--num-q-heads", type=int, default=8)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--max-kv-gib", type=float, default=4.0, help="skip larger decode cases")
+    p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new cases")
+    args = p.parse_args()
+    args.prefill = [(4, 512, 2048), (1, 2048, 2048)]  # (chunks, tokens per chunk, context)
+    if args.copy_mib is None:
+        args.copy_mib = 64 if args.quick else 2048
+    return args
+
+
+def _ints(text: str):
+    return tuple(int(x) for x in text.split(","))
+
+
+def _jobs(args):
+    """Decode cases in the target region (batch >= 32, context >= 4k) first, then prefill,
+    then the other decode cases, so a --budget-s cut drops the least important ones."""
+    cases = [(b, c) for b in args.batches for c in args.contexts]
+    target = [bc for bc in cases if bc[0] >= 32 and bc[1] >= 4096]
+    return ([("decode", bc) for bc in target] + [("prefill", p) for p in args.prefill]
+            + [("decode", bc) for bc in cases if bc not in target])
+
+
+def time_call(fn, *args, rounds: int = 5, round_s: float = 0.02) -> float:
+    """Median seconds per call (see the module docstring for the method)."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    n = max(1, min(200, int(round_s / max(time.perf_counter() - t0, 1e-6))))
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - t0) / n)
+    return statistics.median(per_call)
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes read + written per second by a jitted ``x + 1`` over ``nbytes`` of float32
+    (float32: XLA:CPU widens bfloat16 arithmetic, which would measure conversions)."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    seconds = time_call(jax.jit(lambda a: a + 1), x)
+    return 2 * nbytes / seconds
+
+
+def make_paged_batch(rng, *, batch, ctx, q_len, args):
+    """A pool with shuffled pages; every sequence holds ``ctx`` tokens, ``q_len`` of them new."""
+    ps, kvh, d = args.page_size, args.num_kv_heads, args.head_dim
+    dtype = jnp.dtype(args.dtype)
+    pages = -(-ctx // ps)
+    num_blocks = batch * pages + 1
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    kq, kp = jax.random.split(key)
+    kv_pages = jax.random.normal(kp, (num_blocks, 1, 2, kvh, ps, d), dtype)
+    tables = rng.permutation(num_blocks)[: batch * pages].reshape(batch, pages).astype(np.int32)
+    q = jax.random.normal(kq, (batch * q_len, args.num_q_heads, d), dtype)
+    return dict(q=q, kv_pages=kv_pages, block_tables=jnp.asarray(tables),
+                seq_lens=jnp.full((batch,), ctx, jnp.int32),
+                cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * q_len,
+                num_seqs=jnp.array([batch], jnp.int32))
+
+
+def contiguous_kv(inputs):
+    """``[batch, kv heads, ctx, d]`` K and V gathered out of the pool (outside the timing)."""
+    pages = inputs["kv_pages"][inputs["block_tables"], 0]  # [b, pages, 2, kvh, ps, d]
+    b, n, _, kvh, ps, d = pages.shape
+    kv = pages.transpose(2, 0, 3, 1, 4, 5).reshape(2, b, kvh, n * ps, d)
+    return kv[0], kv[1]
+
+
+@functools.partial(jax.jit, static_argnames=("q_len",))
+def dense_attention(q, k, v, seq_lens, *, q_len):
+    """Causal GQA attention over contiguous K/V: ``q [b * q_len, H, d]``, ``k/v [b, kvh, L, d]``."""
+    b, kvh, ctx, d = k.shape
+    qg = q.reshape(b, q_len, kvh, -1, d)
+    logits = jnp.einsum("bqkgd,bkld->bkgql", qg, k, preferred_element_type=jnp.float32)
+    q_pos = seq_lens[:, None] - q_len + jnp.arange(q_len)[None]  # [b, q_len]
+    mask = jnp.arange(ctx)[None, None, :] <= q_pos[:, :, None]
+    logits = jnp.where(mask[:, None, None], logits / math.sqrt(d), -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgql,bkld->bqkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def shipped_paged_attention(inputs):
+    """JAX's own GPU paged attention on equivalent inputs, or ``(None, reason)``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax.experimental.pallas.ops.gpu import paged_attention as shipped
+    except ImportError as err:  # deprecated in 0.12; may be gone later
+        return None, f"jax.experimental.pallas.ops.gpu.paged_attention unavailable: {err}"
+    pool = inputs["kv_pages"][:, 0]  # [blocks, 2, kvh, ps, d]
+    k_pages = pool[:, 0].transpose(1, 0, 2, 3)  # [kvh, blocks, ps, d]
+    v_pages = pool[:, 1].transpose(1, 0, 2, 3)
+    pages_per_seq = inputs["block_tables"].shape[1]
+    k_splits = next(k for k in (16, 8, 4, 2, 1) if pages_per_seq % k == 0)
+    per_split = pages_per_seq // k_splits
+    ppcb = next(p for p in (8, 4, 2, 1) if per_split % p == 0)
+    fn = jax.jit(functools.partial(shipped.paged_attention, k_splits=k_splits,
+                                   pages_per_compute_block=ppcb))
+    # It does not scale q; fold 1/sqrt(d) in outside the timing.
+    q = inputs["q"] * (1.0 / math.sqrt(inputs["q"].shape[-1]))
+    args = (q, k_pages, v_pages, inputs["block_tables"], inputs["seq_lens"])
+    return (fn, args), f"k_splits={k_splits}, pages_per_compute_block={ppcb}"
+
+
+def bench_decode(batch, ctx, args, impl, on_gpu, copy_bw, notes):
+    kv_bytes = batch * ctx * args.num_kv_heads * args.head_dim * 2 * jnp.dtype(args.dtype).itemsize
+    row = dict(batch=batch, ctx=ctx, kv_mib=kv_bytes / 2**20)
+    if kv_bytes > args.max_kv_gib * 2**30:
+        notes.append(f"decode batch={batch} ctx={ctx}: {kv_bytes / 2**30:.1f} GiB of K/V "
+                     f"exceeds --max-kv-gib={args.max_kv_gib}")
+        return row | dict(skipped="kv bytes over cap")
+    inputs = make_paged_batch(np.random.default_rng(batch * 7 + ctx), batch=batch, ctx=ctx,
+                              q_len=1, args=args)
+    k, v = contiguous_kv(inputs)
+    dense = functools.partial(dense_attention, q_len=1)
+    expect = dense(inputs["q"], k, v, inputs["seq_lens"])
+    timed = {"paged": (_paged_fn(impl, max_q_len=1), tuple(inputs.values())),
+             "dense": (dense, (inputs["q"], k, v, inputs["seq_lens"]))}
+    if on_gpu:
+        shipped, note = shipped_paged_attention(inputs)
+        if shipped is None:
+            notes.append(note)
+        else:
+            timed["jax_shipped"] = shipped
+            row["jax_shipped_config"] = note
+    for name, (fn, fn_args) in timed.items():
+        seconds = time_call(fn, *fn_args, rounds=args.rounds)
+        diff = jnp.max(jnp.abs(fn(*fn_args).astype(jnp.float32) - expect.astype(jnp.float32)))
+        row[name] = dict(us=seconds * 1e6, gb_s=kv_bytes / seconds / 1e9,
+                         copy_frac=kv_bytes / seconds / copy_bw, max_diff=float(diff))
+    del inputs, k, v
+    return row
+
+
+def bench_prefill(chunks, q_len, ctx, args, impl):
+    inputs = make_paged_batch(np.random.default_rng(ctx + q_len), batch=chunks, ctx=ctx,
+                              q_len=q_len, args=args)
+    k, v = contiguous_kv(inputs)
+    dense = functools.partial(dense_attention, q_len=q_len)
+    expect = dense(inputs["q"], k, v, inputs["seq_lens"])
+    row = dict(chunks=chunks, q_len=q_len, ctx=ctx)
+    visible = sum(ctx - q_len + i + 1 for i in range(q_len)) * chunks
+    flops = 4 * visible * args.num_q_heads * args.head_dim
+    timed = {"paged": (_paged_fn(impl, max_q_len=q_len), tuple(inputs.values())),
+             "dense": (dense, (inputs["q"], k, v, inputs["seq_lens"]))}
+    for name, (fn, fn_args) in timed.items():
+        seconds = time_call(fn, *fn_args, rounds=args.rounds)
+        diff = jnp.max(jnp.abs(fn(*fn_args).astype(jnp.float32) - expect.astype(jnp.float32)))
+        row[name] = dict(us=seconds * 1e6, tokens_s=chunks * q_len / seconds,
+                         tflop_s=flops / seconds / 1e12, max_diff=float(diff))
+    return row
+
+
+def _paged_fn(impl, **tuning):
+    if impl == "xla":
+        tuning = {}  # the XLA path takes only its own step size
+    return jax.jit(functools.partial(paged_attention, layer=0, impl=impl, **tuning))
+
+
+def render_markdown(report) -> str:
+    lines = [f"# Paged attention benchmark ({report['device']}, jax {report['jax']})", "",
+             f"Command: `{report['command']}`", "",
+             f"Paged implementation: `{report['impl']}`. Copy bandwidth (x + 1, read + write): "
+             f"**{report['copy_gb_s']:.0f} GB/s**.", "",
+             f"## Decode (one query token per sequence), {report['dtype']}", "",
+             "| batch | ctx | K/V MiB | paged us | paged GB/s | % copy | dense us | dense GB/s "
+             "| shipped us | shipped GB/s | paged vs shipped | max diff (paged, shipped) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(report["decode"], key=lambda r: (r["batch"], r["ctx"])):
+        if "skipped" in r:
+            continue
+        p, d, s = r["paged"], r["dense"], r.get("jax_shipped")
+        shipped = "n/a | n/a | n/a"
+        if s:
+            shipped = f"{s['us']:.1f} | {s['gb_s']:.0f} | {s['us'] / p['us']:.2f}x"
+        diffs = f"{p['max_diff']:.1e}, " + (f"{s['max_diff']:.1e}" if s else "n/a")
+        lines.append(
+            f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | {p['us']:.1f} | {p['gb_s']:.0f} | "
+            f"{100 * p['copy_frac']:.0f}% | {d['us']:.1f} | {d['gb_s']:.0f} | {shipped} | {diffs} |")
+    lines += _headline(report["decode"])
+    lines += ["", f"## Chunked prefill, {report['dtype']}", "",
+              "| chunks x tokens | ctx | paged us | paged tokens/s | paged TFLOP/s | dense us "
+              "| dense tokens/s | max diff |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["prefill"]:
+        p, d = r["paged"], r["dense"]
+        lines.append(f"| {r['chunks']} x {r['q_len']} | {r['ctx']} | {p['us']:.1f} | "
+                     f"{p['tokens_s']:.3g} | {p['tflop_s']:.1f} | {d['us']:.1f} | "
+                     f"{d['tokens_s']:.3g} | {p['max_diff']:.1e} |")
+    if report["notes"]:
+        lines += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _headline(decode_rows) -> list[str]:
+    """One line on the target region: batch >= 32 and context >= 4k."""
+    rows = [r for r in decode_rows if "paged" in r and r["batch"] >= 32 and r["ctx"] >= 4096]
+    if not rows:
+        return []
+    fracs = [100 * r["paged"]["copy_frac"] for r in rows]
+    line = (f"Batch >= 32, ctx >= 4k ({len(rows)} cases): paged reaches {min(fracs):.0f}-"
+            f"{max(fracs):.0f}% of copy bandwidth")
+    ratios = [r["jax_shipped"]["us"] / r["paged"]["us"] for r in rows if "jax_shipped" in r]
+    if ratios:
+        line += f"; {min(ratios):.2f}-{max(ratios):.2f}x the speed of JAX's shipped kernel"
+    return ["", line + "."]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The prepared device check for a GPU machine (H200): kernel tests compiled for the GPU, then
+# the paged-attention benchmark. Runs from the repository root, installs nothing, keeps going
+# after a failing step and records every step's exit code and seconds in $OUT/steps.tsv.
+#
+#   bash benchmarks/gpu_check.sh               # on the GPU machine; results in ${OUT:-./gpu_results}
+#   bash benchmarks/gpu_check.sh --cpu-smoke   # here: same steps, CPU-sized, to exercise the script
+#
+# Step time limits add up to under 8 minutes (the benchmark also stops starting new cases
+# after --budget-s). $OUT receives at most 6 files: env.txt, tests.log, bench.log, bench.json,
+# bench.md, steps.tsv.
+set -u
+
+MODE=gpu
+if [[ "${1:-}" == "--cpu-smoke" ]]; then MODE=cpu-smoke; fi
+
+cd "$(dirname "$0")/.."
+if [[ "$MODE" == cpu-smoke ]]; then
+  OUT="${OUT:-$(mktemp -d /tmp/gpu_check_smoke.XXXXXX)}"
+  PY="${PYTHON:-.venv/bin/python}"
+  GPU_TEST_ARGS=(-k "work_item or rejects or lowers or group_not")
+  OTHER_TEST_ARGS=(-k "num_seqs_zero or rejects")
+  BENCH_ARGS=(--quick --rounds 3 --budget-s 60)
+  LIMITS=(60 240 240 240)
+else
+  OUT="${OUT:-./gpu_results}"
+  PY="${PYTHON:-python3}"
+  GPU_TEST_ARGS=()
+  OTHER_TEST_ARGS=()
+  BENCH_ARGS=(--budget-s 150)
+  LIMITS=(30 150 90 200)
+fi
+mkdir -p "$OUT"
+export PYTHONPATH=.
+: > "$OUT/steps.tsv"
+FAILED=0
+
+# run_step NAME LIMIT_S LOGFILE CMD...: runs CMD under a time limit, appending to LOGFILE.
+run_step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local start=$SECONDS
+  echo "=== $name ($(date -u +%H:%M:%S)): $*" >> "$log"
+  timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
+  local rc=$?
+  printf '%s\t%s\t%ss\n' "$name" "$rc" "$((SECONDS - start))" >> "$OUT/steps.tsv"
+  if [[ $rc -ne 0 ]]; then FAILED=$((FAILED + 1)); fi
+  echo "$name: exit $rc after $((SECONDS - start))s"
+}
+
+# Test files that exist among the kernel tests; the GPU kernel's own file runs first, alone.
+other_tests=()
+for f in tests/test_paged_attention_*.py tests/test_kv_write*.py tests/test_block_copy*.py; do
+  if [[ -f "$f" && "$f" != tests/test_paged_attention_gpu.py ]]; then other_tests+=("$f"); fi
+done
+
+run_step env "${LIMITS[0]}" "$OUT/env.txt" bash -c \
+  "command -v nvidia-smi >/dev/null && nvidia-smi; $PY -c 'import jax, sys; \
+print(sys.version); print(jax.__version__, jax.default_backend(), jax.devices())'"
+run_step pytest_gpu_kernel "${LIMITS[1]}" "$OUT/tests.log" \
+  "$PY" -m pytest -q -rfEs --durations=10 -p no:cacheprovider \
+  tests/test_paged_attention_gpu.py "${GPU_TEST_ARGS[@]}"
+if [[ ${#other_tests[@]} -gt 0 ]]; then
+  run_step pytest_other_kernels "${LIMITS[2]}" "$OUT/tests.log" \
+    "$PY" -m pytest -q -rfEs --durations=10 -p no:cacheprovider \
+    "${other_tests[@]}" "${OTHER_TEST_ARGS[@]}"
+fi
+run_step bench_paged_attention "${LIMITS[3]}" "$OUT/bench.log" \
+  "$PY" benchmarks/bench_paged_attention.py --out "$OUT/bench.json" "${BENCH_ARGS[@]}"
+
+echo "--- steps (name, exit code, seconds) in $OUT/steps.tsv"
+cat "$OUT/steps.tsv"
+echo "--- test summary"
+grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 4
+if [[ -f "$OUT/bench.md" ]]; then echo "--- benchmark"; cat "$OUT/bench.md"; fi
+exit $((FAILED > 0))
