@@ -200,6 +200,8 @@ def _attention_kernel(
     acc_ref,  # f32[num_kv_heads, rows, head_dim]
     *, layer, sm_scale, sliding_window, soft_cap, block_q, group, pages_per_seq,
 ):
+    """One query block: walks its (sequence, page run) items with the next item's pages in
+    flight while the current one is computed, then writes every KV head's rows."""
     block = pl.program_id(0)
     first_token = block * block_q
     page_size, pages_per_block = kv_buf.shape[4], kv_buf.shape[1]
@@ -207,23 +209,9 @@ def _attention_kernel(
         _span, cu_ref, lens_ref, first_token=first_token, block_q=block_q, page_size=page_size,
         sliding_window=sliding_window)
 
-    def each_page_copy(span, page0, slot, action):
-        # Only pages this block can see are fetched; the other slots keep stale data that the
-        # masks below never let through.
-        def page_copy(j, carry):
-            page = page0 + j
-
-            @pl.when(span.active & (page <= span.page_hi))
-            def _():
-                col = span.seq * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)
-                block_id = jnp.clip(tables_ref[col], 0, kv_hbm_ref.shape[0] - 1)
-                copy = pltpu.make_async_copy(
-                    kv_hbm_ref.at[block_id, layer], kv_buf.at[slot, j], sems.at[slot])
-                getattr(copy, action)()
-
-            return carry
-
-        lax.fori_loop(0, pages_per_block, page_copy, None)
+    each_page_copy = functools.partial(
+        _each_page_copy, tables_ref, kv_hbm_ref, kv_buf, sems, layer=layer,
+        pages_per_seq=pages_per_seq)
 
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -263,6 +251,30 @@ def _attention_kernel(
     l = l_ref[...]
     out_ref[...] = (acc_ref[...] / _lanes(jnp.where(l == 0.0, 1.0, l), out_ref.shape[2])).astype(
         out_ref.dtype)
+
+
+def _each_page_copy(tables_ref, kv_hbm_ref, kv_buf, sems, span: _Span, page0, slot, action,
+                    *, layer, pages_per_seq):
+    """Starts (or waits for) the DMA of each page of one item into page slot ``slot``.
+
+    Only pages the block can see are fetched; the other positions of the slot keep stale data
+    that the masks in :func:`_attend` never let through.
+    """
+    def page_copy(j, carry):
+        page = page0 + j
+
+        @pl.when(span.active & (page <= span.page_hi))
+        def _():
+            col = span.seq * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)
+            # Clamped so a bad table entry cannot send a DMA outside the pool.
+            block_id = jnp.clip(tables_ref[col], 0, kv_hbm_ref.shape[0] - 1)
+            copy = pltpu.make_async_copy(
+                kv_hbm_ref.at[block_id, layer], kv_buf.at[slot, j], sems.at[slot])
+            getattr(copy, action)()
+
+        return carry
+
+    lax.fori_loop(0, kv_buf.shape[1], page_copy, None)
 
 
 def _span(cu_ref, lens_ref, seq, *, first_token, block_q, page_size, sliding_window) -> _Span:

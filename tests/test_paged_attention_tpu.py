@@ -52,12 +52,38 @@ def test_window_and_soft_cap(sliding_window, soft_cap):
     assert_matches_reference(case, _tpu(case, block_q=8, pages_per_block=2, **kw), **kw)
 
 
-@pytest.mark.parametrize("block_q,pages_per_block", [(8, 1), (32, 3)])
-def test_tuning_does_not_change_result(block_q, pages_per_block):
-    """Small blocks: many items and cross-sequence prefetch; big ones: many sequences a block."""
+def test_big_blocks_span_many_sequences():
+    """A 32-token block holds a prefill, a chunk, an idle and two decode sequences at once;
+    3 pages per item leaves a short last run (the 40-token sequence has 5 pages)."""
     case = _mixed_case()
-    out = _tpu(case, block_q=block_q, pages_per_block=pages_per_block)
-    assert_matches_reference(case, out)
+    assert_matches_reference(case, _tpu(case, block_q=32, pages_per_block=3))
+
+
+def _random_batch(rng, *, max_seqs=6, max_tokens=48, max_kv=48):
+    """Random ragged lengths: decodes, whole prefills, chunks over cached KV, idle sequences."""
+    q_lens, kv_lens = [], []
+    for _ in range(rng.integers(1, max_seqs + 1)):
+        kv = int(rng.integers(1, max_kv + 1))
+        q = int(rng.choice([1, kv, rng.integers(1, kv + 1), 0]))
+        if sum(q_lens) + q <= max_tokens:
+            q_lens.append(q)
+            kv_lens.append(kv if q else int(rng.integers(0, max_kv + 1)))
+    return q_lens, kv_lens
+
+
+def test_random_ragged_batches():
+    """Fixed shapes (one compile), random lengths: whatever mix lands in a query block."""
+    rng = np.random.default_rng(7)
+    max_seqs, max_tokens, pages_per_seq, num_blocks = 6, 48, 6, 40
+    for seed in range(6):
+        q_lens, kv_lens = _random_batch(rng)
+        pages = sum(-(-kv // 8) for kv in kv_lens)
+        case = make_case(seed, q_lens=q_lens, kv_lens=kv_lens, head_dim=128,
+                         pages_per_seq=pages_per_seq, pad_seqs=max_seqs - len(q_lens),
+                         pad_tokens=max_tokens - sum(q_lens),
+                         spare_pages=num_blocks - 1 - pages)
+        # One page per item: the most item changes, each prefetching across a sequence edge.
+        assert_matches_reference(case, _tpu(case, block_q=8, pages_per_block=1))
 
 
 def test_no_races_in_double_buffering():
@@ -71,7 +97,7 @@ def test_no_races_in_double_buffering():
 def test_num_seqs_zero_gives_all_zero_output():
     case = _mixed_case()  # same shapes and options as above: no new compile
     case.num_seqs = jnp.array([0], jnp.int32)
-    out = _tpu(case, block_q=8, pages_per_block=1)
+    out = _tpu(case, block_q=32, pages_per_block=3)
     np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
@@ -85,8 +111,8 @@ def test_attention_follows_the_table():
     lens[[3, 4]] = lens[[4, 3]]
     swapped = dataclasses.replace(case, block_tables=jnp.asarray(tables),
                                   seq_lens=jnp.asarray(lens))
-    out = _tpu(case, block_q=8, pages_per_block=1)
-    out_swapped = _tpu(swapped, block_q=8, pages_per_block=1)
+    out = _tpu(case, block_q=32, pages_per_block=3)
+    out_swapped = _tpu(swapped, block_q=32, pages_per_block=3)
     assert not np.allclose(out[25], out[26])
     np.testing.assert_allclose(out_swapped[25], out[26], rtol=1e-6)
     np.testing.assert_allclose(out_swapped[26], out[25], rtol=1e-6)
