@@ -158,7 +158,7 @@ def _integral_or_raise(array: np.ndarray) -> np.ndarray:
         raise ValueError(f"tokens must be integers, got {array.dtype} values") from None
     bad = np.flatnonzero(~np.isfinite(as_float) | (as_float != np.floor(as_float)))
     if bad.size:
-        raise ValueError(f"token id {array[bad[0]]!r} at index {bad[0]} is not an integer")
+        raise ValueError(f"token id {array[bad[0]].item()!r} at index {bad[0]} is not an integer")
     return as_float.astype(np.int64)
 
 

@@ -435,8 +435,8 @@ class PrefixCache:
         return np.concatenate((held, private))
 
     def _locate_page(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier):
-        if tier not in (Tier.HOST, Tier.DISK):
-            raise ValueError(f"{tier=} must be Tier.HOST or Tier.DISK (device copies change by admit/evict)")
+        if not tier or tier & ~(Tier.HOST | Tier.DISK):
+            raise ValueError(f"{tier=} must be Tier.HOST and/or Tier.DISK (device copies change by admit/evict)")
         buf = validate_tokens(tokens, self.vocab_size).tobytes()
         root = self.trie.root(as_namespace(namespace), create=False)
         end = (page + 1) * self.trie.page_bytes
@@ -466,7 +466,7 @@ class PrefixCache:
         return np.concatenate(handle._dup_own + [uncommitted])
 
     def _commit_bytes(self, handle: SeqHandle, tokens: TokensLike) -> bytes:
-        """Token bytes for commit, validating only tokens the handle has not seen before."""
+        """Token bytes for commit; validates only when tokens the handle has not seen appear."""
         array = np.asarray(tokens)
         if array.dtype != TOKEN_DTYPE or array.ndim != 1:
             array = validate_tokens(array, self.vocab_size)  # before any narrowing cast
@@ -477,7 +477,7 @@ class PrefixCache:
         if not (known.startswith(buf) if len(buf) <= len(known) else buf.startswith(known)):
             raise ValueError("tokens disagree with the tokens this sequence was given before")
         if len(buf) > len(known):
-            validate_tokens(array[len(known) // 4 :], self.vocab_size)
+            validate_tokens(array, self.vocab_size)  # whole array: errors name the true index
         return buf
 
 
