@@ -2,8 +2,8 @@
 
 A block of the page-major pool, ``kv_pages[b]``, is one contiguous run of
 ``num_layers * 2 * num_kv_heads * page_size * head_dim`` elements, so both backends move
-it as a flat run of bits whatever its dtype (kernels see unsigned integers of the pool's
-width, :func:`copy_common.on_bits`):
+it as a flat run of bits whatever its dtype (a float8_e5m2 pool goes through as unsigned
+integers, see :func:`copy_common.on_bits`):
 
 * GPU (Triton): the pool is viewed as ``[num_blocks, block_elems]`` (a free reshape) and one
   program copies one power-of-two chunk of one block (Triton vectors must be powers of two;

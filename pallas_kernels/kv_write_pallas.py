@@ -1,8 +1,9 @@
 """Pallas implementations of :func:`pallas_kernels.write_kv`: GPU (Triton) and TPU (Mosaic).
 
 Both alias the pool to the output (``input_output_aliases``) and run under a jit that
-donates it, so the pool is written where it lies and never copied. Kernels see unsigned
-integers of the pool's width (:func:`copy_common.on_bits`): they move bits, not values.
+donates it, so the pool is written where it lies and never copied. They move bits, never
+convert values (a float8_e5m2 pool goes through as unsigned integers, see
+:func:`copy_common.on_bits`).
 
 * GPU: one program per (token, KV head) stores that head's K and V rows (``head_dim``
   elements each) at the token's slot. Triton needs power-of-two vectors, so a ``head_dim``
