@@ -167,12 +167,13 @@ def check_slot_mapping(slot_mapping, *, num_blocks: int, page_size: int) -> None
         raise ValueError(f"slot {repeated} is written more than once")
 
 
-def check_block_ids(block_ids, *, num_blocks: int) -> None:
-    """Block ids must lie in the pool and be distinct (negative ids are padding)."""
+def check_block_ids(block_ids, *, num_blocks: int, distinct: bool = True) -> None:
+    """Block ids must lie in the pool (negative ids are padding) and, for a scatter, be
+    distinct; a gather may read a block twice (``distinct=False``)."""
     too_big, repeated = _outside_or_repeated(block_ids, num_blocks)
     if too_big is not None:
         raise ValueError(f"block id {too_big} is outside the pool [0, {num_blocks})")
-    if repeated is not None:
+    if distinct and repeated is not None:
         raise ValueError(f"block id {repeated} appears more than once")
 
 

@@ -197,5 +197,6 @@ def test_bad_arguments_raise(op, override, message):
 ])
 def test_block_id_value_checks(ids, message):
     check_block_ids(np.array([6, -1, 0, 2]), num_blocks=NUM_BLOCKS)
+    check_block_ids(np.array([3, 3, -1]), num_blocks=NUM_BLOCKS, distinct=False)  # a gather
     with pytest.raises(ValueError, match=message):
         check_block_ids(np.array(ids), num_blocks=NUM_BLOCKS)
