@@ -1,6 +1,6 @@
 """Builds ragged paged-attention cases that make stray reads visible.
 
-Shared by the tests of every implementation. A case has:
+Shared by the tests of every implementation and by ``python -m kvjax demo``. A case has:
 
 * page ids drawn from a shuffled pool, so no implementation can assume contiguous pages;
 * every page no live sequence owns filled with NaN, and so are the slots past ``seq_len`` in
