@@ -7,20 +7,26 @@ Layout::
 
 Why page-major. Attention wants one layer's pages; offload and fetch want one block of every
 layer. Page-major serves both: ``kv_pages[b]`` (block ``b`` of all layers, K and V) is one
-contiguous region, so spilling n blocks is n copies (one DMA each in the TPU kernel) instead
-of the ``n * num_layers`` a layer-major pool needs; and ``kv_pages[b, layer, 0 | 1, head]``
-is still a contiguous ``[page_size, head_dim]`` tile for attention. Measured on CPU
-(2 shared cores, 16 layers, 1 MiB blocks, bf16; ``benchmarks/bench_pool_layout.py``):
+contiguous region, so moving n blocks is n copies (one DMA each in the TPU kernel) where a
+layer-major pool needs ``n * num_layers``; and ``kv_pages[b, layer, 0 | 1, head]`` is still a
+contiguous ``[page_size, head_dim]`` tile for attention. Measured on CPU
+(``benchmarks/bench_pool_layout.py --repeats 30``: 16 layers, 8 KV heads, page 16, head_dim
+128, bf16, 1 MiB blocks; 2 cores shared with other jobs, so min of 30 interleaved runs):
 
-* one block per host array, as the host tier keeps them: offloading 1 / 8 / 32 blocks took
-  0.75 / 6.1 / 42 ms page-major against 2.9 / 62 / 321 ms layer-major (one array per
-  block and layer): 4-8x, from issuing ``num_layers`` times fewer copies;
-* one layer's paged attention over a decode batch and one layer's ``write_kv`` cost the same
-  in both layouts (75 vs 70 ms and 0.07 vs 0.07 ms, within noise): XLA fuses the layer
-  slice into the page gather, so nothing copies the layer first.
+* per-block offload, one host array per block as the host tier keeps them: 1 / 8 / 32 blocks
+  took 0.85 / 7.8 / 50 ms page-major against 7.4 / 60 / 409 ms layer-major (one array per
+  block and layer), 8-9x, from issuing ``num_layers`` times fewer copies;
+* one layer's paged attention over a decode batch (8 x 256 tokens) and one layer's
+  ``write_kv`` cost the same either way (43 vs 48 ms, 0.06 vs 0.06 ms; medians 57 vs 58 ms):
+  XLA fuses the layer slice into the page gather, nothing copies the layer first;
+* batched offload (one gather, one ``device_put``): page-major won at 1 and 8 blocks (1.2 vs
+  3.6 ms, 4.0 vs 8.5 ms) and lost at 32 (138 ms, 55 ms in gathers of 8, vs 30 ms for 16
+  per-layer gathers): XLA's CPU backend fills one fresh 32 MiB output more slowly than several
+  small ones, whatever the layout (a layer-major ``[L, num_blocks, ...]`` stack: 113 ms).
 
-On CPU one gather of 32 MiB was slower than several of 8 MiB in every layout (an allocator
-effect, not a layout one), so the offload path gathers in modest batches.
+Not yet measured on an accelerator (none here); there blocks move by DMA or copy kernels,
+whose count the layout divides by ``num_layers``, and vLLM reported a 4-5x offload speed-up
+on GPU from making each block one contiguous region.
 
 :class:`PagePool` creates the pool once (zero-filled, optionally sharded) and owns the
 current array: every update donates the old buffer to the kernel and keeps the result, so
