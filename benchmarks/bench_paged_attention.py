@@ -36,6 +36,12 @@ from pallas_kernels import paged_attention  # noqa: E402
 DECODE_BATCHES = (8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (512, 2048, 4096, 8192, 32768)
 QUICK_BATCHES, QUICK_CONTEXTS = (2, 8), (256, 1024)
+# --sweep: tuning variants of the GPU kernel, one knob at a time around the defaults, on a
+# many-sequence case and a few-long-sequences (split-K) case.
+SWEEP_CASES = ((64, 8192), (8, 32768))
+SWEEP_VARIANTS = ({}, dict(pages_per_compute_block=4), dict(pages_per_compute_block=16),
+                  dict(num_stages=2), dict(num_stages=4), dict(num_warps=8), dict(num_splits=1),
+                  dict(num_splits=16), dict(num_splits=64))
 
 
 def main() -> None:
@@ -46,21 +52,27 @@ def main() -> None:
         args.head_dim, args.prefill = 64, [(2, 64, 256)]
         args.max_kv_gib = min(args.max_kv_gib, 0.0625)
         args.dtype = "float32"  # XLA:CPU has no bfloat16 x bfloat16 -> float32 dot
-    impl = args.impl or ("pallas_gpu" if on_gpu else "xla")
+        args.sweep_cases = ((8, 1024),)
+    impl = args.impl = args.impl or ("pallas_gpu" if on_gpu else "xla")
     started = time.perf_counter()
     copy_bw = copy_bandwidth(args.copy_mib * 2**20)
-    rows, prefill_rows, notes = [], [], []
+    rows, prefill_rows, sweep_rows, notes, skipped = [], [], [], [], []
     for kind, case in _jobs(args):
         if time.perf_counter() - started > args.budget_s:
-            notes.append(f"{kind} {case}: skipped, past --budget-s={args.budget_s:g}")
+            skipped.append(f"{kind} {case}")
         elif kind == "decode":
             rows.append(bench_decode(*case, args, impl, on_gpu, copy_bw, notes))
+        elif kind == "sweep":
+            sweep_rows.append(bench_variant(*case, args, impl, copy_bw))
         else:
             prefill_rows.append(bench_prefill(*case, args, impl))
+    if skipped:
+        notes.append(f"{len(skipped)} jobs not started, past --budget-s={args.budget_s:g}: "
+                     + "; ".join(skipped))
     report = dict(command=" ".join([pathlib.Path(sys.executable).name] + sys.argv),
                   backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
-                  jax=jax.__version__, impl=impl, dtype=args.dtype, copy_gb_s=copy_bw / 1e9, decode=rows,
-                  prefill=prefill_rows, notes=notes)
+                  jax=jax.__version__, impl=impl, dtype=args.dtype, copy_gb_s=copy_bw / 1e9,
+                  decode=rows, prefill=prefill_rows, sweep=sweep_rows, notes=notes)
     text = render_markdown(report)
     print(text)
     if args.out:
@@ -86,8 +98,10 @@ def _parse_args():
     p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new cases")
+    p.add_argument("--sweep", action="store_true", help="also time GPU tuning variants")
     args = p.parse_args()
     args.prefill = [(4, 512, 2048), (1, 2048, 2048)]  # (chunks, tokens per chunk, context)
+    args.sweep_cases = SWEEP_CASES
     if args.copy_mib is None:
         args.copy_mib = 64 if args.quick else 2048
     return args
@@ -102,8 +116,12 @@ def _jobs(args):
     then the other decode cases, so a --budget-s cut drops the least important ones."""
     cases = [(b, c) for b in args.batches for c in args.contexts]
     target = [bc for bc in cases if bc[0] >= 32 and bc[1] >= 4096]
+    # The variants are the GPU kernel's knobs; other implementations would ignore them.
+    sweep = [("sweep", (b, c, v)) for b, c in args.sweep_cases for v in SWEEP_VARIANTS
+             if args.sweep and args.impl == "pallas_gpu"]
     return ([("decode", bc) for bc in target] + [("prefill", p) for p in args.prefill]
-            + [("decode", bc) for bc in cases if bc not in target])
+            + [("decode", bc) for bc in cases if bc not in target]
+            + sweep)
 
 
 def time_call(fn, *args, rounds: int = 5, round_s: float = 0.02) -> float:
@@ -123,12 +141,29 @@ def time_call(fn, *args, rounds: int = 5, round_s: float = 0.02) -> float:
     return statistics.median(per_call)
 
 
-def copy_bandwidth(nbytes: int) -> float:
-    """Bytes read + written per second by a jitted ``x + 1`` over ``nbytes`` of float32
-    (float32: XLA:CPU widens bfloat16 arithmetic, which would measure conversions)."""
+def copy_bandwidth(nbytes: int, rounds: int = 5) -> float:
+    """Bytes read + written per second by a jitted ``x + 1`` over ``nbytes`` of float32.
+
+    The input is donated and the output fed back, so every call reuses one buffer: a fresh
+    output per call would time page faults on a CPU. float32 because XLA:CPU widens bfloat16
+    arithmetic, which would time conversions.
+    """
+    step = jax.jit(lambda a: a + 1, donate_argnums=0)
     x = jnp.zeros((nbytes // 4,), jnp.float32)
-    seconds = time_call(jax.jit(lambda a: a + 1), x)
-    return 2 * nbytes / seconds
+    for _ in range(3):
+        x = step(x)
+    x.block_until_ready()
+    t0 = time.perf_counter()
+    x = step(x).block_until_ready()
+    n = max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x = step(x)
+        x.block_until_ready()
+        per_call.append((time.perf_counter() - t0) / n)
+    return 2 * nbytes / statistics.median(per_call)
 
 
 def make_paged_batch(rng, *, batch, ctx, q_len, args):
@@ -214,11 +249,14 @@ def bench_decode(batch, ctx, args, impl, on_gpu, copy_bw, notes):
         else:
             timed["jax_shipped"] = shipped
             row["jax_shipped_config"] = note
+    if impl == "pallas_gpu":
+        timed["kernel_only"] = _kernel_only(inputs, interpret=not on_gpu, max_q_len=1)
     for name, (fn, fn_args) in timed.items():
         seconds = time_call(fn, *fn_args, rounds=args.rounds)
-        diff = jnp.max(jnp.abs(fn(*fn_args).astype(jnp.float32) - expect.astype(jnp.float32)))
         row[name] = dict(us=seconds * 1e6, gb_s=kv_bytes / seconds / 1e9,
-                         copy_frac=kv_bytes / seconds / copy_bw, max_diff=float(diff))
+                         copy_frac=kv_bytes / seconds / copy_bw)
+        if name != "kernel_only":  # its output is in the kernel's own row layout
+            row[name]["max_diff"] = _max_diff(fn(*fn_args), expect)
     del inputs, k, v
     return row
 
@@ -236,10 +274,44 @@ def bench_prefill(chunks, q_len, ctx, args, impl):
              "dense": (dense, (inputs["q"], k, v, inputs["seq_lens"]))}
     for name, (fn, fn_args) in timed.items():
         seconds = time_call(fn, *fn_args, rounds=args.rounds)
-        diff = jnp.max(jnp.abs(fn(*fn_args).astype(jnp.float32) - expect.astype(jnp.float32)))
         row[name] = dict(us=seconds * 1e6, tokens_s=chunks * q_len / seconds,
-                         tflop_s=flops / seconds / 1e12, max_diff=float(diff))
+                         tflop_s=flops / seconds / 1e12, max_diff=_max_diff(fn(*fn_args), expect))
     return row
+
+
+def bench_variant(batch, ctx, variant, args, impl, copy_bw):
+    """The paged implementation with tuning ``variant`` on one decode case."""
+    row = dict(batch=batch, ctx=ctx, variant=variant)
+    kv_bytes = batch * ctx * args.num_kv_heads * args.head_dim * 2 * jnp.dtype(args.dtype).itemsize
+    inputs = make_paged_batch(np.random.default_rng(batch * 7 + ctx), batch=batch, ctx=ctx,
+                              q_len=1, args=args)
+    try:
+        seconds = time_call(_paged_fn(impl, max_q_len=1, **variant), *inputs.values(),
+                            rounds=args.rounds)
+    except Exception as err:  # a variant Triton cannot compile is a result, not a crash
+        return row | dict(error=f"{type(err).__name__}: {str(err)[:200]}")
+    return row | dict(us=seconds * 1e6, gb_s=kv_bytes / seconds / 1e9,
+                      copy_frac=kv_bytes / seconds / copy_bw)
+
+
+def _kernel_only(inputs, *, interpret, **tuning):
+    """The GPU kernel's ``pallas_call`` alone on prepared inputs (default tuning, no split
+    combine): the gap to the full call is what the jnp steps around it cost."""
+    from pallas_kernels import paged_attention_gpu as gpu
+
+    q, kv_pages, tables, seq_lens, cu_q_lens, num_seqs = inputs.values()
+    plan = gpu._plan(q, kv_pages, tables, interpret=interpret, block_q=None,
+                     pages_per_compute_block=None, num_splits=None, **tuning)
+    work = gpu._work_items(cu_q_lens, seq_lens, num_seqs, plan)
+    fn = jax.jit(lambda *a: gpu._call_kernel(
+        *a, plan, layer=0, sm_scale=1 / math.sqrt(q.shape[-1]), sliding_window=None,
+        soft_cap=None, interpret=interpret, num_warps=gpu._NUM_WARPS,
+        num_stages=gpu._NUM_STAGES))
+    return fn, (work, tables, gpu._group_rows(q, plan), kv_pages)
+
+
+def _max_diff(out, expect) -> float:
+    return float(jnp.max(jnp.abs(out.astype(jnp.float32) - expect.astype(jnp.float32))))
 
 
 def _paged_fn(impl, **tuning):
@@ -254,20 +326,23 @@ def render_markdown(report) -> str:
              f"Paged implementation: `{report['impl']}`. Copy bandwidth (x + 1, read + write): "
              f"**{report['copy_gb_s']:.0f} GB/s**.", "",
              f"## Decode (one query token per sequence), {report['dtype']}", "",
-             "| batch | ctx | K/V MiB | paged us | paged GB/s | % copy | dense us | dense GB/s "
-             "| shipped us | shipped GB/s | paged vs shipped | max diff (paged, shipped) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| batch | ctx | K/V MiB | paged us | kernel-only us | paged GB/s | % copy "
+             "| dense us | dense GB/s | shipped us | shipped GB/s | paged vs shipped "
+             "| max diff (paged, shipped) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(report["decode"], key=lambda r: (r["batch"], r["ctx"])):
         if "skipped" in r:
             continue
         p, d, s = r["paged"], r["dense"], r.get("jax_shipped")
+        kernel = f"{r['kernel_only']['us']:.1f}" if "kernel_only" in r else "n/a"
         shipped = "n/a | n/a | n/a"
         if s:
             shipped = f"{s['us']:.1f} | {s['gb_s']:.0f} | {s['us'] / p['us']:.2f}x"
         diffs = f"{p['max_diff']:.1e}, " + (f"{s['max_diff']:.1e}" if s else "n/a")
         lines.append(
-            f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | {p['us']:.1f} | {p['gb_s']:.0f} | "
-            f"{100 * p['copy_frac']:.0f}% | {d['us']:.1f} | {d['gb_s']:.0f} | {shipped} | {diffs} |")
+            f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | {p['us']:.1f} | {kernel} | "
+            f"{p['gb_s']:.0f} | {100 * p['copy_frac']:.0f}% | {d['us']:.1f} | {d['gb_s']:.0f} | "
+            f"{shipped} | {diffs} |")
     lines += _headline(report["decode"])
     lines += ["", f"## Chunked prefill, {report['dtype']}", "",
               "| chunks x tokens | ctx | paged us | paged tokens/s | paged TFLOP/s | dense us "
@@ -277,6 +352,13 @@ def render_markdown(report) -> str:
         lines.append(f"| {r['chunks']} x {r['q_len']} | {r['ctx']} | {p['us']:.1f} | "
                      f"{p['tokens_s']:.3g} | {p['tflop_s']:.1f} | {d['us']:.1f} | "
                      f"{d['tokens_s']:.3g} | {p['max_diff']:.1e} |")
+    if report["sweep"]:
+        lines += ["", "## Tuning sweep (decode)", "",
+                  "| batch | ctx | variant | us | GB/s | % copy |", "|---|---|---|---|---|---|"]
+        for r in report["sweep"]:
+            timing = (f"{r['us']:.1f} | {r['gb_s']:.0f} | {100 * r['copy_frac']:.0f}%"
+                      if "us" in r else f"{r['error']} | | ")
+            lines.append(f"| {r['batch']} | {r['ctx']} | {r['variant'] or 'default'} | {timing} |")
     if report["notes"]:
         lines += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"

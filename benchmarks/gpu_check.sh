@@ -27,7 +27,7 @@ else
   PY="${PYTHON:-python3}"
   GPU_TEST_ARGS=()
   OTHER_TEST_ARGS=()
-  BENCH_ARGS=(--budget-s 150)
+  BENCH_ARGS=(--budget-s 150 --sweep)
   LIMITS=(30 150 90 200)
 fi
 mkdir -p "$OUT"

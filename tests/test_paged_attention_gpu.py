@@ -46,11 +46,11 @@ def test_window_and_soft_cap(sliding_window, soft_cap, num_splits):
     assert_matches_reference(case, _attend(case, num_splits=num_splits, **kw), **kw)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_long_context_split_k(num_splits):
+def test_long_context_split_k():
+    """Hundreds of keys per sequence over 4 splits: the combine of partial softmaxes."""
     case = make_case(3, q_lens=[1, 16], kv_lens=[500, 300], page_size=16, head_dim=64,
                      dtype=jnp.bfloat16)
-    out = _attend(case, sm_scale=0.05, num_splits=num_splits)
+    out = _attend(case, sm_scale=0.05, num_splits=4)
     assert_matches_reference(case, out, sm_scale=0.05)
 
 
@@ -105,8 +105,9 @@ def test_work_items_cover_every_query_token_once():
     plan = gpu_module._Plan(num_kv_heads=1, group=4, group_pad=4, block_q=4, page_size=8,
                             pages_per_block=2, num_work=gpu_module._num_work_items(16, 5, 4, 16),
                             num_splits=1)
-    work = np.asarray(gpu_module._work_items(
-        jnp.asarray(cu), jnp.asarray(seq_lens), jnp.array([4], jnp.int32), plan))
+    work_items = jax.jit(gpu_module._work_items, static_argnums=3)  # one compile, not per op
+    work = np.asarray(work_items(jnp.asarray(cu), jnp.asarray(seq_lens),
+                                 jnp.array([4], jnp.int32), plan))
     expected = []
     for s in range(4):
         q_len = cu[s + 1] - cu[s]
