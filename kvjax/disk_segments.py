@@ -38,11 +38,10 @@ __all__ = [
     "block_checksum",
     "make_checkpointer",
     "read_manifest",
-    "read_rows",
+    "read_verified",
     "remove_segment",
     "scan_directory",
     "segment_name",
-    "verify_rows",
     "write_segment",
 ]
 
@@ -100,18 +99,6 @@ def make_checkpointer(use_ocdbt: bool) -> ocp.Checkpointer:
     return ocp.Checkpointer(handler)
 
 
-def verify_rows(manifest: SegmentManifest, namespace: bytes, keys: list[bytes],
-                rows: list[int], payload: np.ndarray) -> list[bool]:
-    """Whether each read row is the block `keys[i]` of `namespace` that was written."""
-    def verify(i: int) -> bool:
-        row = rows[i]
-        return (manifest.keys[row] == keys[i] and manifest.namespaces[row] == namespace
-                and block_checksum(namespace, keys[i], payload[i]) == manifest.checksums[row])
-    if len(rows) < 4:
-        return [verify(i) for i in range(len(rows))]
-    return list(_hash_pool().map(verify, range(len(rows))))
-
-
 def write_segment(checkpointer: ocp.Checkpointer, directory: str, manifest: SegmentManifest,
                   payload: np.ndarray) -> SegmentManifest:
     """Writes and commits one segment; returns the manifest with checksums and size filled in.
@@ -161,26 +148,48 @@ def read_manifest(path: str) -> SegmentManifest:
     return manifest
 
 
-def read_rows(checkpointer: ocp.Checkpointer, directory: str, manifest: SegmentManifest,
-              rows: list[int]) -> np.ndarray:
-    """Reads payload rows u8[len(rows), block_nbytes] of a segment (checksums not checked).
+def read_verified(checkpointer: ocp.Checkpointer, directory: str, manifest: SegmentManifest,
+                  namespace: bytes, keys: list[bytes], rows: list[int], out: np.ndarray,
+                  out_index: list[int]) -> list[bool]:
+    """Reads segment rows into `out[out_index[i]]` and checks each against its checksum.
 
-    Reads only the chunks of the requested rows through TensorStore (orbax's storage layer);
-    falls back to a full orbax restore if that layout cannot be opened.
+    out: u8[m, block_nbytes], written in place. Returns, per row, whether it is the block
+    `keys[i]` of `namespace` as written; a row that fails is zeroed in `out`. Raises when the
+    segment cannot be read at all. TensorStore (orbax's storage layer) copies just the
+    requested chunks into `out`, in groups, and each group is hashed while the next is read;
+    a layout it cannot open falls back to a full orbax restore.
     """
     path = os.path.join(directory, manifest.name)
     expected = (len(manifest.keys), manifest.block_nbytes)
     try:
-        array = _open_payload(path, manifest.use_ocdbt)
+        source = _open_payload(path, manifest.use_ocdbt)
     except Exception as err:  # noqa: BLE001 - any layout surprise: use orbax's own reader
         _log.info("segment %s: direct read unavailable (%s); restoring with orbax", path, err)
-        payload = _restore_payload(checkpointer, path)
-        if payload.shape != expected or payload.dtype != np.uint8:
-            raise ValueError(f"segment {path} payload is {payload.shape}, expected {expected}")
-        return payload[rows]
-    if tuple(array.shape) != expected or array.dtype != ts.uint8:
-        raise ValueError(f"segment {path} payload is {tuple(array.shape)}, expected {expected}")
-    return array[np.asarray(rows, np.int64)].read().result()
+        source = _restore_payload(checkpointer, path)
+    if tuple(source.shape) != expected or np.dtype(source.dtype.name) != np.uint8:
+        raise ValueError(f"segment {path} payload is {tuple(source.shape)}, expected {expected}")
+
+    def check(i: int) -> bool:
+        row, target = rows[i], out[out_index[i]]
+        if (manifest.keys[row] == keys[i] and manifest.namespaces[row] == namespace
+                and block_checksum(namespace, keys[i], target) == manifest.checksums[row]):
+            return True
+        target[...] = 0
+        return False
+
+    groups = np.array_split(np.arange(len(rows)), min(len(rows), _READ_GROUPS))
+    copies = [_copy_rows(source, out, [rows[i] for i in group], [out_index[i] for i in group])
+              for group in groups]
+    checks = []
+    try:
+        for group, copy in zip(groups, copies):
+            copy.result()
+            checks += [_hash_pool().submit(check, int(i)) for i in group]
+        return [check.result() for check in checks]
+    finally:  # nothing may touch `out` after we return, even on an error
+        for copy in copies:
+            copy.exception()
+        concurrent.futures.wait(checks)
 
 
 def remove_segment(directory: str, name: str) -> None:
@@ -229,6 +238,20 @@ def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
     # hashlib releases the GIL on large buffers, so checksums scale with cores.
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvjax-checksum")
+
+
+_READ_GROUPS = 8  # reads in flight per segment, so hashing overlaps reading
+
+
+def _copy_rows(source, out: np.ndarray, rows: list[int], out_rows: list[int]):
+    """Starts copying source rows into out rows; returns a future (TensorStore's or done)."""
+    if isinstance(source, np.ndarray):  # the orbax-restore fallback
+        out[out_rows] = source[rows]
+        future = concurrent.futures.Future()
+        future.set_result(None)
+        return future
+    target = ts.array(out)  # shares `out`'s memory: the read lands in place
+    return target[np.asarray(out_rows, np.int64)].write(source[np.asarray(rows, np.int64)])
 
 
 def _save_payload(checkpointer: ocp.Checkpointer, path: str, payload: np.ndarray) -> None:

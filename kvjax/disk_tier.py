@@ -84,12 +84,13 @@ class DiskTier:
     """Blocks on disk in checksummed orbax segments, with whole-segment LRU eviction."""
 
     def __init__(self, directory: str, block_shape: Sequence[int], dtype, capacity_bytes: int,
-                 *, segment_bytes: int = 64 << 20, use_ocdbt: bool = False):
+                 *, segment_bytes: int = 64 << 20, use_ocdbt: bool = True):
         """Opens (creating if needed) `directory` and indexes the segments already in it.
 
         segment_bytes: payload bytes per segment; a segment holds at least one block.
-        use_ocdbt: orbax's OCDBT key-value layout (fewer files) instead of one file per
-          block; see benchmarks/bench_tiers.py for the speed of each.
+        use_ocdbt: orbax's OCDBT layout (a few files per segment) rather than one file per
+          block; about as fast (benchmarks/bench_tiers.py), fewer files and fsyncs, and
+          orbax logs a warning on every non-OCDBT save.
         """
         self.block_shape = tuple(int(d) for d in block_shape)
         if not self.block_shape or min(self.block_shape) <= 0:
@@ -176,31 +177,18 @@ class DiskTier:
             for name in by_segment:
                 self._segments[name].pins += 1  # no eviction while its files are read
                 self._segments.move_to_end(name)
-        out = None  # u8[len(keys), block_nbytes]
+        out = np.zeros((len(keys), self.block_nbytes), np.uint8)
         try:
             for name, wanted in by_segment.items():
-                payload, verified = self._read_segment(
-                    name, [(keys[i], row) for i, row in wanted], namespace)
-                if payload is None:
-                    continue
-                if len(wanted) == len(keys) and all(verified):
-                    out = payload  # one segment served every key, in order: no second copy
-                    hits[:] = True
-                    continue
-                if out is None:
-                    out = np.zeros((len(keys), self.block_nbytes), np.uint8)
-                for j, (i, _) in enumerate(wanted):
-                    if verified[j]:
-                        out[i] = payload[j]
-                        hits[i] = True
+                verified = self._read_segment(name, [(keys[i], row) for i, row in wanted],
+                                              namespace, out, [i for i, _ in wanted])
+                hits[[i for i, _ in wanted]] = verified
         finally:
             with self._lock:
                 for name in by_segment:
                     self._unpin(name)
                 self._stats.hit_blocks += int(hits.sum())
                 self._stats.miss_blocks += len(keys) - int(hits.sum())
-        if out is None:
-            out = np.zeros((len(keys), self.block_nbytes), np.uint8)
         return DiskRead(out.view(self.dtype).reshape(len(keys), *self.block_shape), hits)
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -293,22 +281,22 @@ class DiskTier:
             self._stats.put_blocks += len(keys)
         return True
 
-    def _read_segment(self, name: str, wanted: list[tuple[bytes, int]], namespace: bytes
-                      ) -> tuple[np.ndarray | None, list[bool]]:
-        """Reads (key, row) pairs of a pinned segment; returns the payload and which verified."""
+    def _read_segment(self, name: str, wanted: list[tuple[bytes, int]], namespace: bytes,
+                      out: np.ndarray, out_index: list[int]) -> list[bool]:
+        """Reads (key, row) pairs of a pinned segment into `out`; returns which verified."""
         manifest = self._segments[name].manifest
+        keys = [key for key, _ in wanted]
+        rows = [row for _, row in wanted]
         try:
-            payload = seg.read_rows(self._checkpointer, self.directory, manifest,
-                                    [row for _, row in wanted])
+            verified = seg.read_verified(self._checkpointer, self.directory, manifest,
+                                         namespace, keys, rows, out, out_index)
         except Exception as err:  # noqa: BLE001 - unreadable segment: all its blocks miss
             _log.warning("disk tier: segment %s unreadable, dropping it: %r", name, err)
+            out[out_index] = 0
             with self._lock:
                 self._stats.read_errors += 1
                 self._forget_segment(name)
-            return None, [False] * len(wanted)
-        keys = [key for key, _ in wanted]
-        rows = [row for _, row in wanted]
-        verified = seg.verify_rows(manifest, namespace, keys, rows, payload)
+            return [False] * len(wanted)
         for key, row, ok in zip(keys, rows, verified):
             if ok:
                 continue
@@ -318,7 +306,7 @@ class DiskTier:
                 if self._blocks.get((namespace, key)) == (name, row):
                     del self._blocks[(namespace, key)]
                     self._segments[name].live_rows.discard(row)
-        return payload, verified
+        return verified
 
     def _open_directory(self) -> None:
         committed, orphans = seg.scan_directory(self.directory)

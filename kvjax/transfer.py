@@ -337,7 +337,11 @@ class TransferEngine:
 
     def _submit(self, job: _Job) -> concurrent.futures.Future:
         if self._lock_hook is not None:
-            self._lock_hook(job.link, job.keys)
+            try:
+                self._lock_hook(job.link, job.keys)
+            except BaseException:  # the caller's hook failed: undo the tier locks, re-raise
+                self._finish(job, self._failure(job, "lock hook failed"), hooks=False)
+                raise
         with self._cond:
             if not self._closed:
                 heapq.heappush(self._queues[job.link], (job.priority, next(self._seq), job))

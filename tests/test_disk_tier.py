@@ -92,6 +92,12 @@ def test_a_manifest_that_relabels_a_block_never_serves_it(tmp_path):
     assert reopened.stats().corrupt_blocks == 1
 
 
+def payload_files(segment_dir):
+    """The files holding block bytes: chunk files, or OCDBT data files."""
+    return [f for f in glob.glob(os.path.join(segment_dir, "**", "*"), recursive=True)
+            if os.path.isfile(f) and ("/c/" in f or "/d/" in f)]
+
+
 def flip_byte(path, offset=None):
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2 if offset is None else offset] ^= 0xFF
@@ -100,7 +106,7 @@ def flip_byte(path, offset=None):
 
 def test_corrupt_block_is_a_miss_and_a_metric(tmp_path):
     blocks = random_blocks(4)
-    tier = make_tier(tmp_path)
+    tier = make_tier(tmp_path, use_ocdbt=False)  # a file per block: damage exactly one
     tier.put(keys(4), blocks, NS)
     flip_byte(os.path.join(segment_dirs(tmp_path)[0], "payload", "c", "2", "0"))
     read = tier.get(keys(4), NS)
@@ -118,8 +124,7 @@ def test_damaged_segment_is_a_miss_and_a_metric(tmp_path, fault, use_ocdbt):
     tier = make_tier(tmp_path, use_ocdbt=use_ocdbt)
     tier.put(keys(8), blocks, NS)
     damaged = segment_dirs(tmp_path)[0]  # holds blocks 0..3
-    data_files = [f for f in glob.glob(os.path.join(damaged, "**", "*"), recursive=True)
-                  if os.path.isfile(f) and ("/c/" in f or "/d/" in f)]
+    data_files = payload_files(damaged)
     assert data_files
     for path in data_files:
         if fault == "corrupt":

@@ -165,8 +165,9 @@ def test_failures_resolve_the_future_and_never_serve_wrong_blocks(tmp_path, monk
         assert not full.ok and full.done_keys == () and disk.stats().enospc_errors == 1
         monkeypatch.undo()
         host.discard(keys(2, 2))
-        for path in glob.glob(os.path.join(disk.directory, "seg-*", "payload", "c", "*", "0")):
-            os.truncate(path, 3)
+        for path in glob.glob(os.path.join(disk.directory, "seg-*", "**", "d", "*"),
+                              recursive=True):
+            os.truncate(path, 3)  # every OCDBT data file of every segment
         corrupt = engine.restore(keys(2, 2), namespace=NS).result(timeout=WAIT_S)
         assert not corrupt.ok and corrupt.done_keys == ()
         assert not host.contains(keys(1, 2)[0]) and not host.contains(keys(1, 3)[0])
@@ -197,6 +198,19 @@ def test_blocks_in_flight_are_locked_in_their_tier_and_through_the_hooks(tmp_pat
     assert calls[-1] == ("unlock", Link.HOST_TO_DEVICE, tuple(keys(1)), True)
     assert host.discard(keys(1)) == 1  # unlocked: goes at once instead of at a last unlock
     assert host.bytes_used == block_bytes()
+
+
+def test_a_failing_lock_hook_raises_and_leaves_no_lock_behind(tmp_path):
+    host, _ = tiers(tmp_path)
+    host.put(keys(1), random_pool(1, "float32"), namespace=NS)
+
+    def refuse(link, ks):
+        raise KeyError("trie node gone")
+    with TransferEngine(host, lock_hook=refuse) as engine:
+        with pytest.raises(KeyError, match="trie node gone"):
+            engine.fetch(keys(1))
+        assert engine.stats()["host_to_device"]["queued"] == 0
+    assert host.discard(keys(1)) == 1 and host.bytes_used == 0  # not held by a stale lock
 
 
 def test_close_fails_queued_jobs_releases_their_locks_and_stops_the_workers(tmp_path):
