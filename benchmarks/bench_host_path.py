@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvjax.block_keys import validate_tokens  # noqa: E402
+from kvjax.block_keys import as_namespace, chained_block_keys, token_bytes  # noqa: E402
 from kvjax.prefix_cache import PrefixCache  # noqa: E402
 
 TRACE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
@@ -42,21 +42,22 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=64_000, help="device pool, in pages")
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--policy", default="lru")
+    parser.add_argument("--repeats", type=int, default=2, help="passes per implementation; the "
+                        "pass with the least total CPU time is reported")  # fmt: skip
     args = parser.parse_args()
     requests = load_requests(args.trace, args.limit)
     token_count = sum(len(t) for t in requests)
     print(f"{len(requests)} requests, {token_count:,} prompt tokens, page_size={args.page_size}, "
-          f"pool={args.num_blocks} pages, policy={args.policy}\n")  # fmt: skip
-    cache = PrefixCache(args.num_blocks, args.page_size, policy=args.policy, vocab_size=VOCAB_SIZE)
-    kvjax_times, phases = run_kvjax(cache, requests)
-    baseline = DictTrieBaseline(args.num_blocks, args.page_size)
-    base_times = run_baseline(baseline, requests)
-    rows = [
-        ("kvjax PrefixCache", kvjax_times, cache.stats.hit_rate),
-        ("dict-of-children trie", base_times, baseline.hit_tokens / token_count),
-    ]
-    print_table(rows, token_count)
-    print_phases(phases, token_count, len(requests))
+          f"pool={args.num_blocks} pages, policy={args.policy}, best of {args.repeats} passes\n")  # fmt: skip
+    kvjax_runs = [run_kvjax(PrefixCache(args.num_blocks, args.page_size, policy=args.policy,
+                                        vocab_size=VOCAB_SIZE), requests)
+                  for _ in range(args.repeats)]  # fmt: skip
+    kvjax_run = min(kvjax_runs, key=lambda run: run["cpu"].sum())
+    base_runs = [run_baseline(DictTrieBaseline(args.num_blocks, args.page_size), requests)
+                 for _ in range(args.repeats)]  # fmt: skip
+    base_run = min(base_runs, key=lambda run: run["cpu"].sum())
+    print_table([("kvjax PrefixCache", kvjax_run), ("dict-of-children trie", base_run)], token_count)
+    print_phases(kvjax_run, requests, token_count)
     print(f"\ncommand: {' '.join(sys.argv)}")
 
 
@@ -81,66 +82,82 @@ def load_requests(path: Path, limit: int | None) -> list[np.ndarray]:
     return requests
 
 
-def run_kvjax(cache: PrefixCache, requests: list[np.ndarray]) -> tuple[np.ndarray, dict]:
-    times = np.zeros(len(requests))
-    phases = {"admit": 0, "commit": 0, "release": 0, "validate": 0, "match": 0}
-    clock = time.perf_counter_ns
+def run_kvjax(cache: PrefixCache, requests: list[np.ndarray]) -> dict:
+    """Times each request's admit -> commit -> release; CPU time per phase as well."""
+    wall, cpu = np.zeros(len(requests)), np.zeros(len(requests))
+    phases = {"admit": 0, "commit": 0, "release": 0}
     for i, tokens in enumerate(requests):
-        t0 = clock()
+        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         handle = cache.admit(tokens, "tenant-a")
-        t1 = clock()
+        c1 = time.thread_time_ns()
         if handle is not None:
             cache.commit(handle, tokens)
-            t2 = clock()
+        c2 = time.thread_time_ns()
+        if handle is not None:
             cache.release(handle)
-        else:
-            t2 = t1
-        t3 = clock()
-        times[i] = (t3 - t0) / 1e3
-        phases["admit"] += t1 - t0
-        phases["commit"] += t2 - t1
-        phases["release"] += t3 - t2
-    # Sub-phases of admit, measured on the final cache (read-only calls).
-    for tokens in requests:
-        t0 = clock()
-        validate_tokens(tokens, VOCAB_SIZE).tobytes()
-        t1 = clock()
-        cache.match(tokens, "tenant-a")
-        t2 = clock()
-        phases["validate"] += t1 - t0
-        phases["match"] += t2 - t1
-    return times, phases
+        c3, w3 = time.thread_time_ns(), time.perf_counter_ns()
+        wall[i], cpu[i] = (w3 - w0) / 1e3, (c3 - c0) / 1e3
+        for name, delta in (("admit", c1 - c0), ("commit", c2 - c1), ("release", c3 - c2)):
+            phases[name] += delta
+    stats = cache.stats
+    return {"wall": wall, "cpu": cpu, "phases": phases, "cache": cache, "hit_rate": stats.hit_rate,
+            "evicted": stats.evicted_blocks}  # fmt: skip
 
 
-def run_baseline(baseline: "DictTrieBaseline", requests: list[np.ndarray]) -> np.ndarray:
-    times = np.zeros(len(requests))
-    clock = time.perf_counter_ns
+def run_baseline(baseline: "DictTrieBaseline", requests: list[np.ndarray]) -> dict:
+    wall, cpu = np.zeros(len(requests)), np.zeros(len(requests))
     for i, tokens in enumerate(requests):
-        t0 = clock()
+        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         seq = baseline.admit(tokens)
         if seq is not None:
             baseline.commit(seq)
             baseline.release(seq)
-        times[i] = (clock() - t0) / 1e3
-    return times
+        wall[i], cpu[i] = (time.perf_counter_ns() - w0) / 1e3, (time.thread_time_ns() - c0) / 1e3
+    token_count = sum(len(t) for t in requests)
+    return {"wall": wall, "cpu": cpu, "hit_rate": baseline.hit_tokens / token_count,
+            "evicted": baseline.evicted}  # fmt: skip
 
 
 def print_table(rows: list, token_count: int) -> None:
-    print("| implementation | us/request mean | p50 | p99 | us per 1k tokens | token hit rate |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, times, hit_rate in rows:
-        per_k = times.sum() / token_count * 1e3
-        print(f"| {name} | {times.mean():.1f} | {np.percentile(times, 50):.1f} | "
-              f"{np.percentile(times, 99):.1f} | {per_k:.2f} | {hit_rate:.1%} |")  # fmt: skip
+    print("Host CPU time of the whole path per request (thread CPU clock: time the OS gave to other")
+    print("processes does not count; wall clock, which does, in the last column but one):\n")
+    print("| implementation | CPU us/request mean | p50 | p99 | CPU us per 1k tokens "
+          "| wall us per 1k tokens | token hit rate | blocks evicted |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, run in rows:
+        cpu = run["cpu"]
+        print(f"| {name} | {cpu.mean():.1f} | {np.percentile(cpu, 50):.1f} | {np.percentile(cpu, 99):.1f} "
+              f"| {cpu.sum() / token_count * 1e3:.2f} | {run['wall'].sum() / token_count * 1e3:.2f} "
+              f"| {run['hit_rate']:.1%} | {run['evicted']:,} |")  # fmt: skip
 
 
-def print_phases(phases: dict, token_count: int, num_requests: int) -> None:
-    print("\nwhere kvjax's time goes (us per 1k tokens; validate/match re-measured read-only):")
-    print("| phase | us per 1k tokens | us/request |")
+def print_phases(run: dict, requests: list[np.ndarray], token_count: int) -> None:
+    """kvjax's CPU time by phase, plus admit's first steps and page hashing re-measured alone."""
+    cache, num = run["cache"], len(requests)
+    root, page_bytes = cache.trie.root(as_namespace("tenant-a"), create=False), cache.trie.page_bytes
+    steps = {
+        "validate + token bytes": lambda tokens: token_bytes(tokens, VOCAB_SIZE),
+        "trie walk": lambda buf: cache.trie.walk(root, buf, 0, len(buf) - len(buf) % page_bytes),
+        "blake2b key per page": lambda tokens: chained_block_keys(tokens, cache.page_size, "tenant-a"),
+    }
+    buffers = [token_bytes(tokens, VOCAB_SIZE) for tokens in requests]
+    extra = {}
+    for name, step in steps.items():  # one loop per step: each runs with its own data hot
+        inputs = buffers if name == "trie walk" else requests
+        c0 = time.thread_time_ns()
+        for item in inputs:
+            step(item)
+        extra[name] = time.thread_time_ns() - c0
+    print("\nWhere kvjax's time goes (CPU). admit = validate + walk + lock + allocate (evicting"
+          " as needed) + block table;\nthe indented rows are re-measured alone on the final cache;"
+          " the last row is NOT on kvjax's path:\n")  # fmt: skip
+    print("| phase | CPU us per 1k tokens | CPU us/request |")
     print("|---|---:|---:|")
-    for name in ("admit", "validate", "match", "commit", "release"):
-        total_us = phases[name] / 1e3
-        print(f"| {name} | {total_us / token_count * 1e3:.2f} | {total_us / num_requests:.1f} |")
+    rows = [(name, run["phases"][name]) for name in ("admit", "commit", "release")]
+    rows[1:1] = [(f"  of admit: {name}", extra[name]) for name in list(extra)[:2]]
+    rows.append(("(hashing every page with blake2b, as hashed caches do)", extra["blake2b key per page"]))
+    for name, total_ns in rows:
+        print(f"| {name} | {total_ns / token_count:.2f} | {total_ns / num / 1e3:.1f} |")
 
 
 class _PageNode:
@@ -166,6 +183,7 @@ class DictTrieBaseline:
         self.heap: list = []
         self.num_evictable = 0
         self.hit_tokens = 0
+        self.evicted = 0
         self.tick = 0
 
     def admit(self, tokens: np.ndarray):
@@ -234,6 +252,7 @@ class DictTrieBaseline:
             del node.parent.children[node.key]
             node.version += 1
             self.num_evictable -= 1
+            self.evicted += 1
             taken.append(node.block)
             parent = node.parent
             if parent is not self.root and parent.lock == 0 and not parent.children:

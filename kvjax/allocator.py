@@ -42,8 +42,8 @@ class Reclaimer(Protocol):
         """Blocks ``reclaim`` can hand back right now (refcount 0, not pinned)."""
         ...
 
-    def reclaim(self, num_blocks: int) -> np.ndarray:
-        """Evict exactly ``num_blocks`` blocks in policy order and return their ids."""
+    def reclaim(self, num_blocks: int) -> list[np.ndarray]:
+        """Evict exactly ``num_blocks`` blocks in policy order; return their ids (in runs)."""
         ...
 
 
@@ -76,20 +76,27 @@ class BlockAllocator:
 
     def allocate(self, num_blocks: int) -> np.ndarray | None:
         """Return ``num_blocks`` ids with refcount 1, or None (nothing changed) if they do not fit."""
+        parts = self.allocate_parts(num_blocks)
+        return None if parts is None else np.concatenate(parts)
+
+    def allocate_parts(self, num_blocks: int) -> list[np.ndarray] | None:
+        """``allocate`` without joining the pieces (free-queue run, each reclaimed run): a
+        caller that concatenates anyway (a block table) saves one pass over the ids."""
         if num_blocks < 0:
             raise ValueError(f"{num_blocks=} must be >= 0")
         from_queue = min(num_blocks, self._count)
         from_cache = num_blocks - from_queue
         if from_cache and (self.reclaimer is None or self.reclaimer.num_reclaimable < from_cache):
             return None
-        blocks = self._pop(from_queue)
+        parts = [self._pop(from_queue)]
         if from_cache:
-            reclaimed = np.asarray(self.reclaimer.reclaim(from_cache), BLOCK_DTYPE)
-            if reclaimed.shape != (from_cache,):
-                raise RuntimeError(f"reclaimer returned {reclaimed!r}; expected {from_cache} unreferenced blocks")
-            blocks = np.concatenate((blocks, reclaimed))
-        self._refcount[blocks] = 1
-        return blocks
+            reclaimed = self.reclaimer.reclaim(from_cache)
+            if sum(len(part) for part in reclaimed) != from_cache:
+                raise RuntimeError(f"reclaimer returned {reclaimed!r}; expected {from_cache} blocks")
+            parts += reclaimed
+        for part in parts:
+            self._refcount[part] = 1
+        return parts
 
     def free(self, blocks: Sequence[int] | np.ndarray | int, *, check: bool = True) -> None:
         """Discard the content of unreferenced blocks and append them to the free queue.

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvjax.allocator import BLOCK_DTYPE, BlockAllocator, fragmentation
-from kvjax.block_keys import TOKEN_DTYPE, Namespace, as_namespace, validate_tokens
+from kvjax.block_keys import TOKEN_DTYPE, Namespace, as_namespace, token_bytes, validate_tokens
 from kvjax.eviction import EvictionPolicy, make_policy
 from kvjax.prefix_trie import Node, PrefixTrie, Tier
 
@@ -134,8 +134,12 @@ class PrefixCache:
     # --- lookup ----------------------------------------------------------------------------
 
     def match(self, tokens: TokensLike, namespace: NamespaceLike = None) -> MatchResult:
-        """Longest cached prefix of ``tokens`` in whole pages. Read-only: no heat, no locks."""
-        buf = validate_tokens(tokens, self.vocab_size).tobytes()
+        """Longest cached prefix of ``tokens`` in whole pages, any tier (see MatchResult).
+
+        Read-only: no heat, no locks, no split. Unlike ``admit`` it does not hold back the
+        page of the last token, so it can report every page of ``tokens`` as cached.
+        """
+        buf = token_bytes(tokens, self.vocab_size)
         root = self.trie.root(as_namespace(namespace), create=False)
         path = [] if root is None else self.trie.walk(root, buf, 0, self._full_bytes(len(buf)))
         blocks = [node.blocks[:k] for node, k in path]
@@ -160,16 +164,16 @@ class PrefixCache:
         Returns None, changing nothing, when the blocks do not fit even after eviction.
         """
         ns = as_namespace(namespace)
-        toks = validate_tokens(tokens, self.vocab_size)
-        num_pages = -(-len(toks) // self.page_size)
+        buf = token_bytes(tokens, self.vocab_size)
+        num_tokens = len(buf) // 4
+        num_pages = -(-num_tokens // self.page_size)
         if num_pages > self.allocator.num_blocks:
-            raise ValueError(f"sequence of {len(toks)} tokens needs {num_pages} blocks; "
+            raise ValueError(f"sequence of {num_tokens} tokens needs {num_pages} blocks; "
                              f"the pool has {self.allocator.num_blocks}")  # fmt: skip
         now = self.clock()
         self.trie.expire_soft_pins(now)
-        buf = toks.tobytes()
         root = self.trie.root(ns, create=False)
-        limit = max(len(toks) - 1, 0) // self.page_size * self.trie.page_bytes
+        limit = max(num_tokens - 1, 0) // self.page_size * self.trie.page_bytes
         matched = [] if root is None else self.trie.walk(root, buf, 0, limit)
         path = list(itertools.takewhile(lambda p: p[0].on_device, matched))
         num_hit = sum(k for _, k in path)
@@ -179,13 +183,12 @@ class PrefixCache:
             self._stats.admit_failures += 1
             return None
         tail = self._lock_hit_path(path, root or self.trie.root(ns, create=True), now)
-        hit_blocks = np.concatenate([node.blocks[:k] for node, k in path]) if path else _NO_BLOCKS
-        new_blocks = self.allocator.allocate(num_pages - num_hit)
+        new_blocks = self.allocator.allocate_parts(num_pages - num_hit)
         if new_blocks is None:
             raise RuntimeError("allocation failed after the admission check said it fits")
-        self.allocator.incref(hit_blocks, check=False)
-        handle = SeqHandle(next(self._seq_ids), ns, len(toks), num_hit, self.page_size,
-                           np.concatenate((hit_blocks, new_blocks)), buf, tail)  # fmt: skip
+        table = np.concatenate([node.blocks[:k] for node, k in path] + new_blocks)  # one pass
+        self.allocator.incref(table[:num_hit], check=False)
+        handle = SeqHandle(next(self._seq_ids), ns, num_tokens, num_hit, self.page_size, table, buf, tail)
         self._handles[handle.seq_id] = handle
         self._count_admission(handle, sum(k for _, k in matched) - num_hit)
         return handle
@@ -199,11 +202,11 @@ class PrefixCache:
         missing = -(-num_tokens // self.page_size) - len(handle.block_ids)
         if missing > 0:
             self.trie.expire_soft_pins(self.clock())
-            new_blocks = self.allocator.allocate(missing)
+            new_blocks = self.allocator.allocate_parts(missing)
             if new_blocks is None:
                 self._stats.extend_failures += 1
                 return False
-            handle.block_ids = np.concatenate((handle.block_ids, new_blocks))
+            handle.block_ids = np.concatenate([handle.block_ids] + new_blocks)
         handle.num_tokens = num_tokens
         return True
 
@@ -215,10 +218,9 @@ class PrefixCache:
         committed are skipped; the partial last page never enters.
         """
         self._require_alive(handle)
-        buf = self._commit_bytes(handle, tokens)
-        if len(buf) > len(handle._tokens):
-            handle._tokens = buf
-        end = self._full_bytes(len(buf))
+        buf, num_tokens = self._commit_bytes(handle, tokens)
+        handle._tokens = buf
+        end = self._full_bytes(4 * num_tokens)
         start = handle._committed * self.trie.page_bytes
         if end <= start:
             return 0
@@ -247,18 +249,18 @@ class PrefixCache:
         """Cached blocks that eviction can free now (unreferenced, unpinned)."""
         return self.trie.num_evictable
 
-    def reclaim(self, num_blocks: int) -> np.ndarray:
+    def reclaim(self, num_blocks: int) -> list[np.ndarray]:
         """Evict exactly ``num_blocks`` cached blocks and hand them out (allocator hook)."""
-        blocks = self.trie.reclaim(num_blocks, self.clock())
-        self._stats.evicted_blocks += len(blocks)
-        return blocks
+        runs = self.trie.reclaim(num_blocks, self.clock())
+        self._stats.evicted_blocks += num_blocks
+        return runs
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` cached blocks into the free queue; return their ids."""
         if num_blocks < 0:
             raise ValueError(f"{num_blocks=} must be >= 0")
         self.trie.expire_soft_pins(self.clock())
-        blocks = self.reclaim(min(num_blocks, self.trie.num_evictable))
+        blocks = np.concatenate([_NO_BLOCKS] + self.reclaim(min(num_blocks, self.trie.num_evictable)))
         self.allocator.free(blocks, check=False)
         return blocks.tolist()
 
@@ -271,7 +273,7 @@ class PrefixCache:
         if ttl is not None and not ttl > 0:
             raise ValueError(f"{ttl=} must be a positive number of seconds (or None: hard pin)")
         ns = as_namespace(namespace)
-        buf = validate_tokens(tokens, self.vocab_size).tobytes()
+        buf = token_bytes(tokens, self.vocab_size)
         now = self.clock()
         self.trie.expire_soft_pins(now)
         root = self.trie.root(ns, create=False)
@@ -290,9 +292,9 @@ class PrefixCache:
         return sum(k for _, k in path) * self.page_size
 
     def unpin(self, tokens: TokensLike, namespace: NamespaceLike = None) -> None:
-        """Undo one hard ``pin`` made with the same tokens and namespace."""
+        """Undo the most recent hard ``pin`` made with the same full pages and namespace."""
         ns = as_namespace(namespace)
-        buf = validate_tokens(tokens, self.vocab_size).tobytes()
+        buf = token_bytes(tokens, self.vocab_size)
         key = (ns, buf[: self._full_bytes(len(buf))])
         pinned = self._pins.get(key)
         if not pinned:
@@ -313,7 +315,6 @@ class PrefixCache:
         """Forget a HOST/DISK copy; an off-device page left without copies leaves the trie."""
         node, index = self._locate_page(tokens, namespace, page, tier)
         self.trie.clear_tier(node, index, tier)
-        self._sync_trie_stats()
 
     @property
     def stats(self) -> CacheStats:
@@ -339,32 +340,9 @@ class PrefixCache:
         page's block is owned by the trie (not free, not private to a sequence); locked and
         pinned nodes are still on device (the trie's own checks cover structure and counters).
         """
-        self.allocator.check_invariants()
-        trie_blocks = self.trie.check_invariants()
-        size = self.allocator.num_blocks
-        free = np.zeros(size, bool)
-        free[self.allocator.free_queue()] = True
-        in_trie = np.zeros(size, bool)
-        in_trie[trie_blocks] = True
-        _fail_if(free & in_trie, "is free but still indexed by the trie")
-        expected = np.zeros(size, np.int64)
-        locks: dict[int, int] = {}
-        for handle in self._handles.values():
-            held = self._check_handle(handle, in_trie)
-            np.add.at(expected, held, 1)
-            _count_path(handle._tail, locks)
-        refcounts = self.allocator.refcounts()
-        _fail_if(refcounts != expected, "has a refcount unequal to the live sequences holding it")
-        _fail_if((refcounts == 0) & ~free & ~in_trie, "is unreferenced, uncached and not free (leaked)")
-        pins: dict[int, int] = {}
-        for nodes in self._pins.values():
-            for node in nodes:
-                _count_path(node, pins)
-        for node in self.trie.nodes():
-            if (node.lock, node.hard_pins) != (locks.get(id(node), 0), pins.get(id(node), 0)):
-                raise RuntimeError(f"node at page {node.first_page} has lock={node.lock}, "
-                                   f"hard_pins={node.hard_pins}; handles and pins say "
-                                   f"{locks.get(id(node), 0)}, {pins.get(id(node), 0)}")  # fmt: skip
+        from kvjax.cache_invariants import check_cache  # the checker imports this module
+
+        check_cache(self)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -421,23 +399,10 @@ class PrefixCache:
         handle._tail = node
         handle._committed = end // page_bytes
 
-    def _check_handle(self, handle: SeqHandle, in_trie: np.ndarray) -> np.ndarray:
-        """Consistency of one live handle; returns every block it holds."""
-        held = self._path_blocks(handle._tail)
-        private = self._private_blocks(handle)
-        table = handle.block_ids
-        if len(table) != -(-handle.num_tokens // self.page_size) or len(np.unique(table)) != len(table):
-            raise RuntimeError(f"sequence {handle.seq_id} has {len(table)} blocks for {handle.num_tokens} tokens")
-        mapped = np.concatenate([table[: handle._committed]] + handle._dup_trie)
-        expected = np.setdiff1d(mapped, np.concatenate([_NO_BLOCKS] + handle._dup_own))
-        if not np.array_equal(np.sort(held), expected) or in_trie[private].any():
-            raise RuntimeError(f"sequence {handle.seq_id} disagrees with the trie about its committed pages")
-        return np.concatenate((held, private))
-
     def _locate_page(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier):
-        if not tier or tier & ~(Tier.HOST | Tier.DISK):
+        if not int(tier) & (Tier.HOST | Tier.DISK) or int(tier) & ~(Tier.HOST | Tier.DISK):
             raise ValueError(f"{tier=} must be Tier.HOST and/or Tier.DISK (device copies change by admit/evict)")
-        buf = validate_tokens(tokens, self.vocab_size).tobytes()
+        buf = token_bytes(tokens, self.vocab_size)
         root = self.trie.root(as_namespace(namespace), create=False)
         end = (page + 1) * self.trie.page_bytes
         path = [] if root is None or page < 0 or end > len(buf) else self.trie.walk(root, buf, 0, end)
@@ -451,13 +416,6 @@ class PrefixCache:
         stats.offloaded_pages = self.trie.offloaded_pages
         stats.dropped_pages = self.trie.dropped_pages
 
-    def _path_blocks(self, node: Node) -> np.ndarray:
-        runs = []
-        while node.parent is not None:
-            runs.append(node.blocks)
-            node = node.parent
-        return np.concatenate(runs[::-1]) if runs else _NO_BLOCKS
-
     def _private_blocks(self, handle: SeqHandle) -> np.ndarray:
         """The handle's blocks that the trie does not own (uncommitted or duplicate pages)."""
         uncommitted = handle.block_ids[handle._committed :]
@@ -465,28 +423,22 @@ class PrefixCache:
             return uncommitted
         return np.concatenate(handle._dup_own + [uncommitted])
 
-    def _commit_bytes(self, handle: SeqHandle, tokens: TokensLike) -> bytes:
-        """Token bytes for commit; validates only when tokens the handle has not seen appear."""
+    def _commit_bytes(self, handle: SeqHandle, tokens: TokensLike) -> tuple[bytes, int]:
+        """(bytes holding the tokens, token count) for commit; checks them against what the
+        handle saw before and validates only when new tokens appear."""
         array = np.asarray(tokens)
         if array.dtype != TOKEN_DTYPE or array.ndim != 1:
             array = validate_tokens(array, self.vocab_size)  # before any narrowing cast
         if len(array) > handle.num_tokens:
             raise ValueError(f"{len(array)} tokens committed; the sequence has room for "
                              f"{handle.num_tokens} (call extend first)")  # fmt: skip
-        buf, known = array.tobytes(), handle._tokens
-        if not (known.startswith(buf) if len(buf) <= len(known) else buf.startswith(known)):
+        known = handle._tokens
+        if len(array) <= len(known) // 4:  # usual case: no copy, the known bytes serve
+            if not known.startswith(memoryview(np.ascontiguousarray(array)).cast("B")):  # memcmp
+                raise ValueError("tokens disagree with the tokens this sequence was given before")
+            return known, len(array)
+        buf = array.tobytes()
+        if not buf.startswith(known):
             raise ValueError("tokens disagree with the tokens this sequence was given before")
-        if len(buf) > len(known):
-            validate_tokens(array, self.vocab_size)  # whole array: errors name the true index
-        return buf
-
-
-def _fail_if(bad: np.ndarray, problem: str) -> None:
-    if bad.any():
-        raise RuntimeError(f"block {int(np.flatnonzero(bad)[0])} {problem}")
-
-
-def _count_path(node: Node, counts: dict[int, int]) -> None:
-    while node.parent is not None:
-        counts[id(node)] = counts.get(id(node), 0) + 1
-        node = node.parent
+        validate_tokens(array, self.vocab_size)  # whole array: errors name the true index
+        return buf, len(array)

@@ -265,8 +265,9 @@ class PrefixTrie:
         return (node.num_device_children == 0 and node.parent is not None
                 and self.is_candidate(node))  # fmt: skip
 
-    def reclaim(self, num_pages: int, now: float) -> np.ndarray:
-        """Evict exactly ``num_pages`` device pages in policy order; return their block ids."""
+    def reclaim(self, num_pages: int, now: float) -> list[np.ndarray]:
+        """Evict exactly ``num_pages`` device pages in policy order; return their block ids,
+        one array per run taken from a node (joined by whoever needs them joined)."""
         if num_pages > self.num_evictable:
             raise RuntimeError(f"{num_pages=} exceeds num_evictable={self.num_evictable}")
         if not self.policy.time_invariant:
@@ -279,7 +280,7 @@ class PrefixTrie:
             take = min(num_pages, len(node.blocks))
             freed.append(self._evict_tail(node, take, now))
             num_pages -= take
-        return np.concatenate(freed) if freed else _NO_BLOCKS
+        return freed
 
     def set_tier(self, node: Node, page: int, tier: Tier) -> None:
         """Record a host or disk copy of page ``page`` of ``node``."""
@@ -330,22 +331,9 @@ class PrefixTrie:
 
     def check_invariants(self) -> np.ndarray:
         """Raise RuntimeError on any broken structural invariant; return all device block ids."""
-        blocks, evictable, count = [], 0, 0
-        for node in self.nodes():
-            count += 1
-            _check_node(self, node)
-            evictable += len(node.blocks) if self.is_candidate(node) else 0
-            if node.on_device:
-                blocks.append(node.blocks)
-            if self.is_evictable_leaf(node) and node.heap_version < 0:
-                raise RuntimeError(f"evictable leaf at page {node.first_page} is not in the queue")
-        if (count, evictable) != (self.num_nodes, self.num_evictable):
-            raise RuntimeError(f"counted {count} nodes, {evictable} evictable pages; "
-                               f"trie says {self.num_nodes}, {self.num_evictable}")  # fmt: skip
-        device_blocks = np.concatenate(blocks) if blocks else _NO_BLOCKS
-        if len(np.unique(device_blocks)) != len(device_blocks):
-            raise RuntimeError("a device block backs two trie pages")
-        return device_blocks
+        from kvjax.cache_invariants import check_trie  # the checker imports this module
+
+        return check_trie(self)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -384,27 +372,44 @@ class PrefixTrie:
             node = node.parent
 
     def _evict_tail(self, node: Node, num_pages: int, now: float) -> np.ndarray:
-        if num_pages < len(node.blocks):
-            self.split(node, len(node.blocks) - num_pages)
-        blocks, parent = node.blocks, node.parent
+        """Take the last ``num_pages`` device pages of the evictable leaf ``node``."""
         self.num_evictable -= num_pages
         self.evicted_pages += num_pages
+        keep = len(node.blocks) - num_pages
+        if node.tiers is None and keep:  # device only, partly evicted: cut in place, no split
+            blocks = node.blocks[keep:]
+            self._truncate(node, keep)
+            self.queue.push(node, now)  # still an evictable leaf; its tail page changed
+            return blocks
+        if keep:
+            self.split(node, keep)
+        blocks, parent = node.blocks, node.parent
         if node.tiers is None:
-            keep = 0
-        else:
+            copied = 0
+        else:  # pages up to the first one without a host/disk copy stay, off device
             has_copy = (node.tiers & _LOWER) != 0
-            keep = num_pages if has_copy.all() else int(np.argmin(has_copy))
-        if 0 < keep < num_pages:
-            survivor = self.split(node, keep)
+            copied = num_pages if has_copy.all() else int(np.argmin(has_copy))
+        if 0 < copied < num_pages:
+            survivor = self.split(node, copied)
             self._drop(node)
             self._offload(survivor)
-        elif keep == num_pages:
+        elif copied == num_pages:
             self._offload(node)
         else:
             self._drop(node)
         if parent.parent is not None and self.is_evictable_leaf(parent):
             self.queue.push(parent, now)
         return blocks
+
+    def _truncate(self, node: Node, num_pages: int) -> None:
+        """Keep the first ``num_pages`` pages of ``node``; what followed leaves the trie."""
+        for child in list(node.children.values()):
+            self._drop(child)  # off device (node is a device leaf) and unreachable now
+        self.dropped_pages += len(node.blocks) - num_pages
+        node.label = _compact(node.label[: num_pages * self.page_bytes])
+        node.blocks = node.blocks[:num_pages]
+        if node.keys is not None:
+            node.keys = node.keys[:num_pages]
 
     def _offload(self, node: Node) -> None:
         node.on_device = False
@@ -440,34 +445,6 @@ class PrefixTrie:
         while node.parent is not None:
             node = node.parent
         return node.namespace
-
-
-def _check_node(trie: PrefixTrie, node: Node) -> None:
-    parent = node.parent
-    where = f"node at page {node.first_page}"
-    if parent.children.get(node.key) is not node or node.key != bytes(node.label[: trie.page_bytes]):
-        raise RuntimeError(f"{where} is not linked under its first page")
-    if len(node.blocks) == 0 or len(node.label) != len(node.blocks) * trie.page_bytes:
-        raise RuntimeError(f"{where} has {len(node.blocks)} blocks for {len(node.label)} label bytes")
-    if node.first_page != parent.first_page + len(parent.blocks):
-        raise RuntimeError(f"{where} follows a parent ending at page {parent.first_page + len(parent.blocks)}")
-    tiers = node.page_tiers()
-    on_device = (tiers & Tier.DEVICE) != 0
-    if not (on_device == node.on_device).all() or not ((node.blocks >= 0) == node.on_device).all():
-        raise RuntimeError(f"{where}: blocks and DEVICE bits disagree with {node.on_device=}")
-    if not node.on_device and (tiers == 0).any():
-        raise RuntimeError(f"{where} keeps a page with no copy in any tier")
-    if node.num_device_children != sum(c.on_device for c in node.children.values()):
-        raise RuntimeError(f"{where} miscounts its device children")
-    if node.on_device and not parent.on_device:
-        raise RuntimeError(f"{where} is on device below an off-device parent")
-    if (node.lock or node.hard_pins or node.soft_pinned) and not node.on_device:
-        raise RuntimeError(f"{where} is locked or pinned but was evicted from device")
-    if parent.parent is not None and (
-        node.lock > parent.lock or node.hard_pins > parent.hard_pins
-        or node.soft_pinned > parent.soft_pinned or node.soft_until > parent.soft_until
-    ):  # fmt: skip
-        raise RuntimeError(f"{where} is locked or pinned more than its parent")
 
 
 def _compact(label: memoryview) -> memoryview:

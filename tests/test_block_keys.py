@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvjax.block_keys import KEY_BYTES, Namespace, as_namespace, chained_block_keys, validate_tokens
+from kvjax.block_keys import KEY_BYTES, Namespace, as_namespace, chained_block_keys, token_bytes, validate_tokens
 
 
 def reference_keys(tokens, page_size, namespace, parent=None):
@@ -115,3 +115,21 @@ def test_validate_tokens_returns_little_endian_int32():
 def test_validate_tokens_names_the_bad_value(tokens, vocab_size, message):
     with pytest.raises(ValueError, match=message):
         validate_tokens(tokens, vocab_size)
+
+
+@pytest.mark.parametrize("tokens", [np.array([3, 0, 9], np.int32), [3, 0, 9], np.array([3, 0, 9], np.int64), []])
+def test_token_bytes_equal_validated_little_endian_bytes(tokens):
+    assert token_bytes(tokens, 10) == validate_tokens(tokens, 10).tobytes()
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (np.array([1, 10, 2], np.int32), r"token id 10 at index 1 is out of range; expected 0 <= id < 10"),
+        (np.array([1, 2, -3], np.int32), r"token id -3 at index 2 is out of range"),
+        ([1.5], r"token id 1.5 at index 0 is not an integer"),
+    ],
+)
+def test_token_bytes_reject_what_validate_tokens_rejects(tokens, message):
+    with pytest.raises(ValueError, match=message):
+        token_bytes(tokens, 10)

@@ -181,6 +181,7 @@ def test_bad_requests_raise_clear_errors_and_change_nothing(cache):
         (lambda: cache.pin([1, 2], ttl=0), r"ttl=0 must be a positive number of seconds"),
         (lambda: cache.evict(-1), r"num_blocks=-1 must be >= 0"),
         (lambda: cache.set_tier([1, 2], None, 0, Tier.DEVICE), r"must be Tier.HOST and/or Tier.DISK"),
+        (lambda: cache.set_tier([1, 2], None, 0, 8), r"tier=8 must be Tier.HOST and/or Tier.DISK"),
         (lambda: cache.set_tier([1, 2, 3, 4], None, 1, Tier.HOST), r"page=1 of these tokens is not cached"),
     ]
     for call, message in cases:
