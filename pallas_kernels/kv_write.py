@@ -44,7 +44,8 @@ def write_kv(
     """Returns the pool with each token's K/V stored at its slot of ``layer``; donates the pool.
 
     Slots must be distinct and inside the pool (``check_slot_mapping`` checks a concrete
-    mapping on the host); two tokens on one slot leave either one's values. ``impl`` picks
+    mapping on the host); two tokens on one slot leave either one's values. With no tokens
+    the pool comes back as it was, not donated. ``impl`` picks
     the implementation (see :mod:`pallas_kernels.backend`); ``tuning`` passes
     implementation-specific sizes through (``tokens_per_step`` for ``pallas_tpu``).
     """

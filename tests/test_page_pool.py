@@ -150,7 +150,7 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=12, stateful_step_count=8, deadline=None)
+TestPoolMachine.settings = settings(max_examples=8, stateful_step_count=6, deadline=None)
 
 
 # ---- build_batch --------------------------------------------------------------------------
