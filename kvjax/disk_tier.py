@@ -84,13 +84,17 @@ class DiskTier:
     """Blocks on disk in checksummed orbax segments, with whole-segment LRU eviction."""
 
     def __init__(self, directory: str, block_shape: Sequence[int], dtype, capacity_bytes: int,
-                 *, segment_bytes: int = 64 << 20, use_ocdbt: bool = True):
+                 *, segment_bytes: int = 64 << 20, use_ocdbt: bool = True,
+                 sync_data: bool = False):
         """Opens (creating if needed) `directory` and indexes the segments already in it.
 
         segment_bytes: payload bytes per segment; a segment holds at least one block.
         use_ocdbt: orbax's OCDBT layout (a few files per segment) rather than one file per
           block; about as fast (benchmarks/bench_tiers.py), fewer files and fsyncs, and
           orbax logs a warning on every non-OCDBT save.
+        sync_data: fsync block data too, not only the manifest (see
+          `disk_segments.make_checkpointer`; without it a power cut costs misses, never
+          wrong blocks).
         """
         self.block_shape = tuple(int(d) for d in block_shape)
         if not self.block_shape or min(self.block_shape) <= 0:
@@ -103,7 +107,7 @@ class DiskTier:
         self.capacity_bytes = int(capacity_bytes)
         self.blocks_per_segment = max(1, segment_bytes // self.block_nbytes)
         self.use_ocdbt = use_ocdbt
-        self._checkpointer = seg.make_checkpointer(use_ocdbt)
+        self._checkpointer = seg.make_checkpointer(use_ocdbt, sync_data)
         self._lock = threading.RLock()  # index state
         self._write_lock = threading.Lock()  # one segment write at a time
         self._segments: collections.OrderedDict[str, _Segment] = collections.OrderedDict()
@@ -156,8 +160,9 @@ class DiskTier:
         stored = []
         for start in range(0, len(rows), self.blocks_per_segment):
             chunk = rows[start:start + self.blocks_per_segment]
-            if self._write(payload[chunk], [namespaces[r] for r in chunk],
-                           [keys[r] for r in chunk]):
+            contiguous = chunk[-1] - chunk[0] == len(chunk) - 1  # then a view, not a copy
+            segment = payload[chunk[0]:chunk[-1] + 1] if contiguous else payload[chunk]
+            if self._write(segment, [namespaces[r] for r in chunk], [keys[r] for r in chunk]):
                 stored.extend(keys[r] for r in chunk)
             else:
                 with self._lock:

@@ -69,6 +69,16 @@ def test_blocks_are_grouped_into_segments_and_partial_reads_hit(tmp_path, use_oc
     tier.check_invariants()
 
 
+def test_durable_writes_and_duplicates_split_across_segments(tmp_path):
+    blocks = random_blocks(7)
+    tier = make_tier(tmp_path, blocks_per_segment=2, sync_data=True)
+    tier.put([keys(7)[i] for i in (1, 4)], blocks[[1, 4]], NS)
+    assert tier.put(keys(7), blocks, NS) == [keys(7)[i] for i in (0, 2, 3, 5, 6)]
+    assert tier.stats().duplicate_blocks == 2 and len(segment_dirs(tmp_path)) == 4
+    read = tier.get(keys(7), NS)
+    assert read.hits.all() and same_bits(read.blocks, blocks)
+
+
 def test_namespaces_are_isolated_and_stored_with_the_blocks(tmp_path):
     tier = make_tier(tmp_path)
     blocks = random_blocks(2)
