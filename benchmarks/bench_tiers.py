@@ -7,8 +7,9 @@
 Host links: HostTier.put (device -> pinned_host, one device_put per batch) and HostTier.get
 (pinned_host -> device, stacked) against numpy memcpy of the same bytes, into a fresh buffer
 and into a warm one. Disk links: DiskTier.put (one orbax segment, checksums, manifest, fsync)
-and DiskTier.get (every block, checksums verified) against a raw file write + fsync and a raw
-read into a fresh buffer, warm (page cache) and cold (page cache dropped with
+and DiskTier.get (every block, checksums verified) against a raw file write + fsync (and
+without fsync, as the tier fsyncs only its manifest unless sync_data) and a raw read into a
+fresh buffer, warm (page cache) and cold (page cache dropped with
 posix_fadvise(DONTNEED) for both). Orbax's defaults (StandardCheckpointer, compressed) are
 shown for reference. Latency: one-block fetch from the host tier, direct and through the
 transfer engine. Each figure is the best and the median of --repeats runs; "vs plain" is the
@@ -59,9 +60,10 @@ def main() -> None:
     rows = _host_rows(blocks, args.repeats)
     root = tempfile.mkdtemp(prefix="kvjax-bench-", dir=args.dir)
     try:
-        for use_ocdbt in (False, True):
-            rows += _disk_rows(blocks, args.repeats, os.path.join(root, f"ocdbt{use_ocdbt}"),
-                               use_ocdbt, args.segment_mib << 20)
+        for use_ocdbt, sync_data in ((True, False), (True, True), (False, False)):
+            rows += _disk_rows(blocks, args.repeats,
+                               os.path.join(root, f"ocdbt{use_ocdbt}-sync{sync_data}"),
+                               use_ocdbt, sync_data, args.segment_mib << 20)
         rows += _orbax_default_rows(blocks, args.repeats, os.path.join(root, "defaults"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -91,32 +93,43 @@ def _host_rows(blocks: np.ndarray, repeats: int) -> list[tuple]:
 
 
 def _disk_rows(blocks: np.ndarray, repeats: int, directory: str, use_ocdbt: bool,
-               segment_bytes: int) -> list[tuple]:
+               sync_data: bool, segment_bytes: int) -> list[tuple]:
     tier = DiskTier(directory, blocks.shape[1:], blocks.dtype, 1 << 40,
-                    segment_bytes=segment_bytes, use_ocdbt=use_ocdbt)
+                    segment_bytes=segment_bytes, use_ocdbt=use_ocdbt, sync_data=sync_data)
     raw_path = os.path.join(directory, "raw.bin")
     checkpointer = disk_segments.make_checkpointer(use_ocdbt)
-    put_s, raw_w, get_warm, raw_warm, get_cold, raw_cold, restore = [], [], [], [], [], [], []
+    times = {name: [] for name in ("put", "raw_w", "raw_w_nosync", "get_warm", "raw_warm",
+                                   "get_cold", "raw_cold", "restore")}
     for rep in range(repeats):
         keys = [(rep << 32 | i).to_bytes(16, "little") for i in range(len(blocks))]
-        raw_w.append(_timed(lambda: _raw_write(raw_path, blocks)))
-        put_s.append(_timed(lambda: _expect(len(tier.put(keys, blocks, NS)), len(keys))))
-        raw_warm.append(_timed(lambda: _raw_read(raw_path, blocks)))
-        get_warm.append(_timed(lambda: _expect(int(tier.get(keys, NS).hits.sum()), len(keys))))
+        times["raw_w"].append(_timed(lambda: _raw_write(raw_path, blocks)))
+        times["raw_w_nosync"].append(_timed(lambda: _raw_write(raw_path, blocks, fsync=False)))
+        times["put"].append(_timed(lambda: _expect(len(tier.put(keys, blocks, NS)), len(keys))))
+        times["raw_warm"].append(_timed(lambda: _raw_read(raw_path, blocks)))
+        times["get_warm"].append(_timed(lambda: _expect(
+            int(tier.get(keys, NS).hits.sum()), len(keys))))
         _drop_page_cache(directory)
-        raw_cold.append(_timed(lambda: _raw_read(raw_path, blocks)))
-        get_cold.append(_timed(lambda: _expect(int(tier.get(keys, NS).hits.sum()), len(keys))))
+        times["raw_cold"].append(_timed(lambda: _raw_read(raw_path, blocks)))
+        times["get_cold"].append(_timed(lambda: _expect(
+            int(tier.get(keys, NS).hits.sum()), len(keys))))
         _drop_page_cache(directory)
         segment = max(p for p in os.listdir(directory) if p.startswith("seg-") and "." not in p)
-        restore.append(_timed(lambda: checkpointer.restore(
+        times["restore"].append(_timed(lambda: checkpointer.restore(
             os.path.join(directory, segment), args=ocp.args.PyTreeRestore(restore_args={
                 "payload": ocp.RestoreArgs(restore_type=np.ndarray)}))))
-    layout = "ocdbt" if use_ocdbt else "file per block"
-    return [
-        ("host->disk", f"DiskTier.put, {layout}", put_s, raw_w, "write+fsync"),
-        ("disk->host", f"DiskTier.get warm, {layout}", get_warm, raw_warm, "read warm"),
-        ("disk->host", f"DiskTier.get cold, {layout}", get_cold, raw_cold, "read cold"),
-        ("disk->host", "  same segment, orbax restore", restore, raw_cold, "read cold"),
+    config = ("ocdbt" if use_ocdbt else "file per block") + (", sync_data" if sync_data else "")
+    rows = [("host->disk", f"DiskTier.put, {config}", times["put"], times["raw_w"],
+             "write+fsync")]
+    if not sync_data:
+        rows.append(("host->disk", f"DiskTier.put, {config}", times["put"],
+                     times["raw_w_nosync"], "write, no fsync"))
+    return rows + [
+        ("disk->host", f"DiskTier.get warm, {config}", times["get_warm"], times["raw_warm"],
+         "read warm"),
+        ("disk->host", f"DiskTier.get cold, {config}", times["get_cold"], times["raw_cold"],
+         "read cold"),
+        ("disk->host", "  same segment, orbax restore", times["restore"], times["raw_cold"],
+         "read cold"),
     ]
 
 
@@ -171,11 +184,12 @@ def _print_latency(blocks: np.ndarray, trials: int) -> None:
         print(f"  {name:<22} p50 {p50:.3f} ms  p99 {p99:.3f} ms")
 
 
-def _raw_write(path: str, blocks: np.ndarray) -> None:
+def _raw_write(path: str, blocks: np.ndarray, fsync: bool = True) -> None:
     with open(path, "wb") as f:
         f.write(blocks.view(np.uint8).data)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
 
 
 def _raw_read(path: str, like: np.ndarray) -> np.ndarray:
