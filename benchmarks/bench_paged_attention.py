@@ -37,11 +37,16 @@ DECODE_BATCHES = (8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (512, 2048, 4096, 8192, 32768)
 QUICK_BATCHES, QUICK_CONTEXTS = (2, 8), (256, 1024)
 # --sweep: tuning variants of the GPU kernel, one knob at a time around the defaults, on a
-# many-sequence case and a few-long-sequences (split-K) case.
-SWEEP_CASES = ((64, 8192), (8, 32768))
-SWEEP_VARIANTS = ({}, dict(pages_per_compute_block=4), dict(pages_per_compute_block=16),
-                  dict(num_stages=2), dict(num_stages=4), dict(num_warps=8), dict(num_splits=1),
-                  dict(num_splits=16), dict(num_splits=64))
+# many-sequence decode, a few-long-sequences decode (split-K) and a chunked prefill:
+# (batch, context, query tokens per sequence) -> variants.
+_DECODE_VARIANTS = ({}, dict(pages_per_compute_block=4), dict(pages_per_compute_block=16),
+                    dict(num_stages=2), dict(num_stages=4), dict(num_warps=8),
+                    dict(num_splits=1), dict(num_splits=16), dict(num_splits=64))
+_PREFILL_VARIANTS = ({}, dict(block_q=32), dict(block_q=32, num_warps=8), dict(num_warps=8),
+                     dict(pages_per_compute_block=4), dict(num_stages=2))
+SWEEPS = {(64, 8192, 1): _DECODE_VARIANTS, (8, 32768, 1): _DECODE_VARIANTS,
+          (4, 2048, 512): _PREFILL_VARIANTS}
+QUICK_SWEEPS = {(8, 1024, 1): _DECODE_VARIANTS[:3], (2, 256, 64): _PREFILL_VARIANTS[:2]}
 
 
 def main() -> None:
@@ -52,7 +57,7 @@ def main() -> None:
         args.head_dim, args.prefill = 64, [(2, 64, 256)]
         args.max_kv_gib = min(args.max_kv_gib, 0.0625)
         args.dtype = "float32"  # XLA:CPU has no bfloat16 x bfloat16 -> float32 dot
-        args.sweep_cases = ((8, 1024),)
+        args.sweeps = QUICK_SWEEPS
     impl = args.impl = args.impl or ("pallas_gpu" if on_gpu else "xla")
     started = time.perf_counter()
     copy_bw = copy_bandwidth(args.copy_mib * 2**20)
@@ -101,7 +106,7 @@ def _parse_args():
     p.add_argument("--sweep", action="store_true", help="also time GPU tuning variants")
     args = p.parse_args()
     args.prefill = [(4, 512, 2048), (1, 2048, 2048)]  # (chunks, tokens per chunk, context)
-    args.sweep_cases = SWEEP_CASES
+    args.sweeps = SWEEPS
     if args.copy_mib is None:
         args.copy_mib = 64 if args.quick else 2048
     return args
@@ -112,33 +117,20 @@ def _ints(text: str):
 
 
 def _jobs(args):
-    """Decode cases in the target region (batch >= 32, context >= 4k) first, then prefill,
-    then the other decode cases, so a --budget-s cut drops the least important ones."""
+    """In order of importance, so a --budget-s cut drops the least useful: decode cases in the
+    target region (batch >= 32, context >= 4k), prefill, the tuning sweep, other decode cases."""
     cases = [(b, c) for b in args.batches for c in args.contexts]
     target = [bc for bc in cases if bc[0] >= 32 and bc[1] >= 4096]
     # The variants are the GPU kernel's knobs; other implementations would ignore them.
-    sweep = [("sweep", (b, c, v)) for b, c in args.sweep_cases for v in SWEEP_VARIANTS
+    sweep = [("sweep", (*case, v)) for case, variants in args.sweeps.items() for v in variants
              if args.sweep and args.impl == "pallas_gpu"]
-    return ([("decode", bc) for bc in target] + [("prefill", p) for p in args.prefill]
-            + [("decode", bc) for bc in cases if bc not in target]
-            + sweep)
+    return ([("decode", bc) for bc in target] + [("prefill", p) for p in args.prefill] + sweep
+            + [("decode", bc) for bc in cases if bc not in target])
 
 
-def time_call(fn, *args, rounds: int = 5, round_s: float = 0.02) -> float:
-    """Median seconds per call (see the module docstring for the method)."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    n = max(1, min(200, int(round_s / max(time.perf_counter() - t0, 1e-6))))
-    per_call = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - t0) / n)
-    return statistics.median(per_call)
+def time_call(fn, *args, rounds: int = 5) -> float:
+    """Median seconds per call of ``fn(*args)`` (see the module docstring for the method)."""
+    return _median_seconds(lambda: fn(*args), rounds)
 
 
 def copy_bandwidth(nbytes: int, rounds: int = 5) -> float:
@@ -149,21 +141,31 @@ def copy_bandwidth(nbytes: int, rounds: int = 5) -> float:
     arithmetic, which would time conversions.
     """
     step = jax.jit(lambda a: a + 1, donate_argnums=0)
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    for _ in range(3):
-        x = step(x)
-    x.block_until_ready()
+    state = [jnp.zeros((nbytes // 4,), jnp.float32)]
+
+    def call():
+        state[0] = step(state[0])
+        return state[0]
+
+    return 2 * nbytes / _median_seconds(call, rounds)
+
+
+def _median_seconds(call, rounds: int, round_s: float = 0.02) -> float:
+    """Warm up ``call`` (compile + 2 calls), then ``rounds`` rounds of ``n`` back-to-back calls
+    sized to ~``round_s``, each ended by ``block_until_ready``; median seconds per call."""
+    for _ in range(2):
+        jax.block_until_ready(call())
     t0 = time.perf_counter()
-    x = step(x).block_until_ready()
-    n = max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+    jax.block_until_ready(call())
+    n = max(1, min(200, int(round_s / max(time.perf_counter() - t0, 1e-6))))
     per_call = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(n):
-            x = step(x)
-        x.block_until_ready()
+            out = call()
+        jax.block_until_ready(out)
         per_call.append((time.perf_counter() - t0) / n)
-    return 2 * nbytes / statistics.median(per_call)
+    return statistics.median(per_call)
 
 
 def make_paged_batch(rng, *, batch, ctx, q_len, args):
@@ -279,19 +281,19 @@ def bench_prefill(chunks, q_len, ctx, args, impl):
     return row
 
 
-def bench_variant(batch, ctx, variant, args, impl, copy_bw):
-    """The paged implementation with tuning ``variant`` on one decode case."""
-    row = dict(batch=batch, ctx=ctx, variant=variant)
-    kv_bytes = batch * ctx * args.num_kv_heads * args.head_dim * 2 * jnp.dtype(args.dtype).itemsize
+def bench_variant(batch, ctx, q_len, variant, args, impl, copy_bw):
+    """The paged implementation with tuning ``variant`` on one case; ``vs_default`` compares
+    it with the first (default) variant of the same case."""
+    row = dict(batch=batch, ctx=ctx, q_len=q_len, variant=variant)
     inputs = make_paged_batch(np.random.default_rng(batch * 7 + ctx), batch=batch, ctx=ctx,
-                              q_len=1, args=args)
+                              q_len=q_len, args=args)
     try:
-        seconds = time_call(_paged_fn(impl, max_q_len=1, **variant), *inputs.values(),
+        seconds = time_call(_paged_fn(impl, max_q_len=q_len, **variant), *inputs.values(),
                             rounds=args.rounds)
     except Exception as err:  # a variant Triton cannot compile is a result, not a crash
         return row | dict(error=f"{type(err).__name__}: {str(err)[:200]}")
-    return row | dict(us=seconds * 1e6, gb_s=kv_bytes / seconds / 1e9,
-                      copy_frac=kv_bytes / seconds / copy_bw)
+    kv_bytes = batch * ctx * args.num_kv_heads * args.head_dim * 2 * jnp.dtype(args.dtype).itemsize
+    return row | dict(us=seconds * 1e6, copy_frac=kv_bytes / seconds / copy_bw)
 
 
 def _kernel_only(inputs, *, interpret, **tuning):
@@ -337,11 +339,11 @@ def render_markdown(report) -> str:
         kernel = f"{r['kernel_only']['us']:.1f}" if "kernel_only" in r else "n/a"
         shipped = "n/a | n/a | n/a"
         if s:
-            shipped = f"{s['us']:.1f} | {s['gb_s']:.0f} | {s['us'] / p['us']:.2f}x"
+            shipped = f"{s['us']:.1f} | {s['gb_s']:.3g} | {s['us'] / p['us']:.2f}x"
         diffs = f"{p['max_diff']:.1e}, " + (f"{s['max_diff']:.1e}" if s else "n/a")
         lines.append(
             f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | {p['us']:.1f} | {kernel} | "
-            f"{p['gb_s']:.0f} | {100 * p['copy_frac']:.0f}% | {d['us']:.1f} | {d['gb_s']:.0f} | "
+            f"{p['gb_s']:.3g} | {100 * p['copy_frac']:.0f}% | {d['us']:.1f} | {d['gb_s']:.3g} | "
             f"{shipped} | {diffs} |")
     lines += _headline(report["decode"])
     lines += ["", f"## Chunked prefill, {report['dtype']}", "",
@@ -350,15 +352,22 @@ def render_markdown(report) -> str:
     for r in report["prefill"]:
         p, d = r["paged"], r["dense"]
         lines.append(f"| {r['chunks']} x {r['q_len']} | {r['ctx']} | {p['us']:.1f} | "
-                     f"{p['tokens_s']:.3g} | {p['tflop_s']:.1f} | {d['us']:.1f} | "
+                     f"{p['tokens_s']:.3g} | {p['tflop_s']:.3g} | {d['us']:.1f} | "
                      f"{d['tokens_s']:.3g} | {p['max_diff']:.1e} |")
     if report["sweep"]:
-        lines += ["", "## Tuning sweep (decode)", "",
-                  "| batch | ctx | variant | us | GB/s | % copy |", "|---|---|---|---|---|---|"]
+        lines += ["", "## Tuning sweep", "", "| batch x q tokens | ctx | variant | us | vs default "
+                  "| K/V bytes / time, % copy |", "|---|---|---|---|---|---|"]
+        default_us = {}
         for r in report["sweep"]:
-            timing = (f"{r['us']:.1f} | {r['gb_s']:.0f} | {100 * r['copy_frac']:.0f}%"
-                      if "us" in r else f"{r['error']} | | ")
-            lines.append(f"| {r['batch']} | {r['ctx']} | {r['variant'] or 'default'} | {timing} |")
+            case = (r["batch"], r["ctx"], r["q_len"])
+            if "us" not in r:
+                lines.append(f"| {case[0]} x {case[2]} | {case[1]} | {r['variant']} | "
+                             f"{r['error']} | | |")
+                continue
+            default_us.setdefault(case, r["us"])
+            lines.append(f"| {case[0]} x {case[2]} | {case[1]} | {r['variant'] or 'default'} | "
+                         f"{r['us']:.1f} | {default_us[case] / r['us']:.2f}x | "
+                         f"{100 * r['copy_frac']:.0f}% |")
     if report["notes"]:
         lines += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"

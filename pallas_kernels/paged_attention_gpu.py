@@ -13,7 +13,7 @@ How the work is cut:
 * Grid ``(num_work, num_kv_heads, num_splits)``. A program loads the work item's tokens times
   the ``group = num_q_heads // num_kv_heads`` query heads sharing its KV head as one
   ``[block_q * group, head_dim]`` matrix, so every K/V page is read once per group, not once
-  per query head: that is what makes GQA decode bandwidth-bound rather than latency-bound.
+  per query head (``group`` times fewer bytes, the cost that bounds decode).
 * It walks only the pages inside the causal / sliding-window range of its tokens,
   ``pages_per_compute_block`` pages per step, keeping a float32 online softmax.
 * Split-K (flash-decoding): with ``num_splits > 1`` each program takes a contiguous share of
@@ -326,7 +326,7 @@ def _kernel(
     row_pos = first_pos + token
     row_slice = pl.ds(first_row * plan.group_pad, rows)
     live_2d = jnp.broadcast_to(row_live[:, None], (rows, q_ref.shape[-1]))
-    q = _load(q_ref.at[row_slice], mask=live_2d, other=0)
+    q = plgpu.load(q_ref.at[row_slice], mask=live_2d, other=0)
 
     # Pages that hold keys some live row can see: [page_lo, page_hi), cut into steps of
     # pages_per_block pages, and this split's contiguous share of the steps.
@@ -352,12 +352,12 @@ def _kernel(
     if plan.num_splits == 1:
         [o_ref] = out_refs
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        _store(o_ref.at[row_slice], out.astype(o_ref.dtype), mask=live_2d)
+        plgpu.store(o_ref.at[row_slice], out.astype(o_ref.dtype), mask=live_2d)
     else:
         acc_ref, m_ref, l_ref = out_refs
-        _store(acc_ref.at[row_slice], acc, mask=live_2d)
-        _store(m_ref.at[row_slice], m, mask=row_live)
-        _store(l_ref.at[row_slice], l, mask=row_live)
+        plgpu.store(acc_ref.at[row_slice], acc, mask=live_2d)
+        plgpu.store(m_ref.at[row_slice], m, mask=row_live)
+        plgpu.store(l_ref.at[row_slice], l, mask=row_live)
 
 
 def _attend_step(i, carry, *, q, row_pos, seq, kv_len, page_lo, tables_ref, k_ref, v_ref,
@@ -371,7 +371,7 @@ def _attend_step(i, carry, *, q, row_pos, seq, kv_len, page_lo, tables_ref, k_re
     # Entries past the sequence's last page (or past the table) may hold anything: read block
     # 0 there instead; its keys lie past kv_len and are masked below.
     owned = first_page + lax.iota(jnp.int32, pps) < lax.div(kv_len + ps - 1, ps)
-    page_ids = _load(tables_ref.at[seq, pl.ds(first_page, pps)], mask=owned, other=0)  # [pps]
+    page_ids = plgpu.load(tables_ref.at[seq, pl.ds(first_page, pps)], mask=owned, other=0)
     k = k_ref[page_ids].reshape(block_k, head_dim)
     v = v_ref[page_ids].reshape(block_k, head_dim)
     key_pos = first_page * ps + lax.iota(jnp.int32, block_k)
@@ -396,19 +396,6 @@ def _attend_step(i, carry, *, q, row_pos, seq, kv_len, page_lo, tables_ref, k_re
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
     return m_new, l, acc * alpha[:, None] + pv
-
-
-def _load(ref, *, mask, other):
-    """Masked load; ``plgpu.load`` where it exists (the generic ``pl.load`` went away)."""
-    if hasattr(plgpu, "load"):
-        return plgpu.load(ref, mask=mask, other=other)
-    return pl.load(ref, (), mask=mask, other=other)  # pragma: no cover - older JAX
-
-
-def _store(ref, value, *, mask):
-    if hasattr(plgpu, "store"):
-        return plgpu.store(ref, value, mask=mask)
-    return pl.store(ref, (), value, mask=mask)  # pragma: no cover - older JAX
 
 
 def _is_pow2(n: int) -> bool:
