@@ -52,7 +52,7 @@ def test_docstring_examples_hold():
     assert doctest.testmod(kvjax.canonicalize).failed == 0
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(TEXTS, CONFIGS)
 def test_canonicalize_is_idempotent(text, config):
     once = canonicalize(text, config)
@@ -62,7 +62,7 @@ def test_canonicalize_is_idempotent(text, config):
     assert twice.changes == []
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(TEXTS)
 def test_disabled_config_returns_the_input_unchanged(text):
     result = canonicalize(text, CanonicalizeConfig.disabled())

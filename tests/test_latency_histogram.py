@@ -63,7 +63,7 @@ def test_past_the_cap_every_percentile_is_within_the_relative_error(distribution
     assert histogram.total == pytest.approx(samples.sum(), rel=1e-9)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.floats(1e-9, 1e6), min_size=1, max_size=20),
     st.floats(0.0, 1.0),

@@ -15,7 +15,7 @@ def test_docstring_examples_hold():
     assert doctest.testmod(kvjax.tokenizer).failed == 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.text())
 def test_byte_tokenizer_round_trips_any_text(text):
     tok = ByteTokenizer()
