@@ -58,7 +58,21 @@ def main() -> None:
     base_run = min(base_runs, key=lambda run: run["cpu"].sum())
     print_table([("kvjax PrefixCache", kvjax_run), ("dict-of-children trie", base_run)], token_count)
     print_phases(kvjax_run, requests, token_count)
-    print(f"\ncommand: {' '.join(sys.argv)}")
+    print(f"\nmachine speed: sum(range(1000)) takes {python_speed_us():.1f} us of CPU here "
+          "(scale the figures above by your machine's own figure to compare)")  # fmt: skip
+    print(f"command: {' '.join(sys.argv)}")
+
+
+def python_speed_us() -> float:
+    """CPU microseconds of ``sum(range(1000))``, best of 20 runs of 200: a yardstick that
+    lets readers rescale the table to their machine (interpreter-bound, like the path)."""
+    best = float("inf")
+    for _ in range(20):
+        start = time.thread_time_ns()
+        for _ in range(200):
+            sum(range(1000))
+        best = min(best, (time.thread_time_ns() - start) / 200 / 1e3)
+    return best
 
 
 def load_requests(path: Path, limit: int | None) -> list[np.ndarray]:

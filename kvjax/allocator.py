@@ -77,7 +77,7 @@ class BlockAllocator:
     def allocate(self, num_blocks: int) -> np.ndarray | None:
         """Return ``num_blocks`` ids with refcount 1, or None (nothing changed) if they do not fit."""
         parts = self.allocate_parts(num_blocks)
-        return None if parts is None else np.concatenate(parts)
+        return None if parts is None else np.concatenate([np.zeros(0, BLOCK_DTYPE)] + parts)
 
     def allocate_parts(self, num_blocks: int) -> list[np.ndarray] | None:
         """``allocate`` without joining the pieces (free-queue run, each reclaimed run): a
@@ -88,7 +88,7 @@ class BlockAllocator:
         from_cache = num_blocks - from_queue
         if from_cache and (self.reclaimer is None or self.reclaimer.num_reclaimable < from_cache):
             return None
-        parts = [self._pop(from_queue)]
+        parts = [self._pop(from_queue)] if from_queue else []
         if from_cache:
             reclaimed = self.reclaimer.reclaim(from_cache)
             if sum(len(part) for part in reclaimed) != from_cache:

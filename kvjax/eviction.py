@@ -84,10 +84,12 @@ class CostModel:
     flops_per_second: float = 3.0e14
     transfer_bytes_per_second: float = 2.0e10
 
-    def recompute_seconds(self, page_index: int, page_size: int) -> float:
+    def recompute_seconds(self, page_index: int, page_size: int, num_pages: int = 1) -> float:
+        """Seconds to recompute ``num_pages`` pages starting at page ``page_index``."""
+        tokens = num_pages * page_size
         first = page_index * page_size
-        positions = page_size * first + page_size * (page_size - 1) / 2  # sum of positions
-        dense = 2.0 * self.params_per_layer * page_size
+        positions = tokens * first + tokens * (tokens - 1) / 2  # sum of the tokens' positions
+        dense = 2.0 * self.params_per_layer * tokens
         attention = 4.0 * self.hidden_size * positions
         return self.num_layers * (dense + attention) / self.flops_per_second
 

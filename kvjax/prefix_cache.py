@@ -64,6 +64,11 @@ class CacheStats:
     dropped_pages: int = 0  # removed from the trie entirely
 
     @property
+    def miss_tokens(self) -> int:
+        """Admitted prompt tokens that had to be computed."""
+        return self.prompt_tokens - self.hit_tokens
+
+    @property
     def hit_rate(self) -> float:
         """Fraction of admitted prompt tokens served from device blocks."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -186,8 +191,9 @@ class PrefixCache:
         new_blocks = self.allocator.allocate_parts(num_pages - num_hit)
         if new_blocks is None:
             raise RuntimeError("allocation failed after the admission check said it fits")
-        table = np.concatenate([node.blocks[:k] for node, k in path] + new_blocks)  # one pass
-        self.allocator.incref(table[:num_hit], check=False)
+        table = np.concatenate([_NO_BLOCKS] + [node.blocks[:k] for node, k in path] + new_blocks)
+        if num_hit:
+            self.allocator.incref(table[:num_hit], check=False)
         handle = SeqHandle(next(self._seq_ids), ns, num_tokens, num_hit, self.page_size, table, buf, tail)
         self._handles[handle.seq_id] = handle
         self._count_admission(handle, sum(k for _, k in matched) - num_hit)

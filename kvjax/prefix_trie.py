@@ -9,7 +9,8 @@ Per node: ``blocks`` (device block id of each page, -1 where the page is not on 
 ``tiers`` (Tier bits of each page; None while the node is on device only, the common
 case, so the hot path keeps no array for it), ``lock`` (running sequences holding the node), ``hits``,
 ``last_access`` (clock seconds), ``hard_pins`` and a soft pin that expires at ``soft_until``.
-A node's recompute cost follows from ``first_page``/``num_pages`` (see ``CostModel``).
+``recompute_seconds()`` estimates what recomputing a node's pages costs (``CostModel``:
+attention grows with position, so deep pages cost more than shallow ones).
 
 Invariants (``check_invariants`` verifies them all):
 - closure: a node's lock count, hard pins and soft-pin expiry are never above its parent's,
@@ -34,7 +35,7 @@ import numpy as np
 
 from kvjax.allocator import BLOCK_DTYPE
 from kvjax.block_keys import Namespace, chained_block_keys
-from kvjax.eviction import EvictionPolicy, EvictionQueue
+from kvjax.eviction import CostModel, EvictionPolicy, EvictionQueue
 
 __all__ = ["Node", "PrefixTrie", "Tier"]
 
@@ -87,6 +88,11 @@ class Node:
     @property
     def tail_tiers(self) -> int:
         return int(Tier.DEVICE) if self.tiers is None else int(self.tiers[-1])
+
+    def recompute_seconds(self, page_size: int, cost_model: CostModel | None = None) -> float:
+        """Estimated seconds to recompute all of this node's pages (deep pages cost more)."""
+        model = cost_model or CostModel()
+        return model.recompute_seconds(self.first_page, page_size, len(self.blocks))
 
     def page_tiers(self) -> np.ndarray:
         """Tier bits of every page, uint8 ``[num_pages]`` (a fresh array when tiers is None)."""
@@ -250,7 +256,8 @@ class PrefixTrie:
             node = node.parent
 
     def expire_soft_pins(self, now: float) -> None:
-        """Release soft pins whose time has come (deepest first: entries expire in time order)."""
+        """Release the soft pins whose expiry time is ``<= now`` (lazy: the cache calls this
+        before it allocates, evicts or pins)."""
         soft = self._soft
         while soft and soft[0][0] <= now:
             _, _, node = heapq.heappop(soft)

@@ -145,6 +145,19 @@ def test_cost_model_grows_with_depth_and_counts_attention():
     assert model.transfer_seconds(16) == pytest.approx(16 * model.kv_bytes_per_token / 2e10)
 
 
+def test_node_recompute_cost_is_the_sum_of_its_pages():
+    cache, clock = make_cache("lru", page_size=4)
+    run(cache, clock, list(range(12)), at=1.0)
+    run(cache, clock, list(range(4)) + [50, 51, 52, 53], at=2.0)  # splits after page 0
+    model = CostModel()
+    for node in cache.trie.nodes():
+        pages = range(node.first_page, node.first_page + node.num_pages)
+        expected = sum(model.recompute_seconds(page, 4) for page in pages)
+        assert node.recompute_seconds(4) == pytest.approx(expected)
+    deep = max(cache.trie.nodes(), key=lambda n: n.first_page)
+    assert deep.recompute_seconds(4) > model.recompute_seconds(0, 4, deep.num_pages)
+
+
 def test_cost_aware_ordering_does_not_depend_on_now():
     policy = CostAwarePolicy(half_life_s=3.0)
 
