@@ -13,7 +13,6 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from prometheus_client.parser import text_string_to_metric_families
 
 import kvjax.metrics
 from kvjax.metrics import METRICS, MISS_CAUSES, SPILL_LINKS, TIERS, Metrics
@@ -179,7 +178,9 @@ def test_concurrent_updates_are_not_lost():
 
 
 def parse(text):
-    return {family.name: family for family in text_string_to_metric_families(text)}
+    """Metric families by name, read back with prometheus_client's own parser."""
+    parser = pytest.importorskip("prometheus_client.parser")  # an optional dependency
+    return {family.name: family for family in parser.text_string_to_metric_families(text)}
 
 
 def test_prometheus_text_parses_back_with_the_same_values():
