@@ -1,6 +1,7 @@
 """Metrics: exact counters and rates, percentiles, Prometheus text and endpoint, JSON, table."""
 
 import doctest
+import importlib.util
 import json
 import math
 import sys
@@ -177,12 +178,20 @@ def test_concurrent_updates_are_not_lost():
     m.check_invariants()
 
 
+needs_prometheus = pytest.mark.skipif(
+    importlib.util.find_spec("prometheus_client") is None,
+    reason="prometheus_client (an optional dependency) is not installed",
+)
+
+
 def parse(text):
     """Metric families by name, read back with prometheus_client's own parser."""
-    parser = pytest.importorskip("prometheus_client.parser")  # an optional dependency
-    return {family.name: family for family in parser.text_string_to_metric_families(text)}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name: family for family in text_string_to_metric_families(text)}
 
 
+@needs_prometheus
 def test_prometheus_text_parses_back_with_the_same_values():
     m = known_run()
     families = parse(m.prometheus_text())
@@ -207,6 +216,7 @@ def test_prometheus_text_parses_back_with_the_same_values():
     assert families["kvjax_pool_occupancy_ratio"].samples[0].labels == {"tier": "device"}
 
 
+@needs_prometheus
 def test_serve_prometheus_answers_on_loopback_and_stops():
     m = known_run()
     server = m.serve_prometheus(port=0)
@@ -225,6 +235,7 @@ def test_serve_prometheus_answers_on_loopback_and_stops():
         urllib.request.urlopen(server.url, timeout=2)
 
 
+@needs_prometheus
 def test_bad_port_is_rejected():
     with pytest.raises(ValueError, match=r"port=70000 must be an int in \[0, 65535\]"):
         Metrics().serve_prometheus(port=70000)
