@@ -17,7 +17,6 @@ ValueError and changes nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ import numpy as np
 
 from kvjax.allocator import BLOCK_DTYPE, BlockAllocator, fragmentation
 from kvjax.block_keys import TOKEN_DTYPE, Namespace, as_namespace, token_bytes, validate_tokens
+from kvjax.cache_records import CacheStats, MatchResult, SeqHandle
 from kvjax.eviction import EvictionPolicy, make_policy
 from kvjax.prefix_trie import Node, PrefixTrie, Tier
 
@@ -34,73 +34,6 @@ __all__ = ["CacheStats", "MatchResult", "PrefixCache", "SeqHandle"]
 TokensLike = Sequence[int] | np.ndarray
 NamespaceLike = Namespace | str | None
 _NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
-
-
-@dataclasses.dataclass(slots=True)
-class MatchResult:
-    """Longest cached prefix of a token sequence, in whole pages, any tier."""
-
-    blocks: np.ndarray  # BLOCK_DTYPE [num_hit_blocks]: device block id, -1 where not on device
-    tiers: np.ndarray  # uint8 [num_hit_blocks]: Tier bits of each page
-    hit_tokens: int  # num_hit_blocks * page_size
-    num_hit_blocks: int
-    num_device_blocks: int  # leading pages with a device copy (what admit can map)
-
-
-@dataclasses.dataclass(slots=True)
-class CacheStats:
-    """Counters since construction. Tokens are prompt tokens; blocks are device blocks."""
-
-    admitted: int = 0
-    admit_failures: int = 0  # did not fit even after eviction
-    extend_failures: int = 0
-    prompt_tokens: int = 0  # of admitted sequences
-    hit_tokens: int = 0  # prompt tokens served from device blocks
-    lower_tier_hit_tokens: int = 0  # matched on host/disk only (recomputed for now)
-    inserted_blocks: int = 0
-    duplicate_blocks: int = 0  # committed pages another sequence had already cached
-    evicted_blocks: int = 0
-    offloaded_pages: int = 0  # evicted from device, a host/disk copy stays indexed
-    dropped_pages: int = 0  # removed from the trie entirely
-
-    @property
-    def miss_tokens(self) -> int:
-        """Admitted prompt tokens that had to be computed."""
-        return self.prompt_tokens - self.hit_tokens
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of admitted prompt tokens served from device blocks."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-class SeqHandle:
-    """A running sequence's hold on the cache. Block tables are append-only."""
-
-    __slots__ = ("seq_id", "namespace", "num_tokens", "num_hit_tokens", "block_ids",
-                 "_tokens", "_tail", "_committed", "_dup_own", "_dup_trie", "_alive")  # fmt: skip
-
-    def __init__(self, seq_id, namespace, num_tokens, num_hit_pages, page_size, block_ids, tokens, tail):
-        self.seq_id: int = seq_id
-        self.namespace: Namespace = namespace
-        self.num_tokens: int = num_tokens  # tokens the blocks must hold (prompt + decoded)
-        self.num_hit_tokens: int = num_hit_pages * page_size  # prompt tokens mapped from cached blocks
-        self.block_ids: np.ndarray = block_ids  # BLOCK_DTYPE [ceil(num_tokens / page_size)]
-        self._tokens: bytes = tokens  # longest token bytes seen (admit or commit)
-        self._tail: Node = tail  # deepest trie node this sequence locks (a root if none)
-        self._committed: int = num_hit_pages  # pages on the locked trie path
-        self._dup_own: list[np.ndarray] = []  # own blocks of pages another sequence cached first
-        self._dup_trie: list[np.ndarray] = []  # ... and the trie's blocks we hold for them
-        self._alive = True
-
-    @property
-    def block_table(self) -> list[int]:
-        """Device block ids in sequence order."""
-        return self.block_ids.tolist()
-
-    @property
-    def alive(self) -> bool:
-        return self._alive
 
 
 class PrefixCache:

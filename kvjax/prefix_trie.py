@@ -5,12 +5,7 @@ token ids as little-endian int32 bytes, so a lookup compares a whole edge with o
 ``bytes.startswith`` (a memcmp) and never hashes a page; exact comparison also means a match
 can never be a false positive. Children are keyed by the bytes of their first page.
 
-Per node: ``blocks`` (device block id of each page, -1 where the page is not on device),
-``tiers`` (Tier bits of each page; None while the node is on device only, the common
-case, so the hot path keeps no array for it), ``lock`` (running sequences holding the node), ``hits``,
-``last_access`` (clock seconds), ``hard_pins`` and a soft pin that expires at ``soft_until``.
-``recompute_seconds()`` estimates what recomputing a node's pages costs (``CostModel``:
-attention grows with position, so deep pages cost more than shallow ones).
+Per-node fields (locks, pins, heat, tiers) are described in ``kvjax.trie_node``.
 
 Invariants (``check_invariants`` verifies them all):
 - closure: a node's lock count, hard pins and soft-pin expiry are never above its parent's,
@@ -26,7 +21,6 @@ Invariants (``check_invariants`` verifies them all):
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
@@ -35,70 +29,13 @@ import numpy as np
 
 from kvjax.allocator import BLOCK_DTYPE
 from kvjax.block_keys import Namespace, chained_block_keys
-from kvjax.eviction import CostModel, EvictionPolicy, EvictionQueue
+from kvjax.eviction import EvictionPolicy, EvictionQueue
+from kvjax.trie_node import LOWER_TIERS, Node, Tier
 
 __all__ = ["Node", "PrefixTrie", "Tier"]
 
 
-class Tier(enum.IntFlag):
-    """Where a page has a copy. A page may be in several tiers at once."""
-
-    DEVICE = 1
-    HOST = 2
-    DISK = 4
-
-
-_LOWER = int(Tier.HOST | Tier.DISK)
 _NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
-
-
-class Node:
-    """A run of pages; see the module docstring for the meaning of each field."""
-
-    __slots__ = (
-        "parent", "key", "label", "blocks", "tiers", "first_page", "children", "lock",
-        "hard_pins", "soft_until", "soft_pinned", "hits", "last_access", "on_device",
-        "num_device_children", "heap_version", "namespace", "keys",
-    )  # fmt: skip
-
-    def __init__(self, parent, key, label, blocks, tiers, first_page, on_device, now):
-        self.parent: Node | None = parent  # None for a root and for a removed node
-        self.key: bytes = key  # bytes of the first page: the key in parent.children
-        self.label: memoryview = label  # int32 token bytes of all pages (a view, see _compact)
-        self.blocks: np.ndarray = blocks  # BLOCK_DTYPE [num_pages]
-        self.tiers: np.ndarray | None = tiers  # uint8 [num_pages]; None: DEVICE only
-        self.first_page = first_page  # pages before this node on its path
-        self.children: dict[bytes, Node] = {}
-        self.lock = 0
-        self.hard_pins = 0
-        self.soft_until = 0.0
-        self.soft_pinned = False
-        self.hits = 0
-        self.last_access = now
-        self.on_device = on_device
-        self.num_device_children = 0
-        self.heap_version = -1  # version of this node's live eviction-queue entry, -1: none
-        self.namespace: Namespace | None = None  # set on roots only
-        self.keys: list[bytes] | None = None  # lazily computed stable keys of a prefix of pages
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def tail_tiers(self) -> int:
-        return int(Tier.DEVICE) if self.tiers is None else int(self.tiers[-1])
-
-    def recompute_seconds(self, page_size: int, cost_model: CostModel | None = None) -> float:
-        """Estimated seconds to recompute all of this node's pages (deep pages cost more)."""
-        model = cost_model or CostModel()
-        return model.recompute_seconds(self.first_page, page_size, len(self.blocks))
-
-    def page_tiers(self) -> np.ndarray:
-        """Tier bits of every page, uint8 ``[num_pages]`` (a fresh array when tiers is None)."""
-        if self.tiers is None:
-            return np.full(len(self.blocks), Tier.DEVICE, np.uint8)
-        return self.tiers
 
 
 class PrefixTrie:
@@ -394,7 +331,7 @@ class PrefixTrie:
         if node.tiers is None:
             copied = 0
         else:  # pages up to the first one without a host/disk copy stay, off device
-            has_copy = (node.tiers & _LOWER) != 0
+            has_copy = (node.tiers & LOWER_TIERS) != 0
             copied = num_pages if has_copy.all() else int(np.argmin(has_copy))
         if 0 < copied < num_pages:
             survivor = self.split(node, copied)
@@ -421,7 +358,7 @@ class PrefixTrie:
     def _offload(self, node: Node) -> None:
         node.on_device = False
         node.blocks = np.full(len(node.blocks), -1, BLOCK_DTYPE)
-        node.tiers = node.tiers & np.uint8(_LOWER)
+        node.tiers = node.tiers & np.uint8(LOWER_TIERS)
         node.parent.num_device_children -= 1
         self.offloaded_pages += len(node.blocks)
 
@@ -435,7 +372,7 @@ class PrefixTrie:
             stack.extend(gone_nodes[-1].children.values())
         if self.on_drop is not None:  # before unlinking, so page_keys() still works
             for gone in gone_nodes:
-                if gone.tiers is not None and (gone.tiers & _LOWER).any():
+                if gone.tiers is not None and (gone.tiers & LOWER_TIERS).any():
                     self.on_drop(gone)
         for gone in gone_nodes:
             self.dropped_pages += len(gone.blocks)
