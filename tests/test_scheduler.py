@@ -1,0 +1,374 @@
+"""Scheduler decisions on small scenarios: exact plans, victims, orders and reasons."""
+
+import numpy as np
+import pytest
+from scheduler_cases import FakeEngine, reference_output
+
+from kvjax.prefix_cache import PrefixCache
+from kvjax.prefix_trie import Tier
+from kvjax.request import Request, RequestStatus
+from kvjax.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 50
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(num_blocks=32, page_size=4, *, high=0.9, low=0.7, **config):
+    clock = Clock()
+    cache = PrefixCache(num_blocks, page_size, vocab_size=VOCAB, clock=clock, high_watermark=high, low_watermark=low)
+    scheduler = Scheduler(cache, SchedulerConfig(**config))
+    return scheduler, FakeEngine(scheduler, VOCAB), clock
+
+
+def request(request_id, prompt, max_new_tokens=4, **kwargs):
+    return Request(request_id, np.asarray(prompt, np.int32), max_new_tokens, **kwargs)
+
+
+def chunks(seqs):
+    return [(seq.request_id, seq.start, seq.num_tokens) for seq in seqs]
+
+
+def drain(engine, max_steps=200):
+    """Step until nothing is live; return {request id: finish reason} over the whole run."""
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.scheduler.has_unfinished:
+            return finished
+        finished.update(engine.step()[1])
+        engine.scheduler.check_invariants()
+    raise AssertionError("requests still live after max_steps")
+
+
+def test_budget_split_between_decodes_and_chunked_prefill():
+    scheduler, engine, _ = make(token_budget=8, max_num_seqs=4, max_prefill_chunk=4)
+    for i in range(3):
+        scheduler.add(request(f"d{i}", [i + 1, 2, 3], max_new_tokens=10))
+    plan, _ = engine.step()
+    assert chunks(plan.prefills) == [("d0", 0, 3), ("d1", 0, 3), ("d2", 0, 2)]  # budget 8 = 3 + 3 + 2
+    scheduler.add(request("long", list(range(10, 20))))
+    plan, _ = engine.step()
+    # d2's last prompt token is a one-token step that samples: scheduled like a decode
+    assert chunks(plan.decodes) == [("d0", 3, 1), ("d1", 3, 1), ("d2", 2, 1)]
+    assert chunks(plan.prefills) == [("long", 0, 4)]  # 3 decodes + 4 <= 8: the chunk cap binds
+    plan, _ = engine.step()
+    assert chunks(plan.decodes) == [("d0", 4, 1), ("d1", 4, 1), ("d2", 3, 1)]
+    assert chunks(plan.prefills) == [("long", 4, 4)]
+    plan, _ = engine.step()
+    assert chunks(plan.prefills) == [("long", 8, 2)] and plan.prefills[0].samples
+    assert plan.num_tokens == 5
+    scheduler.check_invariants()
+
+
+def test_decodes_always_scheduled_even_when_prefill_wants_the_budget():
+    scheduler, engine, _ = make(token_budget=4, max_num_seqs=4, max_prefill_chunk=64)
+    for i in range(4):
+        scheduler.add(request(f"r{i}", [i + 1] * (1 + 8 * i), max_new_tokens=6))
+    for _ in range(20):
+        running_decodes = {rid for rid, r in scheduler.running.items() if not r.is_prefill}
+        plan, _ = engine.step()
+        assert running_decodes <= {seq.request_id for seq in plan.decodes}
+        assert plan.num_tokens <= 4
+
+
+def test_hit_first_then_arrival_order():
+    scheduler, engine, clock = make(max_num_seqs=1, aging_seconds=10.0)
+    cached = list(range(1, 18))  # 4 full pages + 1 token
+    scheduler.add(request("warm", cached, max_new_tokens=1))
+    drain(engine)
+    clock.now = 1.0
+    scheduler.add(request("miss", [40, 41, 42, 43, 44]))
+    clock.now = 2.0
+    scheduler.add(request("hit", cached[:12] + [45]))  # 3 cached pages: rank 2
+    scheduler.add(request("hit-later", cached[:8] + [46]))  # 2 cached pages: rank 2, later
+    order = []
+    while scheduler.has_unfinished:
+        plan, _ = engine.step()
+        order += [seq.request_id for seq in plan.sequences if seq.request_id not in order]
+    assert order == ["hit", "hit-later", "miss"]
+    assert scheduler.stats.hit_tokens == 12 + 8
+
+
+@pytest.mark.parametrize("aging_seconds, admitted_at", [(0.0, 0), (1.0, 2), (1e6, None)])
+def test_aging_admits_a_miss_starved_by_a_stream_of_hits(aging_seconds, admitted_at):
+    scheduler, engine, clock = make(max_num_seqs=1, token_budget=8, aging_seconds=aging_seconds)
+    shared = list(range(1, 10))  # 2 cached pages + 1 token: every hit has rank 2
+    scheduler.add(request("warm", shared, max_new_tokens=1))
+    drain(engine)
+    scheduler.add(request("miss", [30, 31, 32], max_new_tokens=1))  # arrives at 0.0, rank 0
+    steps = []
+    for step in range(12):  # two hits arrive each second; one request runs per step
+        clock.now += 1.0
+        for copy in "ab":
+            scheduler.add(request(f"hit{step}{copy}", shared[:8] + [step + 1], max_new_tokens=1))
+        plan, _ = engine.step()
+        steps += [step for seq in plan.sequences if seq.request_id == "miss"]
+        scheduler.check_invariants()
+    # With a seconds of aging per rank, hits arriving before 2a go ahead of "miss" (a tie at
+    # 2a goes to the earlier queued): a=1 lets the two hits of t=1 go first.
+    assert steps == ([] if admitted_at is None else [admitted_at])
+
+
+def test_high_watermark_stops_admission_until_blocks_return():
+    scheduler, engine, _ = make(num_blocks=10, high=0.5, low=0.3, max_num_seqs=8)
+    scheduler.add(request("big", list(range(1, 17)), max_new_tokens=2))  # 4 blocks
+    scheduler.add(request("small", [20, 21, 22, 23, 24], max_new_tokens=1))  # 2 blocks: 6 > 5
+    plan, _ = engine.step()
+    assert chunks(plan.prefills) == [("big", 0, 16)]
+    assert "small" in scheduler.waiting and scheduler.get("small").status is RequestStatus.WAITING
+    plan, finished = engine.step()  # big decodes its last token and finishes
+    assert finished == {"big": "length"} and not plan.prefills
+    plan, _ = engine.step()  # big's blocks are cached-unreferenced now: reclaimable, not held
+    assert chunks(plan.prefills) == [("small", 0, 5)]
+
+
+def test_lone_request_ignores_the_watermark():
+    scheduler, engine, _ = make(num_blocks=10, high=0.2, low=0.1)
+    scheduler.add(request("big", list(range(1, 33)), max_new_tokens=2))  # 8 blocks > 2
+    assert drain(engine) == {"big": "length"}
+
+
+def _two_decoders(**config):
+    """A 6-block pool, 4-token pages: "old" (admitted first) and "new" fill 5 blocks."""
+    scheduler, engine, _ = make(num_blocks=6, page_size=4, high=1.0, low=0.5, max_num_seqs=4, token_budget=16, **config)
+    scheduler.add(request("old", list(range(1, 12)), max_new_tokens=8))  # 11 tokens: 3 blocks
+    scheduler.add(request("new", list(range(20, 26)), max_new_tokens=8))  # 6 tokens: 2 blocks
+    engine.step()
+    return scheduler, engine
+
+
+def test_preemption_recompute_picks_the_newest_and_resumes_identically():
+    scheduler, engine = _two_decoders(preemption="recompute")
+    plan, _ = engine.step()  # old decodes position 11, new position 6
+    plan, _ = engine.step()  # old needs a 4th block at position 12: 1 free -> fits
+    assert not plan.preempted
+    generated = None
+    for _ in range(4):
+        plan, _ = engine.step()
+        if plan.preempted:
+            generated = scheduler.get("new").output_token_ids.tolist()
+            break
+    assert list(plan.preempted) == ["new"] and plan.preempted["new"].startswith("recompute")
+    victim = scheduler.get("new")
+    assert victim.status is RequestStatus.WAITING and victim.num_computed_tokens == 0
+    assert victim.num_tokens == 6 + len(generated) and victim.num_preemptions == 1
+    assert [seq.request_id for seq in plan.decodes] == ["old"]
+    finished = drain(engine)
+    assert finished == {"old": "length", "new": "length"}
+    assert victim.output_token_ids.tolist() == reference_output(range(20, 26), victim.namespace, 8, VOCAB)
+    assert victim.output_token_ids.tolist()[: len(generated)] == generated
+
+
+def test_preemption_swap_lists_blocks_and_swaps_back_in():
+    scheduler, engine = _two_decoders(preemption="swap", host_swap_blocks=8)
+    for _ in range(6):
+        blocks = scheduler.running["new"].handle.block_table
+        computed = scheduler.running["new"].num_computed_tokens
+        plan, _ = engine.step()
+        if plan.preempted:
+            break
+    assert plan.preempted["new"].startswith("swap")
+    pages = -(-computed // 4)
+    assert plan.swap_out == list(zip(blocks[:pages], range(pages)))
+    victim = scheduler.get("new")
+    assert victim.status is RequestStatus.SWAPPED and victim.swap_slots == list(range(pages))
+    swapped_in = []
+    while scheduler.has_unfinished:
+        plan, _ = engine.step()
+        swapped_in += plan.swap_in
+        scheduler.check_invariants()
+    hit_pages = victim.num_hit_tokens // 4
+    assert [slot for slot, _ in swapped_in] == list(range(hit_pages, pages))
+    assert victim.output_token_ids.tolist() == reference_output(range(20, 26), victim.namespace, 8, VOCAB)
+    assert scheduler.stats.preempted_swap == 1 and scheduler.stats.swap_out_blocks == pages
+
+
+def test_auto_preemption_recomputes_when_host_space_is_short():
+    scheduler, engine = _two_decoders(preemption="auto", host_swap_blocks=1)
+    reasons = {}
+    for _ in range(8):
+        reasons.update(engine.step()[0].preempted)
+    assert reasons["new"].startswith("recompute: host swap space has 1 free blocks")
+
+
+def test_prompt_that_can_never_fit_is_rejected_with_sizes():
+    scheduler, engine, _ = make(num_blocks=8, page_size=4)
+    assert not scheduler.add(request("huge", [1] * 50))
+    rejected = Request("huge", np.ones(50, np.int32), 4)
+    scheduler.add(rejected)
+    assert rejected.status is RequestStatus.REJECTED
+    assert rejected.finish_reason == "prompt of 50 tokens needs 13 blocks of 4 tokens; the device pool has 8"
+    plan = scheduler.schedule()
+    assert plan.rejected == {"huge": rejected.finish_reason}
+
+
+def test_full_waiting_queue_rejects_new_requests():
+    scheduler, _, _ = make(max_waiting=2)
+    assert scheduler.add(request("a", [1])) and scheduler.add(request("b", [2]))
+    late = request("c", [3])
+    assert not scheduler.add(late)
+    assert late.finish_reason == "waiting queue is full (2 requests, max_waiting=2); 0 running"
+
+
+def test_cancellation_releases_blocks():
+    scheduler, engine, _ = make(num_blocks=8)
+    scheduler.add(request("a", list(range(1, 10)), max_new_tokens=20))
+    scheduler.add(request("b", [5, 6]))
+    engine.step()
+    allocator = scheduler.cache.allocator
+    assert allocator.num_referenced == 4
+    plan = scheduler.schedule()
+    assert scheduler.cancel("a") and scheduler.cancel("b")
+    assert not scheduler.cancel("a") and not scheduler.cancel("never-added")
+    assert scheduler.on_step_done(plan, {}) == {}  # cancelled mid-step: their tokens are ignored
+    assert allocator.num_referenced == 0 and scheduler.cache.num_sequences == 0
+    assert allocator.num_free + scheduler.cache.num_reclaimable == 8
+    scheduler.check_invariants()
+
+
+def test_cancel_waiting_and_swapped_requests_frees_their_slots():
+    scheduler, engine = _two_decoders(preemption="swap", host_swap_blocks=8)
+    while not scheduler.get("new").swap_slots:
+        engine.step()
+    assert scheduler.cancel("new") and scheduler.get("new") is None
+    engine.step()
+    scheduler.check_invariants()  # the swap space partition includes released slots
+
+
+def test_fully_cached_prompt_recomputes_its_last_page_privately():
+    scheduler, engine, _ = make(page_size=4)
+    prompt = list(range(1, 9))  # exactly two pages
+    scheduler.add(request("first", prompt, max_new_tokens=1))
+    drain(engine)
+    cached_blocks = scheduler.cache.match(prompt).blocks.tolist()
+    scheduler.add(request("again", prompt, max_new_tokens=2))
+    plan, _ = engine.step()
+    (seq,) = plan.prefills
+    assert (seq.start, seq.num_tokens) == (4, 4)  # page 0 hits; page 1 is recomputed
+    assert seq.block_table[0] == cached_blocks[0] and seq.block_table[1] != cached_blocks[1]
+    drain(engine)
+
+
+def test_lone_request_blocked_by_pins_is_stopped_with_a_reason():
+    scheduler, engine, _ = make(num_blocks=4, page_size=2, high=1.0)
+    scheduler.add(request("pinned", [1, 2, 3, 4, 5], max_new_tokens=1))
+    drain(engine)
+    assert scheduler.cache.pin([1, 2, 3, 4]) == 4  # 2 blocks pinned
+    grow = request("grow", [9, 9, 9], max_new_tokens=10)
+    scheduler.add(grow)
+    rejected = {}
+    while scheduler.has_unfinished:
+        rejected.update(engine.step()[0].rejected)
+    reason = "stopped after 2 generated tokens: its 2 blocks and 2 pinned ones fill the 4-block pool"
+    assert grow.status is RequestStatus.REJECTED and grow.finish_reason == reason == rejected["grow"]
+
+
+def test_prefetch_intent_for_host_only_pages_is_emitted_once():
+    scheduler, engine, _ = make(num_blocks=8, page_size=4, max_num_seqs=1)
+    prompt = list(range(1, 10))
+    scheduler.add(request("warm", prompt, max_new_tokens=1))
+    drain(engine)
+    cache = scheduler.cache
+    for page in (0, 1):
+        cache.set_tier(prompt, None, page, Tier.HOST)
+    cache.evict(8)  # device copies gone, host copies stay indexed
+    scheduler.add(request("busy", [40] * 9, max_new_tokens=3))
+    engine.step()
+    scheduler.add(request("wants", prompt[:8] + [30]))
+    plan, _ = engine.step()
+    (intent,) = plan.prefetch
+    assert (intent.request_id, intent.first_page, intent.num_pages) == ("wants", 0, 2)
+    assert intent.tiers.tolist() == [int(Tier.HOST)] * 2 and intent.token_ids.tolist() == prompt[:8]
+    plan, _ = engine.step()
+    assert plan.prefetch == []
+
+
+def test_evict_target_above_the_high_watermark():
+    scheduler, engine, _ = make(num_blocks=10, high=0.5, low=0.2, evict_to_low_watermark=True)
+    scheduler.add(request("a", list(range(1, 25)), max_new_tokens=1))  # 6 blocks, then cached
+    drain(engine)
+    plan = scheduler.schedule()
+    assert plan.evict_target == 4 and len(plan.evicted) == 4  # 6 occupied -> low mark of 2
+    assert scheduler.cache.allocator.num_free == 8
+    scheduler.on_step_done(plan, {})
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs=0 must be >= 1"),
+        ({"token_budget": 8, "max_num_seqs": 16}, r"token_budget=8 must be >= max_num_seqs=16"),
+        ({"max_prefill_chunk": 0}, "max_prefill_chunk=0 must be >= 1"),
+        ({"aging_seconds": -1.0}, r"aging_seconds=-1.0 must be a finite number >= 0"),
+        ({"aging_seconds": float("inf")}, r"aging_seconds=inf must be a finite"),
+        ({"preemption": "drop"}, r"preemption='drop' is not one of \('auto', 'swap', 'recompute'\)"),
+        ({"host_swap_blocks": -1}, "host_swap_blocks=-1 must be >= 0"),
+        ({"bytes_per_block": 0}, "bytes_per_block=0 must be a positive number"),
+        ({"host_bytes_per_second": float("nan")}, "host_bytes_per_second=nan must be a positive number"),
+        ({"max_waiting": 0}, "max_waiting=0 must be >= 1"),
+        ({"rank_refresh_per_step": -1}, "rank_refresh_per_step=-1 must be >= 0"),
+        ({"prefetch_window": -2}, "prefetch_window=-2 must be >= 0"),
+    ],
+)
+def test_config_validation_messages(settings, message):
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**settings)
+
+
+def test_config_from_dict():
+    assert SchedulerConfig.from_dict({"max_num_seqs": 8, "token_budget": 64}) == SchedulerConfig(8, 64)
+    with pytest.raises(ValueError, match=r"unknown scheduler settings \['budget'\]; expected some of"):
+        SchedulerConfig.from_dict({"budget": 3})
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("", [1], 1), "request_id='' must be a non-empty str"),
+        (("r", [1], 0), "max_new_tokens=0 must be an int >= 1"),
+        (("r", [], 1), "request 'r' has an empty prompt"),
+        (("r", [[1]], 1), r"tokens must be 1-D"),
+    ],
+)
+def test_request_validation_messages(args, message):
+    with pytest.raises(ValueError, match=message):
+        Request(args[0], np.asarray(args[1]), args[2])
+
+
+def test_add_and_step_protocol_errors_change_nothing():
+    scheduler, engine, _ = make()
+    scheduler.add(request("a", [1, 2], max_new_tokens=2))
+    with pytest.raises(ValueError, match="request_id='a' is already queued or running"):
+        scheduler.add(request("a", [3]))
+    with pytest.raises(ValueError, match=r"token id 99 at index 1 is out of range; expected 0 <= id < 50"):
+        scheduler.add(request("b", [1, 99]))
+    assert scheduler.num_waiting == 1 and scheduler.get("b") is None
+    plan = scheduler.schedule()
+    with pytest.raises(RuntimeError, match="step 0 is still in flight; call on_step_done first"):
+        scheduler.schedule()
+    with pytest.raises(ValueError, match=r"missing \['a'\], unexpected \[\]"):
+        scheduler.on_step_done(plan, {})
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['zz'\]"):
+        scheduler.on_step_done(plan, {"a": 1, "zz": 2})
+    with pytest.raises(ValueError, match=r"token 50 for request 'a' is out of range; expected 0 <= id < 50"):
+        scheduler.on_step_done(plan, {"a": 50})
+    with pytest.raises(ValueError, match=r"token 1.0 for request 'a' must be an integer"):
+        scheduler.on_step_done(plan, {"a": 1.0})
+    with pytest.raises(ValueError, match="plan of step 7 is not the step in flight"):
+        scheduler.on_step_done(type(plan)(7), {})
+    scheduler.check_invariants()
+    assert scheduler.on_step_done(plan, {"a": np.int64(3)}) == {}  # numpy ints are fine
+    assert scheduler.get("a").output_token_ids.tolist() == [3]
+    done = Request("a2", np.asarray([1], np.int32), 1)
+    done.status = RequestStatus.FINISHED
+    with pytest.raises(ValueError, match="request 'a2' is finished; expected a new request"):
+        scheduler.add(done)
