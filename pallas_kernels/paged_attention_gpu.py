@@ -49,8 +49,10 @@ _MIN_DOT_DIM = 16
 # Query rows per program for batches that may hold prefill chunks: enough reuse of each K/V
 # tile to make prefill compute-bound, few enough registers for the float32 accumulator.
 _PREFILL_ROWS = 64
-# Tokens per inner step: a 128 x 128 bf16 K tile plus the V tile is 64 KiB in flight per program.
-_BLOCK_K_TOKENS = 128
+# K bytes per inner step: 32 KiB (128 tokens of bfloat16 at head_dim 128), plus as much V.
+# Larger tiles spilled registers or filled shared memory in sm_90 builds (float32 or
+# head_dim 256 at 128 tokens); smaller ones leave fewer bytes in flight per program.
+_BLOCK_K_BYTES = 32 * 1024
 # H200/H100 have 132 SMs. Below two programs per SM split-K is used, aiming at four per SM.
 _MIN_PROGRAMS = 2 * 132
 _TARGET_PROGRAMS = 4 * 132
@@ -100,7 +102,8 @@ def paged_attention_gpu(
     * ``block_q``: query tokens per program (power of two); ``block_q * group`` rows must
       reach 16. Default: 16 rows when the batch looks like decode (``max_q_len == 1`` or
       ``num_tokens <= max_num_seqs``), 64 rows otherwise.
-    * ``pages_per_compute_block``: pages per inner step (power of two); default 128 tokens.
+    * ``pages_per_compute_block``: pages per inner step (power of two); default 32 KiB of K
+      (128 tokens of bfloat16 at head_dim 128).
     * ``num_splits``: split-K factor; default fills about 4 programs per SM (1 in interpret).
     * ``num_warps`` / ``num_stages``: Triton launch and software-pipelining depth.
     """
@@ -164,7 +167,9 @@ def _plan(q, kv_pages, block_tables, *, interpret, max_q_len, block_q, pages_per
             f"{_MIN_DOT_DIM} (query rows per program)")
     pps = pages_per_compute_block
     if pps is None:
-        pps = max(1, _BLOCK_K_TOKENS // page_size, -(-_MIN_DOT_DIM // page_size))
+        # At most 256 tokens: the [rows, block_k] float32 logits tile lives in registers.
+        block_k = min(256, _BLOCK_K_BYTES // (head_dim * jnp.dtype(q.dtype).itemsize))
+        pps = max(1, block_k // page_size, -(-_MIN_DOT_DIM // page_size))
     if not isinstance(pps, int) or not _is_pow2(pps) or pps * page_size < _MIN_DOT_DIM:
         raise ValueError(
             f"pages_per_compute_block={pps!r} must be a power of two with "

@@ -14,6 +14,8 @@ from pallas_kernels import paged_attention
 import pallas_kernels.paged_attention_gpu as gpu_module
 
 ON_GPU = jax.default_backend() == "gpu"
+# JAX 0.12 warns on every Triton lowering that the Pallas Triton backend is deprecated.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 
 def _attend(case, **kw):
@@ -160,8 +162,8 @@ def test_lowers_to_a_triton_kernel_with_the_planned_grid(monkeypatch):
     case = make_case(11, q_lens=[1] * 6, kv_lens=[40, 3, 17, 64, 1, 9], page_size=16,
                      head_dim=64, num_q_heads=8, num_kv_heads=2, dtype=jnp.bfloat16,
                      pad_seqs=2, pad_tokens=2, pages_per_seq=64)
-    fn = jax.jit(lambda *a: gpu_module.paged_attention_gpu(*a, layer=1, sm_scale=0.1,
-                                                           soft_cap=3.0, sliding_window=20))
+    fn = jax.jit(lambda *a: gpu_module.paged_attention_gpu(
+        *a, layer=1, sm_scale=0.1, soft_cap=3.0, sliding_window=20, pages_per_compute_block=8))
     text = fn.trace(*case.args()).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     # A decode batch of 8 token slots: one work item each, times 2 KV heads, is far too few

@@ -1,0 +1,145 @@
+"""Scheduler overhead per step: host CPU microseconds of schedule() + on_step_done().
+
+Scenarios (page_size 16, 512-token prompts that share a 256-token system prompt):
+
+- decode: N running sequences, all decoding, nothing waiting;
+- decode + queue: the same with 1,000 requests waiting (max_num_seqs is full, so the queue
+  costs only its per-step rank refresh), with and without that refresh;
+- churn: N running with 16-256 new tokens each, so some finish every step and waiting
+  requests are admitted and prefilled in chunks (a serving steady state);
+- baseline: only the PrefixCache calls a decode step needs (extend every sequence by one
+  token, commit on page crossings), i.e. the floor under the scheduler's own bookkeeping.
+
+Times are thread CPU time (time the OS gives other processes does not count), per step;
+sampled-token dicts are built outside the timed region (that is the engine's work).
+
+    .venv/bin/python benchmarks/bench_scheduler.py [--num-seqs 256] [--waiting 1000] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_host_path import python_speed_us  # noqa: E402
+from kvjax.prefix_cache import PrefixCache  # noqa: E402
+from kvjax.request import Request  # noqa: E402
+from kvjax.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+VOCAB = 32_000
+PAGE_SIZE = 16
+PROMPT_LEN = 512
+SYSTEM_LEN = 256
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--waiting", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per scenario")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = np.random.default_rng(args.seed)
+    n, w = args.num_seqs, args.waiting
+    rows = [
+        (f"decode, {n} running", run_decode(rng, n, 0, 4, args.steps)),
+        (f"decode, {n} running + {w} waiting (refresh 4/step)", run_decode(rng, n, w, 4, args.steps)),
+        (f"decode, {n} running + {w} waiting (refresh 0)", run_decode(rng, n, w, 0, args.steps)),
+        (f"churn, {n} running + {w} waiting", run_churn(rng, n, w, args.steps)),
+        (f"baseline: PrefixCache calls of a {n}-decode step", run_baseline(rng, n, args.steps)),
+    ]
+    print(f"page_size={PAGE_SIZE}, prompts of {PROMPT_LEN} tokens ({SYSTEM_LEN} shared), "
+          f"{args.steps} timed steps per row, thread CPU time\n")  # fmt: skip
+    print("| scenario | us/step mean | p50 | p99 | schedule() us | on_step_done() us | tokens/step | us per running seq |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (schedule_us, done_us, tokens, running) in rows:
+        total = schedule_us + done_us
+        print(f"| {name} | {total.mean():.0f} | {np.percentile(total, 50):.0f} | {np.percentile(total, 99):.0f} "
+              f"| {schedule_us.mean():.0f} | {done_us.mean():.0f} | {tokens:.0f} | {total.mean() / running:.2f} |")  # fmt: skip
+    print(f"\nmachine speed: sum(range(1000)) takes {python_speed_us():.1f} us of CPU here "
+          "(scale the figures above by your machine's own figure to compare)")  # fmt: skip
+    print(f"command: {' '.join(sys.argv)}")
+
+
+def make_scheduler(num_seqs: int, waiting: int, refresh: int) -> Scheduler:
+    num_blocks = (num_seqs + 64) * (PROMPT_LEN + 1024) // PAGE_SIZE
+    cache = PrefixCache(num_blocks, PAGE_SIZE, vocab_size=VOCAB)
+    config = SchedulerConfig(max_num_seqs=num_seqs, token_budget=max(2048, num_seqs), max_prefill_chunk=512,
+                             rank_refresh_per_step=refresh, max_waiting=waiting + num_seqs + 1)  # fmt: skip
+    return Scheduler(cache, config)
+
+
+def make_requests(rng, prefix: str, count: int, system: np.ndarray, max_new: np.ndarray) -> list[Request]:
+    prompts = rng.integers(0, VOCAB, (count, PROMPT_LEN - SYSTEM_LEN), dtype=np.int32)
+    return [Request(f"{prefix}{i}", np.concatenate((system, prompts[i])), int(max_new[i])) for i in range(count)]
+
+
+def step(scheduler: Scheduler, rng) -> tuple[float, float, int]:
+    """One timed step; returns (schedule us, on_step_done us, scheduled tokens)."""
+    start = time.thread_time_ns()
+    plan = scheduler.schedule()
+    middle = time.thread_time_ns()
+    sampling = [seq.request_id for seq in plan.decodes + plan.prefills if seq.samples]
+    tokens = dict(zip(sampling, rng.integers(1, VOCAB, len(sampling)).tolist()))
+    resume = time.thread_time_ns()
+    scheduler.on_step_done(plan, tokens)
+    end = time.thread_time_ns()
+    return (middle - start) / 1e3, (end - resume) / 1e3, plan.num_tokens
+
+
+def run_decode(rng, num_seqs: int, waiting: int, refresh: int, steps: int):
+    system = rng.integers(0, VOCAB, SYSTEM_LEN, dtype=np.int32)
+    scheduler = make_scheduler(num_seqs, waiting, refresh)
+    for request in make_requests(rng, "run", num_seqs, system, np.full(num_seqs, 100_000)):
+        scheduler.add(request)
+    while any(request.is_prefill for request in scheduler.running.values()) or scheduler.num_waiting:
+        step(scheduler, rng)  # prefill everything first: the timed steps are pure decode
+    for request in make_requests(rng, "wait", waiting, system, np.full(waiting, 64)):
+        scheduler.add(request)
+    return timed(scheduler, rng, steps)
+
+
+def run_churn(rng, num_seqs: int, waiting: int, steps: int):
+    system = rng.integers(0, VOCAB, SYSTEM_LEN, dtype=np.int32)
+    scheduler = make_scheduler(num_seqs, waiting, 4)
+    total = num_seqs + waiting
+    for request in make_requests(rng, "r", total, system, rng.integers(16, 257, total)):
+        scheduler.add(request)
+    for _ in range(200):  # warm up into the steady state
+        step(scheduler, rng)
+    return timed(scheduler, rng, steps)
+
+
+def timed(scheduler: Scheduler, rng, steps: int):
+    results = np.array([step(scheduler, rng) for _ in range(steps)])
+    return results[:, 0], results[:, 1], results[:, 2].mean(), max(scheduler.num_running, 1)
+
+
+def run_baseline(rng, num_seqs: int, steps: int):
+    """The cache work of a decode step without the scheduler: extend by 1, commit on page crossings."""
+    cache = PrefixCache((num_seqs + 64) * (PROMPT_LEN + 1024) // PAGE_SIZE, PAGE_SIZE, vocab_size=VOCAB)
+    tokens = [rng.integers(0, VOCAB, PROMPT_LEN + steps + 1, dtype=np.int32) for _ in range(num_seqs)]
+    handles = [cache.admit(t[:PROMPT_LEN], None) for t in tokens]
+    for handle, t in zip(handles, tokens):
+        cache.commit(handle, t[:PROMPT_LEN])
+    lengths = [PROMPT_LEN] * num_seqs
+    per_step = []
+    for _ in range(steps):
+        start = time.thread_time_ns()
+        for i, handle in enumerate(handles):
+            cache.extend(handle, 1)
+            lengths[i] += 1
+            if lengths[i] % PAGE_SIZE == 0:
+                cache.commit(handle, tokens[i][: lengths[i]])
+        per_step.append((time.thread_time_ns() - start) / 1e3)
+    return np.array(per_step), np.zeros(steps), num_seqs, num_seqs
+
+
+if __name__ == "__main__":
+    main()
