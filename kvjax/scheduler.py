@@ -94,6 +94,7 @@ class Scheduler:
         self._swap = SwapSpace(self.config.host_swap_blocks)
         self._costs = self.config.costs
         self._refresh = collections.deque()  # waiting request ids, round robin for re-matching
+        self._in_refresh: set[str] = set()  # ids in _refresh (each at most once)
         self._prefetch = PrefetchPlanner(self.page_size)
         self._rejected: dict[str, str] = {}  # rejected by add(), reported by the next plan
         self._in_flight: StepPlan | None = None
@@ -123,7 +124,7 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._note_match(request, self.cache.match(request.token_ids, request.namespace), urgent=False)
         self._waiting.push(request)
-        self._refresh.append(request.request_id)
+        self._queue_refresh(request.request_id)
         return True
 
     def cancel(self, request_id: str) -> bool:
@@ -235,7 +236,10 @@ class Scheduler:
         self.cache.check_invariants()
         self._waiting.check_invariants()
         self._swap.check_invariants([request.swap_slots for request in self._waiting])
-        self._prefetch.check_invariants({request.request_id for request in self._waiting})
+        waiting_ids = {request.request_id for request in self._waiting}
+        self._prefetch.check_invariants(waiting_ids)
+        if len(self._refresh) != len(self._in_refresh) or not waiting_ids <= self._in_refresh:
+            raise RuntimeError("the rank refresh rotation lost a waiting request or holds one twice")
         check_scheduler(self, self._requests, self._prefilling)
 
     # --- helpers: decode, prefill, admission --------------------------------------------------
@@ -364,7 +368,7 @@ class Scheduler:
             victim.num_computed_tokens = 0  # generated tokens stay: the recompute prefills them too
         victim.num_preemptions += 1
         self._waiting.push(victim, urgent=True)
-        self._refresh.append(victim.request_id)
+        self._queue_refresh(victim.request_id)
         plan.preempted[victim.request_id] = reason
 
     def _stop_running(self, request: Request) -> None:
@@ -411,13 +415,19 @@ class Scheduler:
                 self._waiting.push(request, urgent=urgent)
         self._prefetch.note(request.request_id, match)
 
+    def _queue_refresh(self, request_id: str) -> None:
+        if request_id not in self._in_refresh:
+            self._in_refresh.add(request_id)
+            self._refresh.append(request_id)
+
     def _refresh_ranks(self) -> None:
         refresh, waiting = self._refresh, self._waiting
         for _ in range(min(self.config.rank_refresh_per_step, len(refresh))):
             request_id = refresh.popleft()
             request = self._requests.get(request_id)
             if request is None or request_id not in waiting:
-                continue  # admitted or gone: re-appended if it is ever queued again
+                self._in_refresh.discard(request_id)  # admitted or gone: queued again if it is requeued
+                continue
             match = self.cache.match(request.token_ids, request.namespace)
             self._note_match(request, match, waiting.is_urgent(request_id))
             refresh.append(request_id)

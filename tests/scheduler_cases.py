@@ -19,6 +19,16 @@ from kvjax.scheduler import Scheduler
 from kvjax.step_plan import StepPlan
 
 
+class Clock:
+    """A settable clock in seconds (``now``)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
 def position_kv(namespace, tokens) -> bytes:
     """The modelled KV of the last position of ``tokens``."""
     return repr(namespace).encode() + b"|" + np.asarray(tokens, np.int32).tobytes()

@@ -1,23 +1,19 @@
 """Scheduler decisions on small scenarios: exact plans, victims, orders and reasons."""
 
+import re
+
 import numpy as np
 import pytest
-from scheduler_cases import FakeEngine, reference_output
+from scheduler_cases import Clock, FakeEngine, reference_output
 
+from kvjax.preemption import PreemptionCosts, SwapSpace, choose_preemption
 from kvjax.prefix_cache import PrefixCache
 from kvjax.prefix_trie import Tier
 from kvjax.request import Request, RequestStatus
 from kvjax.scheduler import Scheduler, SchedulerConfig
+from kvjax.scheduler_queue import WaitQueue, hit_rank
 
 VOCAB = 50
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def make(num_blocks=32, page_size=4, *, high=0.9, low=0.7, **config):
@@ -372,3 +368,76 @@ def test_add_and_step_protocol_errors_change_nothing():
     done.status = RequestStatus.FINISHED
     with pytest.raises(ValueError, match="request 'a2' is finished; expected a new request"):
         scheduler.add(done)
+
+
+# --- the parts: queue order, preemption choice, swap space ------------------------------------
+
+
+def test_hit_rank_is_a_log2_bucket_of_hit_pages():
+    assert [hit_rank(pages) for pages in (0, 1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 2, 2, 3, 3, 4, 10]
+
+
+def test_wait_queue_orders_by_rank_and_arrival_with_urgent_first():
+    queue = WaitQueue(aging_seconds=2.0)
+    records = {}
+    for request_id, arrival, rank in [("early-miss", 0.0, 0), ("hit", 3.0, 2), ("late-hit", 5.0, 2), ("tie", 4.0, 0)]:
+        records[request_id] = request(request_id, [1], arrival_time=arrival)
+        records[request_id].hit_rank = rank
+        queue.push(records[request_id])
+    # keys (arrival - 2 s * rank): early-miss 0, hit -1, late-hit 1, tie 4
+    assert [r.request_id for r in queue.best(4)] == ["hit", "early-miss", "late-hit", "tie"]
+    preempted = request("preempted", [1], arrival_time=9.0)
+    queue.push(preempted, urgent=True)
+    assert queue.peek() is preempted and queue.is_urgent("preempted")
+    assert queue.remove("hit") is records["hit"] and queue.remove("hit") is None
+    records["tie"].hit_rank = 3  # key 4 - 6 = -2: re-keyed ahead of the others
+    queue.push(records["tie"])
+    assert [queue.pop().request_id for _ in range(len(queue))] == ["preempted", "tie", "early-miss", "late-hit"]
+    assert queue.pop() is None
+    queue.check_invariants()
+
+
+def test_wait_queue_without_aging_bonus_is_first_come_first_served():
+    queue = WaitQueue(aging_seconds=0.0)
+    for i, rank in enumerate([0, 5, 3]):
+        queued = request(f"r{i}", [1], arrival_time=float(i))
+        queued.hit_rank = rank
+        queue.push(queued)
+    assert [queue.pop().request_id for _ in range(3)] == ["r0", "r1", "r2"]
+
+
+@pytest.mark.parametrize(
+    "mode, tokens, free_slots, chosen, reason",
+    [
+        ("auto", 64, 8, "swap", r"swap \(swap 4 blocks ~0.8 ms vs recompute 64 tokens ~3.2 ms\)"),
+        ("auto", 64, 3, "recompute", r"recompute: host swap space has 3 free blocks"),
+        ("auto", 4, 8, "recompute", r"recompute \(swap 1 blocks ~0.2 ms vs recompute 4 tokens ~0.2 ms\)"),
+        ("swap", 4, 8, "swap", r"swap \(swap 1 blocks"),
+        ("recompute", 64, 8, "recompute", r"recompute \(.*; mode=recompute\)"),
+        ("swap", 0, 8, "recompute", r"recompute \(swap 0 blocks"),
+    ],
+)
+def test_choose_preemption_by_cost_and_room(mode, tokens, free_slots, chosen, reason):
+    costs = PreemptionCosts(recompute_seconds_per_token=5e-5, host_bytes_per_second=2e10, bytes_per_block=2_000_000)
+    got, why = choose_preemption(mode, costs, tokens, 16, free_slots)
+    assert got == chosen
+    assert re.match(reason, why), why
+
+
+def test_choose_preemption_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match=r"preemption mode='evict' is not one of \('auto', 'swap', 'recompute'\)"):
+        choose_preemption("evict", PreemptionCosts(), 4, 16, 0)
+
+
+def test_swap_space_reuses_released_slots_only_after_flush():
+    space = SwapSpace(4)
+    assert space.allocate(3) == [0, 1, 2] and space.allocate(2) is None
+    space.release([0, 1])
+    assert space.allocate(2) is None and space.num_free == 1  # released, not yet reusable
+    space.flush()
+    assert sorted(space.allocate(3)) == [0, 1, 3]
+    space.check_invariants([[0, 1, 3], [2]])
+    with pytest.raises(RuntimeError, match="swap slots leak or repeat"):
+        space.check_invariants([[0, 1, 3]])
+    with pytest.raises(ValueError, match="num_slots=-1 must be >= 0"):
+        SwapSpace(-1)

@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from scheduler_cases import FakeEngine, reference_output
+from scheduler_cases import Clock, FakeEngine, reference_output
 
 from kvjax.prefix_cache import PrefixCache
 from kvjax.prefix_trie import Tier
@@ -29,14 +29,6 @@ prompt_st = st.one_of(
     st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),  # sometimes longer than the pool
 )
 DRAIN_STEPS = 600
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 class SchedulerMachine(RuleBasedStateMachine):
