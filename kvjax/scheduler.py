@@ -9,8 +9,9 @@ Each ``schedule()`` fills one step under a token budget, in this order:
    cost model says (see ``preemption``), until the extension fits.
 2. prefill chunks of running requests still prefilling, in admission order, up to
    ``max_prefill_chunk`` tokens each.
-3. admissions (none in a step that preempted) from the waiting queue in hit-first-with-aging order (see ``scheduler_queue``):
-   preempted requests first, then by cached-prefix rank and waiting time. Admission stops
+3. admissions (none in a step that preempted) from the waiting queue in hit-first-with-aging
+   order (see ``scheduler_queue``): preempted requests first, then by cached-prefix rank and
+   waiting time. Admission stops
    when the budget or ``max_num_seqs`` is used up, or when admitting the next request would
    push the blocks held by running sequences past the pool's high watermark (unless nothing
    runs: then anything that fits goes). The queue head is never skipped, so aging bounds the
@@ -35,7 +36,6 @@ grow (hard pins hold the rest of the pool) is stopped with a reason. Nothing rai
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Mapping
 
@@ -45,31 +45,13 @@ from kvjax.preemption import SwapSpace, choose_preemption
 from kvjax.prefix_cache import MatchResult, PrefixCache
 from kvjax.request import Request, RequestStatus
 from kvjax.scheduler_checks import check_scheduler
-from kvjax.scheduler_config import SchedulerConfig
+from kvjax.scheduler_config import SchedulerConfig, SchedulerStats
 from kvjax.scheduler_queue import WaitQueue, hit_rank
 from kvjax.step_plan import ScheduledSeq, StepPlan, pair_tokens
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 _RUNNING, _WAITING, _SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
-
-
-@dataclasses.dataclass(slots=True)
-class SchedulerStats:
-    """Counters since construction (requests, tokens, blocks)."""
-
-    steps: int = 0
-    admitted: int = 0  # admissions, resumed ones included
-    finished: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-    preempted_swap: int = 0
-    preempted_recompute: int = 0
-    swap_out_blocks: int = 0
-    swap_in_blocks: int = 0
-    prefill_tokens: int = 0  # scheduled prefill tokens (recomputes included)
-    decode_tokens: int = 0
-    hit_tokens: int = 0  # tokens mapped from cached blocks at admission
 
 
 class Scheduler:
@@ -128,7 +110,12 @@ class Scheduler:
         return True
 
     def cancel(self, request_id: str) -> bool:
-        """Stop a live request and release what it holds; False if it is not live (done or unknown)."""
+        """Stop a live request and release what it holds; False if it is not live (done or unknown).
+
+        Cancelling during a step is allowed: the step may still write the request's KV into the
+        blocks it held, which no plan hands out before the next ``schedule()``; its sampled
+        token, if reported, is ignored.
+        """
         request = self._requests.get(request_id)
         if request is None:
             return False
@@ -136,8 +123,6 @@ class Scheduler:
             self._stop_running(request)
         else:
             self._waiting.remove(request_id)
-            self._swap.release(request.swap_slots)
-            request.swap_slots = []
         self._retire(request, RequestStatus.CANCELLED, "cancelled")
         self.stats.cancelled += 1
         return True
@@ -321,8 +306,8 @@ class Scheduler:
             if handle is None:
                 if not self._running:  # even an empty pool cannot take it: pins hold the rest
                     waiting.pop()
-                    self._drop_waiting(request, plan, f"needs {num_pages - num_hit} free blocks; "
-                                       f"pins leave too few of the pool's {allocator.num_blocks}")  # fmt: skip
+                    self._reject(request, f"request {request.request_id!r} needs {num_pages - num_hit} free "
+                                 f"blocks; pins leave too few of the pool's {allocator.num_blocks}", plan)  # fmt: skip
                     continue
                 break
             waiting.pop()
@@ -383,13 +368,10 @@ class Scheduler:
         plan.rejected[request.request_id] = reason
         self.stats.rejected += 1
 
-    def _drop_waiting(self, request: Request, plan: StepPlan, reason: str) -> None:
-        self._swap.release(request.swap_slots)
-        request.swap_slots = []
-        self._reject(request, f"request {request.request_id!r} {reason}", plan)
-
     def _retire(self, request: Request, status: RequestStatus, reason: str) -> None:
         request.status, request.finish_reason = status, reason
+        self._swap.release(request.swap_slots)
+        request.swap_slots = []
         del self._requests[request.request_id]
         self._prefetch.forget(request.request_id)
 

@@ -1,4 +1,5 @@
-"""Scheduler settings: a frozen, slotted dataclass with ``from_dict``; validated on construction."""
+"""Scheduler settings (a frozen, slotted dataclass with ``from_dict``, validated on construction)
+and the counters a scheduler keeps."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kvjax.preemption import (
     PreemptionCosts,
 )
 
-__all__ = ["SchedulerConfig"]
+__all__ = ["SchedulerConfig", "SchedulerStats"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +71,24 @@ class SchedulerConfig:
     @property
     def costs(self) -> PreemptionCosts:
         return PreemptionCosts(self.recompute_seconds_per_token, self.host_bytes_per_second, self.bytes_per_block)
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerStats:
+    """Counters since construction (requests, tokens, blocks)."""
+
+    steps: int = 0
+    admitted: int = 0  # admissions, resumed ones included
+    finished: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    preempted_swap: int = 0
+    preempted_recompute: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    prefill_tokens: int = 0  # scheduled prefill tokens (recomputes included)
+    decode_tokens: int = 0
+    hit_tokens: int = 0  # tokens mapped from cached blocks at admission
 
 
 def _require(ok: bool, message: str) -> None:

@@ -265,6 +265,19 @@ def test_lone_request_blocked_by_pins_is_stopped_with_a_reason():
     assert grow.status is RequestStatus.REJECTED and grow.finish_reason == reason == rejected["grow"]
 
 
+def test_request_that_pins_leave_no_room_for_is_rejected_when_nothing_runs():
+    scheduler, engine, _ = make(num_blocks=4, page_size=2, high=1.0)
+    scheduler.add(request("pinned", [1, 2, 3, 4, 5], max_new_tokens=1))
+    drain(engine)
+    scheduler.cache.pin([1, 2, 3, 4])  # 2 of 4 blocks
+    blocked = request("blocked", [7, 7, 7, 7, 7], max_new_tokens=1)  # 3 blocks
+    scheduler.add(blocked)
+    plan, _ = engine.step()
+    reason = "request 'blocked' needs 3 free blocks; pins leave too few of the pool's 4"
+    assert plan.rejected == {"blocked": reason} and blocked.status is RequestStatus.REJECTED
+    assert not scheduler.has_unfinished
+
+
 def test_prefetch_intent_for_host_only_pages_is_emitted_once():
     scheduler, engine, _ = make(num_blocks=8, page_size=4, max_num_seqs=1)
     prompt = list(range(1, 10))
