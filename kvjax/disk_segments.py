@@ -11,6 +11,8 @@ Commit protocol: orbax writes into a temporary directory and renames it when com
 (`AtomicRenameTemporaryPath`, checked in orbax 0.12.8); then the manifest is written to a
 temporary file, fsynced, renamed, and the directory fsynced. A crash at any point leaves either
 a complete segment or files without a manifest, which `scan_directory` reports as orphans.
+Block data is fsynced only with `sync_data`: after a power cut, data the kernel had not yet
+written fails its checksum, a miss like any other damage.
 
 A block's checksum covers namespace, key and payload, so bytes served under the wrong key or
 namespace, or damaged on disk, fail verification and become a miss, never wrong KV.
