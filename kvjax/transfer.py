@@ -273,7 +273,8 @@ class TransferEngine:
                             self._coalesce(queue, bucket, jobs)
                         self._running[link] += 1
                         return jobs
-                self._cond.wait(_POLL_S if wait is None else min(wait, _POLL_S))
+                # Idle: sleep until notified; short of tokens: re-read the clock soon.
+                self._cond.wait(None if wait is None else min(wait, _POLL_S))
 
     def _coalesce(self, queue: list, bucket: TokenBucket | None, jobs: list[_Job]) -> None:
         limit = self.disk_tier.blocks_per_segment * self.disk_tier.block_nbytes
