@@ -36,16 +36,13 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.disk_tier import DiskTier
 from kvjax.host_tier import HostTier
 from kvjax.token_bucket import TokenBucket
+import pallas_kernels
 
-__all__ = [
-    "Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult", "gather_blocks_xla",
-    "scatter_blocks_xla",
-]
+__all__ = ["Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult"]
 
 _log = logging.getLogger(__name__)
 _POLL_S = 0.05  # longest a waiting worker sleeps before re-reading the (injectable) clock
@@ -101,13 +98,13 @@ UnlockHook = Callable[[Link, tuple[bytes, ...], TransferResult], None]
 class TransferEngine:
     """Queues, prioritises and runs block transfers; one worker thread per link.
 
-    >>> host = HostTier((2, 4), jnp.float32, capacity_bytes=1 << 16)
-    >>> pool = jnp.ones((8, 2, 4), jnp.float32)  # [num_blocks, *block_shape]
+    >>> host = HostTier((2, 2, 1, 4, 8), jnp.float32, capacity_bytes=1 << 16)
+    >>> pool = jnp.ones((8, 2, 2, 1, 4, 8), jnp.float32)  # [num_blocks, *block_shape]
     >>> with TransferEngine(host) as engine:
     ...     engine.offload(pool, [3, 5], [b"k" * 16, b"l" * 16], namespace=b"ns").result(5).ok
     ...     engine.fetch([b"l" * 16]).result(5).blocks.shape
     True
-    (1, 2, 4)
+    (1, 2, 2, 1, 4, 8)
     """
 
     def __init__(self, host_tier: HostTier, disk_tier: DiskTier | None = None, *,
@@ -115,15 +112,15 @@ class TransferEngine:
                  clock: Callable[[], float] = time.monotonic, lock_hook: Hook | None = None,
                  unlock_hook: UnlockHook | None = None, paused: bool = False):
         """Args:
-        gather_blocks: `(kv_pages, block_ids) -> [n, *block_shape]`; default `gather_blocks_xla`
-          (pass `pallas_kernels.gather_blocks` to use the kernel).
+        gather_blocks: `(kv_pages, block_ids) -> [n, *block_shape]`, bit-exact; default
+          `pallas_kernels.gather_blocks`.
         budgets: byte budget per link; links not named are unlimited.
         clock: seconds, for the budgets (tests inject a fake one).
         paused: start with workers idle until `resume()` (tests queue up work first).
         """
         self.host_tier = host_tier
         self.disk_tier = disk_tier
-        self._gather = gather_blocks or gather_blocks_xla
+        self._gather = gather_blocks or pallas_kernels.gather_blocks
         self._buckets = {link: TokenBucket(b.rate_bytes_per_s, b.burst_bytes, clock)
                          for link, b in dict(budgets).items()}
         self._lock_hook, self._unlock_hook = lock_hook, unlock_hook
@@ -382,27 +379,3 @@ class TransferEngine:
     @staticmethod
     def _failure(job: _Job, error: str) -> TransferResult:
         return TransferResult(job.link, job.keys, ok=False, error=error)
-
-
-def _bits_dtype(dtype) -> jnp.dtype:
-    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
-
-
-@jax.jit
-def gather_blocks_xla(kv_pages: jax.Array, block_ids: jax.Array) -> jax.Array:
-    """`kv_pages[block_ids]`, moved as bits (XLA's CPU gather rewrites float8_e5m2 NaNs).
-
-    kv_pages: [num_blocks, *block_shape]; block_ids: i32[n]. Returns [n, *block_shape].
-    """
-    bits = jax.lax.bitcast_convert_type(kv_pages, _bits_dtype(kv_pages.dtype))
-    return jax.lax.bitcast_convert_type(bits[block_ids], kv_pages.dtype)
-
-
-@jax.jit
-def scatter_blocks_xla(kv_pages: jax.Array, block_ids: jax.Array, blocks: jax.Array
-                       ) -> jax.Array:
-    """Returns kv_pages with `kv_pages[block_ids] = blocks`, bit-exact (see gather)."""
-    bits_dtype = _bits_dtype(kv_pages.dtype)
-    bits = jax.lax.bitcast_convert_type(kv_pages, bits_dtype)
-    bits = bits.at[block_ids].set(jax.lax.bitcast_convert_type(blocks, bits_dtype))
-    return jax.lax.bitcast_convert_type(bits, kv_pages.dtype)

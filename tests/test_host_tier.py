@@ -6,7 +6,6 @@ import types
 import hypothesis
 import hypothesis.strategies as st
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
