@@ -155,9 +155,13 @@ def _greedy(model, pool, handle, prompt, cache, page_size, steps):
 
 def _greedy_dense(model, prompt, steps):
     seq = list(prompt)
+    padded_len = 64  # causal: trailing padding cannot change earlier logits; one compile
+    assert len(prompt) + steps <= padded_len
     for _ in range(steps):
-        logits = _dense_step(model, jnp.asarray(seq, jnp.int32))
-        seq.append(int(jnp.argmax(logits[-1])))
+        padded = np.zeros(padded_len, np.int32)
+        padded[: len(seq)] = seq
+        logits = _dense_step(model, jnp.asarray(padded))
+        seq.append(int(jnp.argmax(logits[len(seq) - 1])))
     return seq[len(prompt):]
 
 
