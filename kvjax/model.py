@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax.config_util import config_from_dict
 import pallas_kernels
 
 __all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_config"]
@@ -56,10 +57,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
-        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown model config keys {sorted(unknown)}")
-        return cls(**values)
+        return config_from_dict(cls, values, "model config")
 
     @property
     def jnp_dtype(self):

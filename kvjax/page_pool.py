@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.config_util import config_from_dict
 import pallas_kernels
 from pallas_kernels.validation import check_block_ids, check_slot_mapping
 
@@ -77,11 +78,7 @@ class PoolConfig:
     @classmethod
     def from_dict(cls, values: Mapping) -> "PoolConfig":
         """Builds a config from a mapping (e.g. a TOML section); unknown keys are an error."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown pool config keys {unknown}; expected some of {known}")
-        return cls(**values)
+        return config_from_dict(cls, values, "pool config")
 
     @property
     def block_shape(self) -> tuple[int, ...]:

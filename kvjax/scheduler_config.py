@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from kvjax.config_util import config_from_dict
 from kvjax.preemption import (
     DEFAULT_BYTES_PER_BLOCK,
     DEFAULT_HOST_BYTES_PER_SECOND,
@@ -62,11 +63,7 @@ class SchedulerConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SchedulerConfig:
         """Build from a mapping (e.g. a parsed config file); unknown keys raise ValueError."""
-        names = [field.name for field in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(names))
-        if unknown:
-            raise ValueError(f"unknown scheduler settings {unknown}; expected some of {names}")
-        return cls(**values)
+        return config_from_dict(cls, values, "scheduler config")
 
     @property
     def costs(self) -> PreemptionCosts:

@@ -335,7 +335,7 @@ def test_config_validation_messages(settings, message):
 
 def test_config_from_dict():
     assert SchedulerConfig.from_dict({"max_num_seqs": 8, "token_budget": 64}) == SchedulerConfig(8, 64)
-    with pytest.raises(ValueError, match=r"unknown scheduler settings \['budget'\]; expected some of"):
+    with pytest.raises(ValueError, match=r"unknown scheduler config keys \['budget'\]; expected some of"):
         SchedulerConfig.from_dict({"budget": 3})
 
 
