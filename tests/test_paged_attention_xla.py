@@ -26,11 +26,11 @@ def test_window_and_soft_cap(sliding_window, soft_cap):
     assert_matches_reference(case, out, **kw)
 
 
-@pytest.mark.parametrize("pages_per_step", [1, 2, 3])
-def test_pages_per_step_does_not_change_result(pages_per_step):
-    case = make_case(2, q_lens=[1, 7, 1], kv_lens=[25, 7, 8], page_size=4)
+@pytest.mark.parametrize("pages_per_step,block_q", [(1, 1), (2, 4), (3, 16), (2, 3)])
+def test_tiling_does_not_change_result(pages_per_step, block_q):
+    case = make_case(2, q_lens=[1, 7, 1, 12], kv_lens=[25, 7, 8, 30], page_size=4)
     out = paged_attention(*case.args(), layer=case.layer, impl="xla",
-                          pages_per_step=pages_per_step)
+                          pages_per_step=pages_per_step, block_q=block_q)
     assert_matches_reference(case, out)
 
 
