@@ -80,6 +80,10 @@ class PrefixCache:
         buf = token_bytes(tokens, self.vocab_size)
         root = self.trie.root(as_namespace(namespace), create=False)
         path = [] if root is None else self.trie.walk(root, buf, 0, self._full_bytes(len(buf)))
+        return self.match_result(path)
+
+    def match_result(self, path: list[tuple[Node, int]]) -> MatchResult:
+        """The MatchResult of a trie walk (``PrefixTrie.walk`` from a namespace's root)."""
         blocks = [node.blocks[:k] for node, k in path]
         tiers = [node.page_tiers()[:k] for node, k in path]
         num_device = sum(k for node, k in itertools.takewhile(lambda p: p[0].on_device, path))
@@ -103,16 +107,32 @@ class PrefixCache:
         """
         ns = as_namespace(namespace)
         buf = token_bytes(tokens, self.vocab_size)
-        num_tokens = len(buf) // 4
+        self.check_fits(len(buf) // 4)
+        now = self.clock()
+        self.trie.expire_soft_pins(now)
+        root = self.trie.root(ns, create=False)
+        matched = [] if root is None else self.trie.walk(root, buf, 0, self.admit_limit(len(buf)))
+        return self.admit_matched(ns, buf, matched, now)
+
+    def admit_limit(self, num_bytes: int) -> int:
+        """Token bytes ``admit`` may match: the whole pages before the last token's page."""
+        return max(num_bytes // 4 - 1, 0) // self.page_size * self.trie.page_bytes
+
+    def check_fits(self, num_tokens: int) -> None:
+        """ValueError unless a sequence of ``num_tokens`` tokens fits in the pool at all."""
         num_pages = -(-num_tokens // self.page_size)
         if num_pages > self.allocator.num_blocks:
             raise ValueError(f"sequence of {num_tokens} tokens needs {num_pages} blocks; "
                              f"the pool has {self.allocator.num_blocks}")  # fmt: skip
-        now = self.clock()
-        self.trie.expire_soft_pins(now)
-        root = self.trie.root(ns, create=False)
-        limit = max(num_tokens - 1, 0) // self.page_size * self.trie.page_bytes
-        matched = [] if root is None else self.trie.walk(root, buf, 0, limit)
+
+    def admit_matched(self, ns: Namespace, buf: bytes, matched: list[tuple[Node, int]],
+                      now: float, *, count: bool = True) -> SeqHandle | None:  # fmt: skip
+        """``admit`` after the lookup: ``matched`` is a trie walk of ``buf`` from ``ns``'s root
+        (what the caller decided may hit, within ``admit_limit``). Maps its device prefix,
+        allocates the other pages as private blocks; None (nothing changed) if they do not fit.
+        ``count=False`` leaves the admission counters alone (a prefetch's own hold).
+        """
+        num_pages = -(-len(buf) // self.trie.page_bytes)
         path = list(itertools.takewhile(lambda p: p[0].on_device, matched))
         num_hit = sum(k for _, k in path)
         locked_away = sum(k for node, k in path if self.trie.is_candidate(node))
@@ -120,16 +140,17 @@ class PrefixCache:
         if available < num_pages - num_hit:
             self._stats.admit_failures += 1
             return None
-        tail = self._lock_hit_path(path, root or self.trie.root(ns, create=True), now)
+        tail = self._lock_hit_path(path, now) if path else self.trie.root(ns, create=True)
         new_blocks = self.allocator.allocate_parts(num_pages - num_hit)
         if new_blocks is None:
             raise RuntimeError("allocation failed after the admission check said it fits")
         table = np.concatenate([_NO_BLOCKS] + [node.blocks[:k] for node, k in path] + new_blocks)
         if num_hit:
             self.allocator.incref(table[:num_hit], check=False)
-        handle = SeqHandle(next(self._seq_ids), ns, num_tokens, num_hit, self.page_size, table, buf, tail)
+        handle = SeqHandle(next(self._seq_ids), ns, len(buf) // 4, num_hit, self.page_size, table, buf, tail)
         self._handles[handle.seq_id] = handle
-        self._count_admission(handle, sum(k for _, k in matched) - num_hit)
+        if count:
+            self._count_admission(handle, sum(k for _, k in matched) - num_hit)
         return handle
 
     def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
@@ -292,9 +313,7 @@ class PrefixCache:
         if not isinstance(handle, SeqHandle) or self._handles.get(handle.seq_id) is not handle:
             raise ValueError(f"{handle!r} is not a live sequence of this cache (released already?)")
 
-    def _lock_hit_path(self, path: list[tuple[Node, int]], root: Node, now: float) -> Node:
-        if not path:
-            return root
+    def _lock_hit_path(self, path: list[tuple[Node, int]], now: float) -> Node:
         node, k = path[-1]
         if k < node.num_pages:
             node = self.trie.split(node, k)

@@ -54,6 +54,9 @@ class PrefixTrie:
         self.offloaded_pages = 0  # ... of which a host/disk copy remains in the trie
         self.dropped_pages = 0  # pages removed from the trie entirely
         self.on_drop: Callable[[Node], None] | None = None  # sees nodes with host/disk copies leave
+        # Sees (leaf, num_pages) before the leaf's last pages lose their device copy; it may
+        # record host copies (write-back) so those pages stay indexed, off device.
+        self.before_evict: Callable[[Node, int], None] | None = None
         self._roots: dict[Namespace, Node] = {}
         self._soft: list[tuple[float, int, Node]] = []  # heap of soft-pin expiries
         self._order = itertools.count()
@@ -126,6 +129,16 @@ class PrefixTrie:
         node.lock = 1
         parent.children[node.key] = node
         parent.num_device_children += 1
+        self.num_nodes += 1
+        return node
+
+    def insert_offloaded(self, parent: Node, label: bytes, tiers: np.ndarray, now: float) -> Node:
+        """Add an unlocked off-device node under ``parent`` whose pages have only the copies in
+        ``tiers`` (uint8 HOST/DISK bits, one per page): a prefix found in a lower tier by key."""
+        node = Node(parent, bytes(label[: self.page_bytes]), memoryview(label),
+                    np.full(len(tiers), -1, BLOCK_DTYPE), np.array(tiers, np.uint8),
+                    parent.first_page + parent.num_pages, False, now)  # fmt: skip
+        parent.children[node.key] = node
         self.num_nodes += 1
         return node
 
@@ -257,7 +270,7 @@ class PrefixTrie:
             else:
                 parent_key = self.page_keys(node.parent)[-1]
             rest = np.frombuffer(node.label, "<i4")[len(keys) * self.page_size :]
-            keys = keys + chained_block_keys(rest, self.page_size, self._namespace_of(node), parent_key)
+            keys = keys + chained_block_keys(rest, self.page_size, self.namespace_of(node), parent_key)
             node.keys = keys
         return keys
 
@@ -317,6 +330,8 @@ class PrefixTrie:
 
     def _evict_tail(self, node: Node, num_pages: int, now: float) -> np.ndarray:
         """Take the last ``num_pages`` device pages of the evictable leaf ``node``."""
+        if self.before_evict is not None:
+            self.before_evict(node, num_pages)
         self.num_evictable -= num_pages
         self.evicted_pages += num_pages
         keep = len(node.blocks) - num_pages
@@ -385,7 +400,8 @@ class PrefixTrie:
         if len(self.queue) > 4 * self.num_nodes + 1024:
             self.queue.rebuild([n for n in self.nodes() if self.is_evictable_leaf(n)], now)
 
-    def _namespace_of(self, node: Node) -> Namespace:
+    def namespace_of(self, node: Node) -> Namespace:
+        """The namespace of the root above ``node``."""
         while node.parent is not None:
             node = node.parent
         return node.namespace

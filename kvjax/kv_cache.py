@@ -1,0 +1,452 @@
+"""KVCache: the device page pool, the prefix trie and the host/disk tiers as one cache.
+
+The request's path through it::
+
+    handle = cache.admit(tokens, namespace)   # longest match in any tier; device pages mapped,
+                                              # host/disk pages fetched (if cheaper than
+                                              # recomputing them), the rest allocated
+    cache.wait_ready(handle)                  # (or is_ready/poll) fetched KV is in the pool
+    ... prefill tokens handle.num_hit_tokens.., decode; cache.extend(handle, n) as it grows
+    cache.commit(handle, tokens)              # full pages enter the trie (+ write-through)
+    cache.release(handle)                     # refcounts drop; pages stay cached
+    cache.poll()                              # every step: finished transfers take effect
+
+Tiers. A trie page records which tiers hold a copy (``kvjax.kv_cache_tiers``). Evicting a
+page from the device keeps it indexed when a host or disk copy exists; the write policy
+(``KVCacheConfig.write_policy``) decides when device pages get host copies. Host pages spill
+to disk above the host watermark; a disk directory reopened by a new process is found again
+by key (a lookup that runs past the trie probes the disk for the next pages' chained keys).
+
+Fetches. ``admit`` maps device hits at once; lower-tier pages are fetched into the sequence's
+own blocks only when the cost model (``KVCacheConfig.cost_model``) says fetching beats
+recomputing. ``handle.num_hit_tokens`` counts the tokens whose KV will be valid once the
+handle is ready; a fetch that fails lowers it to the pages that did arrive (the caller
+recomputes the rest). A fetched page is used only after its copy completed; its source
+copies are locked against eviction while it runs. ``prefetch`` starts the same transfers for
+a request still waiting in the queue.
+
+Invariants (``check_invariants``): those of ``PrefixCache``, plus: every HOST/DISK bit in
+the trie matches a block the tier holds (or a copy in flight) in the page's namespace and
+vice versa; no transfer reads a block that can be evicted; a waiting sequence's fetch
+targets are its own private blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+import pallas_kernels
+from kvjax.block_keys import Namespace, as_namespace, chained_block_keys, token_bytes
+from kvjax.cache_records import CacheStats, MatchResult, SeqHandle
+from kvjax.disk_tier import DiskTier
+from kvjax.host_tier import HostTier
+from kvjax.kv_cache_config import KVCacheConfig
+from kvjax.kv_cache_fetch import Waiter
+from kvjax.kv_cache_moves import TierMover
+from kvjax.kv_cache_tiers import PageRef, TierIndex
+from kvjax.metrics import Metrics
+from kvjax.page_pool import PagePool
+from kvjax.prefix_cache import NamespaceLike, PrefixCache, TokensLike
+from kvjax.transfer import Priority, TransferEngine
+from kvjax.trie_node import Node, Tier
+
+__all__ = ["KVCache", "KVCacheConfig", "KVCacheStats"]
+
+_HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
+
+
+@dataclasses.dataclass(slots=True)
+class KVCacheStats:
+    """Counters since construction: ``prefix`` (device-level, see CacheStats) plus tiers.
+
+    Blocks are pages; ``fetched_*`` count pages that arrived on device for a sequence.
+    """
+
+    prefix: CacheStats
+    host_blocks: int = 0  # held or being copied in
+    disk_blocks: int = 0
+    offloaded_blocks: int = 0  # device -> host copies completed
+    spilled_blocks: int = 0  # host -> disk copies completed
+    fetched_host_blocks: int = 0
+    fetched_disk_blocks: int = 0
+    recompute_chosen_blocks: int = 0  # lower-tier pages the cost model left to recompute
+    fetch_failures: int = 0  # jobs that delivered fewer pages than planned
+    disk_errors: int = 0  # write errors, corrupt blocks, unreadable segments
+    lost_host_blocks: int = 0  # evicted from host with no disk copy
+    prefetches: int = 0  # prefetch calls that started a transfer
+
+
+class KVCache:
+    """The tiered cache; see the module docstring. Use as a context manager or call close().
+
+    ``impl`` picks the pool's kernels (see ``pallas_kernels.backend``); ``clock`` (seconds)
+    drives eviction heat; ``metrics`` records hits per tier, misses, spills, fetch latency,
+    fetch failures and disk errors. ``disk_tier`` / ``transfer_factory`` replace the tiers'
+    defaults (tests inject fakes).
+    """
+
+    def __init__(self, config: KVCacheConfig, *, impl: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None,
+                 disk_tier: DiskTier | None = None,
+                 transfer_factory: Callable[[HostTier, DiskTier | None], TransferEngine] | None = None):  # fmt: skip
+        pool = config.pool
+        self.config = config
+        self.metrics = metrics
+        self.pool = PagePool(pool, impl=impl)
+        self.prefix = PrefixCache(pool.num_blocks, pool.page_size, policy=config.policy,
+                                  vocab_size=config.vocab_size, clock=clock,
+                                  high_watermark=config.high_watermark,
+                                  low_watermark=config.low_watermark)  # fmt: skip
+        self.host_tier: HostTier | None = None
+        self.disk_tier: DiskTier | None = disk_tier
+        self.transfer: TransferEngine | None = None
+        self._index: TierIndex | None = None
+        self._mover: TierMover | None = None
+        self._recompute_chosen = 0
+        self._prefetches = 0
+        if config.tiered:
+            self._open_tiers(impl, transfer_factory)
+
+    # --- what the scheduler and the engine read ---------------------------------------------
+
+    @property
+    def page_size(self) -> int:
+        return self.prefix.page_size
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.prefix.vocab_size
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.prefix.clock
+
+    @property
+    def allocator(self):
+        return self.prefix.allocator
+
+    @property
+    def trie(self):
+        return self.prefix.trie
+
+    @property
+    def num_reclaimable(self) -> int:
+        return self.prefix.num_reclaimable
+
+    @property
+    def num_sequences(self) -> int:
+        return self.prefix.num_sequences
+
+    def fragmentation(self) -> float:
+        return self.prefix.fragmentation()
+
+    # --- lookup ----------------------------------------------------------------------------
+
+    def match(self, tokens: TokensLike, namespace: NamespaceLike = None) -> MatchResult:
+        """Longest cached prefix in whole pages, with the tiers of each page (read-only but
+        for indexing disk pages a previous process left, see the module docstring)."""
+        if self._index is None:
+            return self.prefix.match(tokens, namespace)
+        ns = as_namespace(namespace)
+        buf = token_bytes(tokens, self.vocab_size)
+        page_bytes = self.trie.page_bytes
+        return self.prefix.match_result(self._lookup(ns, buf, len(buf) - len(buf) % page_bytes))
+
+    # --- the request path ------------------------------------------------------------------
+
+    def admit(self, tokens: TokensLike, namespace: NamespaceLike = None) -> SeqHandle | None:
+        """Map device hits, start fetches of host/disk hits worth fetching, allocate the rest.
+
+        Returns None (nothing changed) when the blocks do not fit even after eviction. The
+        handle is ready at once unless it fetches (``is_ready`` / ``wait_ready``).
+        """
+        if self._index is None:
+            handle = self.prefix.admit(tokens, namespace)
+            if handle is not None:
+                self._record_admission(handle, handle.num_hit_tokens // self.page_size, 0)
+            return handle
+        ns = as_namespace(namespace)
+        buf = token_bytes(tokens, self.vocab_size)
+        self.prefix.check_fits(len(buf) // 4)
+        now = self.clock()
+        self.trie.expire_soft_pins(now)
+        matched = self._lookup(ns, buf, self.prefix.admit_limit(len(buf)))
+        first, lower = _split_device(matched)
+        on_disk = np.array([not int(node.tiers[i]) & _HOST for node, i in lower], bool)
+        num_fetch = self.config.cost_model.pages_to_fetch(
+            first, self.page_size, on_disk, self.pool.config.bytes_per_block)
+        keys = [self.trie.page_keys(node)[i] for node, i in lower[:num_fetch]]
+        pages = [(key, PageRef(node, i)) for key, (node, i) in zip(keys, lower)]
+        self._mover.hold(pages)
+        handle = self.prefix.admit_matched(ns, buf, matched, now)
+        if handle is None:
+            self._mover.unhold(pages)
+            return None
+        fetched = 0
+        if pages:
+            waiter = Waiter(handle, first, on_disk[:num_fetch], prefetch=False)
+            fetched = self._mover.start_fetch(waiter, pages, ns.digest(), Priority.DEMAND)
+            handle.num_hit_tokens = (first + fetched) * self.page_size
+        self._recompute_chosen += len(lower) - num_fetch
+        self._record_admission(handle, first, len(lower) - fetched)
+        if self.config.write_policy == "selective":
+            self._copy_hot_path(handle)
+        return handle
+
+    def is_ready(self, handle: SeqHandle) -> bool:
+        """Whether every fetch of ``handle`` finished (its hit KV is in the pool)."""
+        return self._mover is None or handle.seq_id not in self._mover.waiters
+
+    def wait_ready(self, handle: SeqHandle, timeout: float | None = None) -> bool:
+        """Apply finished transfers until ``handle`` is ready; False if ``timeout`` seconds
+        (wall clock) pass first. ``handle.num_hit_tokens`` is final once this returns True."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.poll()
+            if self.is_ready(handle):
+                return True
+            remaining = 60.0 if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._mover.wait_any(remaining)
+
+    def poll(self) -> None:
+        """Apply finished transfers, start host -> disk spills above the host watermark."""
+        if self._mover is None:
+            return
+        self._mover.poll()
+        self._mover.spill_host()
+        if self.metrics is not None:
+            self._record_occupancy()
+
+    def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
+        """Room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
+        return self.prefix.extend(handle, num_new_tokens)
+
+    def commit(self, handle: SeqHandle, tokens: TokensLike) -> int:
+        """Insert the sequence's new full pages into the trie; return how many entered.
+
+        ValueError while the handle is not ready (its fetched pages are not in the pool yet).
+        With ``write_through`` the new pages start their host copies.
+        """
+        if not self.is_ready(handle):
+            raise ValueError(f"sequence {handle.seq_id} is waiting for fetches; call wait_ready before commit")
+        first = handle._committed
+        num_new = self.prefix.commit(handle, tokens)
+        if num_new and self.config.write_policy == "write_through" and self._mover is not None:
+            self._copy_path(handle._tail, first, 0)
+        return num_new
+
+    def release(self, handle: SeqHandle) -> None:
+        """Drop the sequence's references (fetches in flight for it are discarded)."""
+        self.prefix.release(handle)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Evict up to ``num_blocks`` cached device blocks; with write_back, pages without a
+        lower copy get one first (their gather is issued before the blocks are freed)."""
+        return self.prefix.evict(num_blocks)
+
+    def evict_host(self, num_blocks: int) -> int:
+        """Drop up to ``num_blocks`` unlocked host copies, LRU first; return how many."""
+        if self._index is None:
+            return 0
+        before = self._index.host_used
+        self._index.make_host_room(self._index.host_capacity - self._index.host_used + num_blocks)
+        return before - self._index.host_used
+
+    def prefetch(self, tokens: TokensLike, namespace: NamespaceLike = None) -> None:
+        """Start moving the host/disk pages of ``tokens``' cached prefix up (PREFETCH priority).
+
+        Pages go to the device when free blocks allow (no eviction for a guess) and the cost
+        model favours fetching; otherwise disk pages are restored to host. A later ``admit``
+        of the same prefix maps them, or joins the transfer still in flight.
+        """
+        if self._index is None:
+            return
+        ns = as_namespace(namespace)
+        buf = token_bytes(tokens, self.vocab_size)
+        page_bytes = self.trie.page_bytes
+        matched = self._lookup(ns, buf, len(buf) - len(buf) % page_bytes)
+        first, lower = _split_device(matched)
+        on_disk = np.array([not int(node.tiers[i]) & _HOST for node, i in lower], bool)
+        num_fetch = self.config.cost_model.pages_to_fetch(
+            first, self.page_size, on_disk, self.pool.config.bytes_per_block)
+        pages = []
+        for node, i in lower[:num_fetch]:  # up to the first page already on its way
+            key = self.trie.page_keys(node)[i]
+            if self._mover.device_job(key) is not None:
+                break
+            pages.append((key, PageRef(node, i)))
+        if not pages:
+            return
+        self._prefetches += 1
+        if self.allocator.num_free < len(pages):
+            self._mover.restore_only([p for p, disk in zip(pages, on_disk) if disk], ns.digest())
+            return
+        self._mover.hold(pages)
+        hold = self.prefix.admit_matched(ns, buf[: (first + len(pages)) * page_bytes], matched,
+                                         self.clock(), count=False)  # fmt: skip
+        if hold is None:
+            self._mover.unhold(pages)
+            return
+        waiter = Waiter(hold, first, on_disk[: len(pages)], prefetch=True)
+        self._mover.start_fetch(waiter, pages, ns.digest(), Priority.PREFETCH)
+        if self.is_ready(hold):  # nothing to wait for after all
+            self.prefix.release(hold)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Finish every copy in flight, then copy every host page without a disk copy to
+        disk and wait for that too. False if ``timeout`` seconds pass first."""
+        if self._mover is None:
+            return True
+        deadline = time.monotonic() + timeout
+        for spill in (False, True):
+            if spill:
+                self._mover.spill_host(everything=True)
+            while self._mover.busy:
+                self._mover.poll()
+                if time.monotonic() >= deadline:
+                    return False
+                self._mover.wait_any(max(0.0, deadline - time.monotonic()))
+        return True
+
+    # --- figures, checks and lifetime ---------------------------------------------------------
+
+    @property
+    def stats(self) -> KVCacheStats:
+        stats = KVCacheStats(self.prefix.stats, recompute_chosen_blocks=self._recompute_chosen,
+                             prefetches=self._prefetches)  # fmt: skip
+        if self._mover is not None:
+            counts = self._mover.counts
+            stats.host_blocks = self._index.host_used
+            stats.disk_blocks = 0 if self.disk_tier is None else len(self.disk_tier)
+            stats.offloaded_blocks, stats.spilled_blocks = counts["offloaded"], counts["spilled"]
+            stats.fetched_host_blocks = counts["fetched_host"]
+            stats.fetched_disk_blocks = counts["fetched_disk"]
+            stats.fetch_failures, stats.disk_errors = counts["fetch_failures"], counts["disk_errors"]
+            stats.lost_host_blocks = self._index.lost_blocks
+        return stats
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError unless every invariant in the module docstring holds."""
+        from kvjax.kv_cache_checks import check_kv_cache
+
+        check_kv_cache(self)
+
+    def close(self) -> None:
+        """Stop the transfer workers (queued transfers fail; the disk keeps what it wrote)."""
+        if self.transfer is not None:
+            self.transfer.close()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _open_tiers(self, impl: str | None, transfer_factory) -> None:
+        pool, config = self.pool.config, self.config
+        self.host_tier = HostTier(pool.block_shape, pool.dtype, config.host_bytes)
+        if self.disk_tier is None and config.disk_dir is not None:
+            self.disk_tier = DiskTier(config.disk_dir, pool.block_shape, pool.dtype, config.disk_bytes,
+                                      segment_bytes=config.disk_segment_bytes)  # fmt: skip
+        if transfer_factory is None:
+            gather = functools.partial(pallas_kernels.gather_blocks, impl=impl)
+            transfer_factory = functools.partial(TransferEngine, gather_blocks=gather)
+        self.transfer = transfer_factory(self.host_tier, self.disk_tier)
+        self._index = TierIndex(self.trie, self.host_tier, self.disk_tier)
+        self._mover = TierMover(self.prefix, self.pool, self._index, self.transfer, self.metrics,
+                                config.high_watermark, config.low_watermark)  # fmt: skip
+        if config.write_policy == "write_back":
+            self.trie.before_evict = self._mover.before_evict
+
+    def _lookup(self, ns: Namespace, buf: bytes, end: int) -> list[tuple[Node, int]]:
+        """Trie walk of ``buf[:end]``; past its end, disk pages found by key join the trie."""
+        root = self.trie.root(ns, create=False)
+        matched = [] if root is None else self.trie.walk(root, buf, 0, end)
+        if self._index.has_unindexed_disk_blocks():
+            matched = self._probe_disk(ns, buf, end, matched)
+        return matched
+
+    def _probe_disk(self, ns: Namespace, buf: bytes, end: int, matched: list) -> list:
+        trie, page_bytes = self.trie, self.trie.page_bytes
+        start = sum(k for _, k in matched) * page_bytes
+        parent_key = trie.page_keys(matched[-1][0])[matched[-1][1] - 1] if matched else None
+        digest, keys, pos = ns.digest(), [], start
+        while pos + page_bytes <= end:
+            page = np.frombuffer(buf, "<i4", self.page_size, pos)
+            [key] = chained_block_keys(page, self.page_size, ns, parent_key)
+            if not self.disk_tier.contains(key, digest):
+                break
+            keys.append(key)
+            parent_key, pos = key, pos + page_bytes
+        if not keys:
+            return matched
+        if matched and matched[-1][1] < matched[-1][0].num_pages:
+            node, k = matched[-1]
+            matched[-1] = (trie.split(node, k), k)
+        parent = matched[-1][0] if matched else trie.root(ns, create=True)
+        node = trie.insert_offloaded(parent, buf[start:pos], np.full(len(keys), _DISK, np.uint8), self.clock())
+        node.keys = keys
+        for i, key in enumerate(keys):
+            self._index.disk_entries[(digest, key)] = PageRef(node, i)
+        return matched + [(node, len(keys))]
+
+    def _copy_path(self, node: Node, first_page: int, min_hits: int) -> None:
+        """Host copies of the pages from ``first_page`` on, on the path ending at ``node``,
+        that have none, in nodes hit at least ``min_hits`` times."""
+        while node.parent is not None and node.first_page + node.num_pages > first_page:
+            if node.hits >= min_hits and node.on_device:
+                tiers = node.tiers
+                low = max(first_page - node.first_page, 0)
+                todo = [i for i in range(low, node.num_pages) if tiers is None or not int(tiers[i]) & _HOST]
+                if todo:
+                    self._mover.offload(node, todo)
+            node = node.parent
+
+    def _copy_hot_path(self, handle: SeqHandle) -> None:
+        if handle._committed:
+            self._copy_path(handle._tail, 0, self.config.selective_min_hits)
+
+    def _record_admission(self, handle: SeqHandle, device_pages: int, lower_missed: int) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        page_size = self.page_size
+        if device_pages:
+            metrics.record_hit("device", device_pages * page_size, device_pages)
+        if lower_missed:
+            metrics.record_miss("evicted", lower_missed * page_size, lower_missed)
+        hit_tokens = handle.num_hit_tokens + lower_missed * page_size
+        never_seen = handle.num_tokens - hit_tokens
+        if never_seen > 0:
+            metrics.record_miss("never_seen", never_seen, -(-never_seen // page_size))
+
+    def _record_occupancy(self) -> None:
+        metrics, index = self.metrics, self._index
+        metrics.set("pool_occupancy_ratio", self.allocator.occupancy, tier="device")
+        if index.host_capacity:
+            metrics.set("pool_occupancy_ratio", min(1.0, index.host_used / index.host_capacity), tier="host")
+        if self.disk_tier is not None and self.disk_tier.capacity_bytes:
+            used = self.disk_tier.bytes_used / self.disk_tier.capacity_bytes
+            metrics.set("pool_occupancy_ratio", min(1.0, used), tier="disk")
+
+
+def _split_device(matched: list[tuple[Node, int]]) -> tuple[int, list[tuple[Node, int]]]:
+    """(device pages at the start of ``matched``, [(node, index)] of the lower-tier pages after)."""
+    first = 0
+    lower = []
+    for node, k in matched:
+        if node.on_device and not lower:
+            first += k
+        else:
+            lower.extend((node, i) for i in range(k))
+    return first, lower

@@ -1,0 +1,216 @@
+"""Which trie pages have a host or disk copy, kept in step with what the tiers hold.
+
+The prefix trie records a page's copies as Tier bits; the tiers hold blocks by chained key
+(see ``block_keys``). ``TierIndex`` links the two: per host key an entry with the page it
+backs, per disk (namespace, key) the page. Rules it keeps:
+
+* a page has the HOST bit exactly when the index has a live host entry for its key; the
+  entry is *pending* while the copy is being made (an offload or a restore in flight) and
+  *ready* once the host tier holds it;
+* a page has the DISK bit exactly when the index has a disk entry for it and the disk tier
+  holds the block (the disk tier may drop segments on its own when it writes; ``reconcile``
+  clears the bits of what it dropped);
+* the host tier never evicts on its own: every put is preceded by ``make_host_room``, which
+  evicts unlocked, ready host entries in LRU order (clearing their HOST bits, so a page left
+  without copies leaves the trie);
+* a page that leaves the trie drops its host copy (at the end of the transfer using it, if
+  one does) and keeps its disk copy unindexed: a later lookup finds it again by key.
+
+Pages are referenced by ``PageRef`` (a node and an absolute page index), which survives
+splits: a split keeps the original node as the deeper part, so the page is found by
+walking up parents.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterable
+
+from kvjax.disk_tier import DiskTier
+from kvjax.host_tier import HostTier
+from kvjax.prefix_trie import PrefixTrie
+from kvjax.trie_node import Node, Tier
+
+__all__ = ["HostEntry", "PageRef", "TierIndex"]
+
+_HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
+
+
+class PageRef:
+    """A trie page: ``page`` pages from the start of its sequence, last seen in ``node``."""
+
+    __slots__ = ("node", "page")
+
+    def __init__(self, node: Node, index: int):
+        self.node = node
+        self.page = node.first_page + index
+
+    def resolve(self) -> tuple[Node, int] | None:
+        """(node, index in node) of the page now, or None if it left the trie."""
+        node = self.node
+        while node.parent is not None and node.first_page > self.page:
+            node = node.parent
+        if node.parent is None or self.page - node.first_page >= node.num_pages:
+            return None
+        self.node = node
+        return node, self.page - node.first_page
+
+
+class HostEntry:
+    """One host block the index knows about (see the module docstring)."""
+
+    __slots__ = ("namespace", "ref", "ready", "busy", "dropped")
+
+    def __init__(self, namespace: bytes, ref: PageRef, ready: bool):
+        self.namespace = namespace  # namespace digest
+        self.ref = ref
+        self.ready = ready  # the host tier holds the block (not only a copy in flight)
+        self.busy = 0  # transfers reading it (fetch, spill): never evicted meanwhile
+        self.dropped = False  # its page left the trie; discard once no transfer reads it
+
+
+class TierIndex:
+    """Host and disk bookkeeping of one trie; see the module docstring."""
+
+    def __init__(self, trie: PrefixTrie, host: HostTier, disk: DiskTier | None):
+        self.trie = trie
+        self.host = host
+        self.disk = disk
+        self.host_capacity = host.capacity_bytes // host.block_nbytes  # blocks
+        self.host_entries: collections.OrderedDict[bytes, HostEntry] = collections.OrderedDict()
+        self.disk_entries: dict[tuple[bytes, bytes], PageRef] = {}
+        self.lost_blocks = 0  # host blocks evicted with no disk copy (their pages left)
+        self._num_dropped = 0  # host entries whose page left the trie, kept while busy
+        trie.on_drop = self._on_drop
+
+    # --- host ------------------------------------------------------------------------------
+
+    @property
+    def host_used(self) -> int:
+        """Host blocks held or reserved (pending copies included)."""
+        return len(self.host_entries)
+
+    def host_state(self, key: bytes) -> HostEntry | None:
+        """The live (not dropped) entry of ``key``, or None."""
+        entry = self.host_entries.get(key)
+        return None if entry is None or entry.dropped else entry
+
+    def make_host_room(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> int:
+        """Evict ready, unlocked host blocks (LRU first, none in ``exclude``) until
+        ``num_blocks`` more fit; return how many fit (<= num_blocks)."""
+        short = num_blocks - (self.host_capacity - self.host_used)
+        if short > 0:
+            exclude = set(exclude)
+            victims = list(itertools.islice(
+                (key for key, e in self.host_entries.items()
+                 if e.ready and not e.busy and key not in exclude), short))  # fmt: skip
+            for key in victims:
+                if key in self.host_entries and num_blocks > self.host_capacity - self.host_used:
+                    self.evict_host(key)
+        return max(0, min(num_blocks, self.host_capacity - self.host_used))
+
+    def evict_host(self, key: bytes) -> None:
+        """Drop the host copy of ``key`` (ready and unlocked); its page loses the HOST bit."""
+        entry = self.host_entries.pop(key)
+        self.host.discard([key])
+        if entry.dropped:
+            self._num_dropped -= 1
+            return
+        located = entry.ref.resolve()
+        if located is not None:
+            node, index = located
+            if not node.on_device and not int(node.tiers[index]) & _DISK:
+                self.lost_blocks += 1
+            self.trie.clear_tier(node, index, Tier.HOST)
+
+    def add_host(self, key: bytes, namespace: bytes, node: Node, index: int, *, ready: bool) -> None:
+        """Record a host copy of page ``index`` of ``node`` (pending until ``host_done``)."""
+        entry = self.host_entries.get(key)
+        if entry is not None and entry.dropped:  # same key, same content: adopt the old copy
+            entry.dropped = False
+            self._num_dropped -= 1
+            entry.ref = PageRef(node, index)
+        elif entry is None:
+            self.host_entries[key] = HostEntry(namespace, PageRef(node, index), ready)
+        self.trie.set_tier(node, index, Tier.HOST)
+
+    def host_done(self, key: bytes) -> None:
+        """A pending copy of ``key`` finished: ready if the host tier holds it, else forgotten."""
+        entry = self.host_entries.get(key)
+        if entry is None or entry.ready:
+            return
+        if self.host.contains(key):
+            entry.ready = True
+            self.release_host(key, 0)
+            return
+        del self.host_entries[key]
+        if entry.dropped:
+            self._num_dropped -= 1
+            return
+        located = entry.ref.resolve()
+        if located is not None:
+            self.trie.clear_tier(*located, Tier.HOST)
+
+    def hold_host(self, keys: Iterable[bytes]) -> None:
+        """Mark ready host blocks as read by a transfer (not evictable until released)."""
+        for key in keys:
+            entry = self.host_entries[key]
+            entry.busy += 1
+            self.host_entries.move_to_end(key)  # a use: most recently used
+
+    def release_host(self, key: bytes, count: int = 1) -> None:
+        """End ``count`` transfers reading ``key``; a dropped entry goes with the last one."""
+        entry = self.host_entries.get(key)
+        if entry is None:
+            return
+        entry.busy -= count
+        if entry.dropped and not entry.busy and entry.ready:
+            del self.host_entries[key]
+            self._num_dropped -= 1
+            self.host.discard([key])
+
+    # --- disk ------------------------------------------------------------------------------
+
+    def add_disk(self, key: bytes, namespace: bytes, node: Node, index: int) -> None:
+        self.disk_entries[(namespace, key)] = PageRef(node, index)
+        self.trie.set_tier(node, index, Tier.DISK)
+
+    def forget_disk(self, key: bytes, namespace: bytes) -> None:
+        """The disk tier no longer holds ``key``: clear its page's DISK bit."""
+        ref = self.disk_entries.pop((namespace, key), None)
+        located = None if ref is None else ref.resolve()
+        if located is not None:
+            self.trie.clear_tier(*located, Tier.DISK)
+
+    def has_unindexed_disk_blocks(self) -> bool:
+        """Whether the disk holds blocks no trie page indexes (from a previous process, or
+        whose pages left the trie): only then is a lookup by key worth its hashing."""
+        return self.disk is not None and len(self.disk) > len(self.disk_entries)
+
+    def reconcile_disk(self) -> int:
+        """Clear the DISK bit of every page whose block the disk tier dropped; return count."""
+        gone = [(ns, key) for (ns, key) in self.disk_entries if not self.disk.contains(key, ns)]
+        for ns, key in gone:
+            self.forget_disk(key, ns)
+        return len(gone)
+
+    # --- pages leaving the trie ------------------------------------------------------------
+
+    def _on_drop(self, node: Node) -> None:
+        keys = self.trie.page_keys(node)
+        namespace = None
+        for index, key in enumerate(keys):
+            bits = int(node.tiers[index])
+            if bits & _HOST:
+                entry = self.host_entries.get(key)
+                if entry is not None and not entry.dropped:
+                    if entry.busy or not entry.ready:
+                        entry.dropped = True
+                        self._num_dropped += 1
+                    else:
+                        del self.host_entries[key]
+                        self.host.discard([key])
+            if bits & _DISK:
+                namespace = namespace or self.trie.namespace_of(node).digest()
+                self.disk_entries.pop((namespace, key), None)  # stays on disk, unindexed
