@@ -23,7 +23,7 @@ from flax import nnx
 from kvjax.config_util import config_from_dict
 import pallas_kernels
 
-__all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_config"]
+__all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_config", "load_weights", "save_weights"]
 
 _CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -62,6 +62,43 @@ class ModelConfig:
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
+
+
+def save_weights(model: "Transformer", directory: str | Path) -> None:
+    """Writes the model's parameters to an orbax checkpoint at ``directory`` (must not exist)."""
+    import orbax.checkpoint as ocp  # the serving path never needs it
+
+    path = Path(directory).resolve()
+    if path.exists():
+        raise ValueError(f"checkpoint directory {str(path)!r} already exists; expected a new path")
+    state = nnx.state(model, nnx.Param)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, nnx.to_pure_dict(state))
+        checkpointer.wait_until_finished()
+
+
+def load_weights(cfg: ModelConfig, directory: str | Path) -> "Transformer":
+    """A :class:`Transformer` of ``cfg`` with the parameters saved by :func:`save_weights`.
+
+    Raises ValueError when the directory is missing or its arrays do not fit ``cfg``.
+    """
+    import orbax.checkpoint as ocp
+
+    path = Path(directory).resolve()
+    if not path.is_dir():
+        raise ValueError(f"checkpoint directory {str(path)!r} does not exist")
+    model = Transformer(cfg)
+    state = nnx.state(model, nnx.Param)
+    target = nnx.to_pure_dict(state)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path, abstract)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"checkpoint {str(path)!r} does not fit the model config {cfg}: {e}") from e
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(model, state)
+    return model
 
 
 def load_config(preset: str) -> dict:
@@ -140,8 +177,11 @@ class Transformer(nnx.Module):
         self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=cfg.jnp_dtype,
                                       param_dtype=cfg.jnp_dtype, rngs=rngs)
 
-    def __call__(self, batch: BatchInputs, kv_pages, *, impl: str | None = None):
-        """Paged forward: returns ``(logits  # f32[num_tokens, vocab], kv_pages)``."""
+    def __call__(self, batch: BatchInputs, kv_pages, *, impl: str | None = None, **attention_tuning):
+        """Paged forward: returns ``(logits  # f32[num_tokens, vocab], kv_pages)``.
+
+        ``attention_tuning`` goes to :func:`pallas_kernels.paged_attention` unchanged (block
+        sizes of the chosen implementation)."""
         x = self.embed(batch.tokens)
         for layer, block in enumerate(self.layers):
             q, k, v = block.qkv(x, batch.positions)
@@ -149,7 +189,7 @@ class Transformer(nnx.Module):
                                                impl=impl)
             attn = pallas_kernels.paged_attention(
                 q, kv_pages, batch.block_tables, batch.seq_lens, batch.cu_q_lens,
-                batch.num_seqs, layer=layer, impl=impl)
+                batch.num_seqs, layer=layer, impl=impl, **attention_tuning)
             x = block.finish(x, attn)
         return self._logits(x), kv_pages
 
