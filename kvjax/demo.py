@@ -178,3 +178,9 @@ def _batch(seq, start, end, block_table, page_size):
                                       for p in positions), -1)),
         block_tables=jnp.asarray(table), seq_lens=jnp.array([end], jnp.int32),
         cu_q_lens=jnp.array([0, n], jnp.int32), num_seqs=jnp.array([1], jnp.int32))
+
+
+def add_subcommand(subparsers) -> None:
+    """Registers ``python -m kvjax demo``."""
+    parser = subparsers.add_parser("demo", help="tour of the kernels and the cache on a small pool")
+    parser.set_defaults(func=lambda args: 1 if run_demo() else 0)
