@@ -187,3 +187,8 @@ class EvictionQueue:
 
 
 _LOWER_TIERS = 2 | 4  # Tier.HOST | Tier.DISK, spelled out to keep this module import-free
+
+
+# Policies in their own modules register themselves in POLICIES when imported; importing them
+# here lets every make_policy caller (and config validation) see them. Kept last: circular.
+from kvjax import eviction_adaptive as _eviction_adaptive  # noqa: E402,F401

@@ -1,0 +1,180 @@
+"""Yardsticks for a trace replay: the offline (Belady/MIN) policy and unlimited capacity.
+
+Both run the same sequential model as ``kvjax.replay`` (requests one after another in
+timestamp order; no concurrency) over the same block identity as the prefix trie: a block is
+the chain of hash ids that leads to it (``intern_block_paths``), so two requests share a block
+only if they share every id up to and including it. A block counts as a hit only inside the
+request's leading run of cached blocks, as in a prefix cache.
+
+Offline policy, at a capacity of ``num_blocks`` blocks: to make room for a missing block,
+evict the cached block (not one of the current request's) whose next use is farthest in the
+future; among blocks with the same next use, the deepest goes first. A block's next use is
+never earlier than its parent's (every request that uses a block uses its whole prefix), so
+this only ever evicts leaves: the yardstick is reachable by a trie. A request longer than
+the cache gets its first ``num_blocks`` blocks cached, the rest counted as misses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Sequence
+
+from kvjax.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
+
+__all__ = ["HitCounter", "HitCounts", "intern_block_paths", "offline_replay", "unlimited_replay"]
+
+_NEVER = float("inf")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HitCounts:
+    """What a replay saw, summed over every request (blocks and tokens of prompts only)."""
+
+    requests: int
+    blocks: int  # blocks of all prompts, each request counted in full
+    hit_blocks: int  # blocks served from the cache (leading runs)
+    tokens: int  # prompt tokens
+    hit_tokens: int  # prompt tokens inside hit blocks
+    evicted_blocks: int  # blocks that lost their place in the cache
+
+    @property
+    def block_hit_rate(self) -> float:
+        """Fraction of blocks that were hits (0.0 for an empty trace)."""
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        """Fraction of prompt tokens inside hit blocks (0.0 for an empty trace)."""
+        return self.hit_tokens / self.tokens if self.tokens else 0.0
+
+
+def intern_block_paths(requests: Sequence[TraceRequest]) -> tuple[list[list[int]], list[int]]:
+    """Numbers every distinct block chain: returns (node ids per request, depth of each node).
+
+    Node ids are dense ints from 0 in first-appearance order; ``depth[node]`` is its position
+    (0 for a first block). Equal node ids mean equal hash ids all the way from the start.
+    """
+    node_of: dict[tuple[int, int], int] = {}
+    depth: list[int] = []
+    paths = []
+    for request in requests:
+        parent, path = -1, []
+        for position, hash_id in enumerate(request.hash_ids):
+            node = node_of.setdefault((parent, hash_id), len(depth))
+            if node == len(depth):
+                depth.append(position)
+            path.append(node)
+            parent = node
+        paths.append(path)
+    return paths, depth
+
+
+def unlimited_replay(
+    requests: Sequence[TraceRequest], *, block_tokens: int = MOONCAKE_BLOCK_TOKENS
+) -> HitCounts:
+    """Hits with room for every block: a block hits if any earlier request used its chain."""
+    paths, _ = intern_block_paths(requests)
+    seen: set[int] = set()
+    counter = HitCounter(block_tokens)
+    for request, path in zip(requests, paths):
+        counter.add(request, _leading_run(path, seen))
+        seen.update(path)
+    return counter.result(evicted_blocks=0)
+
+
+def offline_replay(
+    requests: Sequence[TraceRequest],
+    num_blocks: int,
+    *,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> HitCounts:
+    """Hits of the offline farthest-next-use policy with room for ``num_blocks`` blocks.
+
+    O(total blocks x log) time: next uses are precomputed in one backward pass, and the
+    eviction heap drops stale entries lazily (an entry is live while it matches the block's
+    current next use).
+    """
+    if num_blocks < 1:
+        raise ValueError(f"{num_blocks=} must be >= 1")
+    paths, depth = intern_block_paths(requests)
+    next_uses = _next_uses(paths)
+    cached: dict[int, float] = {}  # node -> its next use (request index), as last pushed
+    heap: list[tuple[float, int, int]] = []  # (-next use, -depth, node): farthest, deepest first
+    counter = HitCounter(block_tokens)
+    evicted = 0
+    for request, path, path_next in zip(requests, paths, next_uses):
+        counter.add(request, _leading_run(path, cached))
+        kept = path[:num_blocks]
+        evicted += _make_room(cached, heap, kept, num_blocks)
+        for node, next_use in zip(kept, path_next):
+            cached[node] = next_use
+            heapq.heappush(heap, (-next_use, -depth[node], node))
+    return counter.result(evicted_blocks=evicted)
+
+
+def _make_room(
+    cached: dict[int, float], heap: list[tuple[float, int, int]], path: list[int], num_blocks: int
+) -> int:
+    """Evicts until ``path``'s missing blocks fit; returns how many blocks were evicted."""
+    missing = sum(1 for node in path if node not in cached)
+    excess = len(cached) + missing - num_blocks
+    if excess <= 0:
+        return 0
+    in_use = set(path)
+    held_back = []  # live entries of the current request's own blocks: locked, not evictable
+    evicted = 0
+    while evicted < excess:
+        entry = heapq.heappop(heap)
+        negative_next_use, _, node = entry
+        if cached.get(node) != -negative_next_use:
+            continue  # stale: the block was used again (or evicted) since this entry
+        if node in in_use:
+            held_back.append(entry)
+            continue
+        del cached[node]
+        evicted += 1
+    for entry in held_back:
+        heapq.heappush(heap, entry)
+    return evicted
+
+
+def _next_uses(paths: list[list[int]]) -> list[list[float]]:
+    """For each block of each request: index of the next request using it, or infinity."""
+    upcoming: dict[int, float] = {}
+    next_uses: list[list[float]] = [[] for _ in paths]
+    for index in range(len(paths) - 1, -1, -1):
+        next_uses[index] = [upcoming.get(node, _NEVER) for node in paths[index]]
+        for node in paths[index]:
+            upcoming[node] = index
+    return next_uses
+
+
+def _leading_run(path: list[int], cached) -> int:
+    """Number of leading blocks of ``path`` present in ``cached`` (a set or dict)."""
+    run = 0
+    for node in path:
+        if node not in cached:
+            break
+        run += 1
+    return run
+
+
+class HitCounter:
+    """Accumulates block and token hits request by request (shared by every replay)."""
+
+    def __init__(self, block_tokens: int):
+        self.block_tokens = block_tokens
+        self.requests = self.blocks = self.hit_blocks = self.tokens = self.hit_tokens = 0
+
+    def add(self, request: TraceRequest, hit_blocks: int) -> None:
+        per_block = request.block_tokens(self.block_tokens)
+        self.requests += 1
+        self.blocks += len(per_block)
+        self.hit_blocks += hit_blocks
+        self.tokens += sum(per_block)
+        self.hit_tokens += sum(per_block[:hit_blocks])
+
+    def result(self, *, evicted_blocks: int) -> HitCounts:
+        return HitCounts(self.requests, self.blocks, self.hit_blocks, self.tokens,
+                         self.hit_tokens, evicted_blocks)  # fmt: skip
