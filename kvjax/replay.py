@@ -33,7 +33,7 @@ from kvjax.prefix_cache import PrefixCache
 from kvjax.replay_bounds import HitCounter, HitCounts, offline_replay, unlimited_replay
 from kvjax.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["DEFAULT_POLICY", "ReplayReport", "replay_report", "replay_trace"]
+__all__ = ["DEFAULT_POLICY", "ReplayReport", "add_subcommand", "replay_report", "replay_trace"]
 
 _NAMESPACE = Namespace(tenant="trace-replay")
 _SENTINEL = 0  # token admitted after the hash ids; never matched (admit stops before it)
@@ -115,6 +115,13 @@ def replay_report(
         offline=offline_replay(requests, device_blocks, block_tokens=block_tokens),
         unlimited=unlimited_replay(requests, block_tokens=block_tokens),
     )
+
+
+def add_subcommand(subparsers) -> None:
+    """Registers ``python -m kvjax replay`` (the command line lives in ``kvjax.replay_cli``)."""
+    from kvjax.replay_cli import add_replay_subcommand  # late: replay_cli imports this module
+
+    add_replay_subcommand(subparsers)
 
 
 def _replay_request(cache: PrefixCache, hash_ids: Sequence[int]) -> int:
