@@ -31,7 +31,7 @@ from flax import nnx
 from kvjax.canonicalize import CanonicalizeConfig, canonicalize as canonicalize_text, template_fingerprint
 from kvjax.engine_config import EngineConfig
 from kvjax.engine_events import Event, FinishEvent, RunSummary, TokenEvent
-from kvjax.engine_observer import EngineObserver, RequestRecord
+from kvjax.engine_observer import EngineObserver, RequestRecord, fetch_sources, hits_by_tier
 from kvjax.engine_preset import build_engine_parts, pool_config
 from kvjax.engine_step import ModelRunner
 from kvjax.metrics import Metrics
@@ -40,6 +40,7 @@ from kvjax.request import Request
 from kvjax.sampling import GREEDY, SamplingParams
 from kvjax.scheduler import Scheduler
 from kvjax.scheduler_config import SchedulerConfig
+from kvjax.step_plan import ScheduledSeq, StepPlan
 from kvjax.swap_store import SwapStore
 from kvjax.tokenizer import ByteTokenizer, as_tokenizer
 
@@ -82,6 +83,10 @@ class Engine:
                                   token_budget=self.scheduler_config.token_budget,
                                   max_model_len=self.max_model_len,
                                   token_buckets=self.config.token_buckets, impl=self.config.impl)
+        if metrics is not None and getattr(cache, "metrics", None) is metrics:
+            raise ValueError("the cache records into the engine's own Metrics: hits would count twice; "
+                             "build the cache with metrics=CacheMetricsView(metrics)")
+        self._tiered = bool(getattr(getattr(cache, "config", None), "tiered", False))
         swap_slots = self.scheduler_config.host_swap_blocks
         self.swap_store = SwapStore(self.pool, swap_slots) if swap_slots else None
         self.observer = EngineObserver(self.metrics, page_size)
@@ -158,21 +163,16 @@ class Engine:
     def step(self) -> list[Event]:
         """Run one step (see the module docstring); returns its events in order."""
         events, self._pending = self._pending, []
-        if not self.scheduler.has_unfinished and not self._records:
+        if not self._records:
             return events
+        if self._tiered:
+            self.cache.poll()  # finished transfers take effect before the scheduler looks
         plan = self.scheduler.schedule()
-        now = self.clock()
         events += [self._finish(rid, "rejected") for rid in plan.rejected if rid in self._records]
-        if self.swap_store is not None:
-            self.swap_store.swap_out(plan.swap_out)
-            self.swap_store.swap_in(plan.swap_in)
-        elif plan.swap_out or plan.swap_in:
-            raise RuntimeError("the scheduler planned swaps but the engine has no swap store")
+        self._move_blocks(plan)
         seqs = plan.sequences
         records = [self._records[seq.request_id] for seq in seqs]
-        for record in records:
-            if record.admitted is None:
-                self.observer.on_admitted(record, now, self._hits_by_tier(record.request))
+        self._start_admitted(seqs, records)
         for seq in plan.prefills:
             self._records[seq.request_id].num_computed_tokens += seq.num_tokens
         new_tokens, logits = self._run_model(seqs, records)
@@ -250,8 +250,39 @@ class Engine:
         self.num_generated_tokens += len(new_tokens)
         return new_tokens, logits
 
-    def _hits_by_tier(self, request: Request) -> dict[str, int]:
-        return {"device": request.num_hit_tokens}
+    def _move_blocks(self, plan: StepPlan) -> None:
+        """Swaps (out before in, both before the step writes), prefetches, and, when
+        ``config.spill_ahead`` and the cache has lower tiers, eviction to the low watermark
+        (its write-back copies then run before the blocks are needed, at the cost of device
+        hits on the evicted pages; without tiers eviction would only drop KV)."""
+        if self.swap_store is not None:
+            self.swap_store.swap_out(plan.swap_out)
+            self.swap_store.swap_in(plan.swap_in)
+        elif plan.swap_out or plan.swap_in:
+            raise RuntimeError("the scheduler planned swaps but the engine has no swap store")
+        if self._tiered:
+            for intent in plan.prefetch:
+                self.cache.prefetch(intent.token_ids, intent.namespace)
+            if plan.evict_target and self.config.spill_ahead:
+                self.cache.evict(plan.evict_target)
+
+    def _start_admitted(self, seqs: list[ScheduledSeq], records: list[RequestRecord]) -> None:
+        """Wait for fetched KV; record first admissions (hits by tier, misses by cause).
+
+        A fetch that failed leaves fewer hit tokens than the scheduler planned with: the
+        sequence then recomputes from the last page that did arrive.
+        """
+        now, page_size = self.clock(), self.pool.config.page_size
+        for seq, record in zip(seqs, records):
+            handle, sources = record.request.handle, None
+            if self._tiered and not self.cache.is_ready(handle):
+                sources = fetch_sources(self.cache, handle)
+                self.cache.wait_ready(handle)
+                if handle.num_hit_tokens < seq.start:
+                    seq.num_tokens += seq.start - handle.num_hit_tokens
+                    seq.start = record.request.num_computed_tokens = handle.num_hit_tokens
+            if record.admitted is None:
+                self.observer.on_admitted(record, now, hits_by_tier(handle.num_hit_tokens, page_size, sources))
 
     def _finish(self, request_id: str, status: str) -> FinishEvent:
         record = self._records.pop(request_id)

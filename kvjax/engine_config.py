@@ -22,6 +22,9 @@ class EngineConfig:
     (``kvjax.canonicalize`` defaults; pass a ``CanonicalizeConfig`` to ``Engine`` for more).
     ``template_chars``: leading characters of a prompt that identify its template for miss
     attribution. ``impl``: kernel implementation (None: the backend's best).
+    ``spill_ahead``: with lower tiers, evict cached device pages down to the pool's low
+    watermark whenever a step ends above the high one (their host copies start early); off,
+    pages leave the device only when their blocks are reallocated.
     """
 
     max_model_len: int | None = None
@@ -30,6 +33,7 @@ class EngineConfig:
     canonicalize: bool = False
     template_chars: int = 256
     impl: str | None = None
+    spill_ahead: bool = False
 
     def __post_init__(self):
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
@@ -39,8 +43,9 @@ class EngineConfig:
             object.__setattr__(self, "token_buckets", tuple(self.token_buckets))
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**32)")
-        if not isinstance(self.canonicalize, bool):
-            raise ValueError(f"canonicalize={self.canonicalize!r} must be a bool")
+        for flag in ("canonicalize", "spill_ahead"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}={getattr(self, flag)!r} must be a bool")
         if not isinstance(self.template_chars, int) or self.template_chars < 1:
             raise ValueError(f"template_chars={self.template_chars!r} must be an int >= 1")
 

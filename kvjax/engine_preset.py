@@ -8,15 +8,19 @@ eviction ``policy`` and the device pool's watermarks), ``[scheduler]`` (``Schedu
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 from kvjax.engine_config import EngineConfig
+from kvjax.engine_observer import CacheMetricsView
+from kvjax.kv_cache import KVCache, KVCacheConfig
+from kvjax.metrics import Metrics
 from kvjax.model import ModelConfig, Transformer, load_config, load_weights
 from kvjax.page_pool import PoolConfig
-from kvjax.prefix_cache import PrefixCache
 from kvjax.scheduler_config import SchedulerConfig
 
-__all__ = ["build_cache", "build_engine_parts", "pool_config"]
+__all__ = ["build_cache_config", "build_engine_parts", "pool_config"]
 
 _CACHE_KEYS = ("page_size", "num_blocks", "policy", "high_watermark", "low_watermark")
 _TIER_KEYS = ("host_bytes", "disk_dir", "disk_bytes", "write_policy")
@@ -29,7 +33,7 @@ def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed
     ``weights``: an orbax checkpoint directory written by ``kvjax.model.save_weights`` (random
     weights from ``seed`` otherwise; ``seed`` also seeds sampling). ``tiers=False`` leaves out
     the host and disk tiers. Other keyword arguments go to ``Engine`` unchanged (they win
-    over the preset: ``scheduler_config=``, ``config=``, ``metrics=``, ...).
+    over the preset: ``scheduler_config=``, ``config=``, ``metrics=``, ``clock=``, ...).
     """
     sections = load_config(preset)
     for required in ("model", "cache"):
@@ -38,36 +42,36 @@ def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed
     model_cfg = ModelConfig.from_dict(sections["model"])
     engine_cfg = EngineConfig.from_dict(sections.get("engine", {}))
     if seed is not None:
-        engine_cfg = EngineConfig.from_dict({**_fields(engine_cfg), "seed": seed})
+        engine_cfg = dataclasses.replace(engine_cfg, seed=seed)
     model = load_weights(model_cfg, weights) if weights else Transformer(model_cfg, seed=engine_cfg.seed)
-    parts = {
-        "model": model,
-        "cache": build_cache(model_cfg, sections["cache"], sections.get("tiers", {}) if tiers else {}),
-        "scheduler_config": SchedulerConfig.from_dict(sections.get("scheduler", {})),
-        "config": engine_cfg,
-    }
+    metrics = engine_kwargs.setdefault("metrics", Metrics(clock=engine_kwargs.get("clock", time.monotonic)))
+    cache_config = build_cache_config(model_cfg, sections["cache"], sections.get("tiers", {}) if tiers else {})
+    cache = KVCache(cache_config, impl=engine_cfg.impl, clock=engine_kwargs.get("clock", time.monotonic),
+                    metrics=CacheMetricsView(metrics))  # fmt: skip
+    parts = {"model": model, "cache": cache, "config": engine_cfg,
+             "scheduler_config": SchedulerConfig.from_dict(sections.get("scheduler", {}))}
     parts.update(engine_kwargs)
     return parts
 
 
-def build_cache(model_cfg: ModelConfig, cache_section: dict, tier_section: dict):
-    """The cache of a preset: a ``KVCache`` with tiers when ``host_bytes > 0`` and the tiered
-    cache is installed, else a device-only ``PrefixCache``."""
+def build_cache_config(model_cfg: ModelConfig, cache_section: dict, tier_section: dict) -> KVCacheConfig:
+    """The ``KVCacheConfig`` of a preset's ``[cache]`` and ``[tiers]`` sections (no tiers when
+    ``host_bytes`` is 0 or absent; no disk tier when ``disk_dir`` is "" or absent)."""
     unknown = sorted(set(cache_section) - set(_CACHE_KEYS)) + sorted(set(tier_section) - set(_TIER_KEYS))
     if unknown:
         raise ValueError(f"unknown [cache]/[tiers] keys {unknown}; expected some of "
                          f"{list(_CACHE_KEYS)} / {list(_TIER_KEYS)}")  # fmt: skip
-    page_size, num_blocks = cache_section["page_size"], cache_section["num_blocks"]
-    watermarks = {k: cache_section[k] for k in ("high_watermark", "low_watermark") if k in cache_section}
-    policy = cache_section.get("policy", "lru")
-    return PrefixCache(num_blocks, page_size, policy=policy, vocab_size=model_cfg.vocab_size, **watermarks)
+    options = {k: v for k, v in cache_section.items() if k not in ("page_size", "num_blocks")}
+    options.update({k: v for k, v in tier_section.items() if k != "disk_dir"})
+    if not options.get("host_bytes"):
+        options.pop("disk_bytes", None)
+    elif tier_section.get("disk_dir"):
+        options["disk_dir"] = tier_section["disk_dir"]
+    pool = pool_config(model_cfg, cache_section["page_size"], cache_section["num_blocks"])
+    return KVCacheConfig(pool=pool, vocab_size=model_cfg.vocab_size, **options)
 
 
 def pool_config(model_cfg: ModelConfig, page_size: int, num_blocks: int) -> PoolConfig:
     """The page pool that holds ``model_cfg``'s KV in ``num_blocks`` pages of ``page_size``."""
     return PoolConfig(num_blocks, model_cfg.num_layers, model_cfg.num_kv_heads, page_size,
                       model_cfg.head_dim, model_cfg.dtype)  # fmt: skip
-
-
-def _fields(config) -> dict:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}

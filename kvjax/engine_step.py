@@ -94,11 +94,12 @@ class ModelRunner:
         sequence's last computed token when ``return_logits`` (else None). Tokens of sequences
         that do not sample (a prefill chunk short of the prompt's end) are meaningless.
         """
+        if len(seqs) > self.max_num_seqs:
+            raise ValueError(f"a step of {len(seqs)} sequences exceeds the runner's {self.max_num_seqs}")
         num_tokens = sum(seq.num_tokens for seq in seqs)
-        token_bucket = next((b for b in self.token_buckets if b >= num_tokens), None)
-        if token_bucket is None or len(seqs) > self.max_num_seqs:
-            raise ValueError(f"a step of {len(seqs)} sequences and {num_tokens} tokens exceeds the "
-                             f"runner's {self.max_num_seqs} sequences / {self.token_buckets[-1]} tokens")
+        # Past the ladder only when a failed fetch left a sequence more to recompute than
+        # the scheduler budgeted: one more compilation rather than an error.
+        token_bucket = next((b for b in self.token_buckets if b >= num_tokens), None) or bucket(num_tokens, 1)
         inputs = self._inputs(seqs, token_bucket)
         greedy = all(params.is_greedy for params, _, _ in sampling)
         params = None if greedy else sampling_batch(list(sampling), self.max_num_seqs)

@@ -66,6 +66,7 @@ class WorkloadSpec:
     turns_per_conversation: int = 4
     few_shot_templates: int = 2
     queries_per_template: int = 6
+    examples_per_template: int = 4
     system_prompt_chars: int = 480
     max_new_tokens: int = 16
     arrival_every: int = 2  # engine steps between two sessions' arrivals
@@ -181,7 +182,7 @@ def _multi_turn_sessions(spec: WorkloadSpec, rng: random.Random) -> list[Session
 def _few_shot_sessions(spec: WorkloadSpec, rng: random.Random) -> list[Session]:
     sessions = []
     for t in range(spec.few_shot_templates):
-        examples = "".join(f"Input: {_sentence(rng, 7)}\nLabel: {rng.choice(_WORDS)}\n" for _ in range(4))
+        examples = "".join(f"Input: {_sentence(rng, 7)}\nLabel: {rng.choice(_WORDS)}\n" for _ in range(spec.examples_per_template))
         prefix = f"Task {t}: label each input with one word.\n" + examples
         tenant = spec.tenants[t % len(spec.tenants)]
         for q in range(spec.queries_per_template):

@@ -1,0 +1,77 @@
+"""Shared builders for the engine tests: one small model and one pool shape for every test, so
+the jitted step compiles once per token bucket for the whole session, and a dense greedy
+reference (the uncached yardstick).
+
+Every engine built here uses: 2 layers, d_model 64, 4 query / 2 KV heads of 16, float32; a
+64-block pool of 8-token pages (512 tokens); at most 4 sequences and 64 tokens per step;
+token buckets (16, 64); sequences up to 384 tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.engine import Engine
+from kvjax.engine_config import EngineConfig
+from kvjax.engine_observer import CacheMetricsView
+from kvjax.engine_preset import pool_config
+from kvjax.fetch_cost import FetchCostModel
+from kvjax.kv_cache import KVCache, KVCacheConfig
+from kvjax.metrics import Metrics
+from kvjax.model import ModelConfig, Transformer
+from kvjax.scheduler_config import SchedulerConfig
+
+MODEL = ModelConfig(num_layers=2, d_model=64, num_q_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
+PAGE, BLOCKS, MAX_LEN = 8, 64, 384
+BUCKETS = (16, 64)
+SCHEDULER = SchedulerConfig(max_num_seqs=4, token_budget=64, max_prefill_chunk=32)
+ATOL = 1e-4  # float32 logits, paged vs dense (different summation order)
+FETCH_ALWAYS = FetchCostModel(seconds_per_token=1.0)  # recomputing is never cheaper: every lower-tier hit is fetched
+
+
+@functools.lru_cache(maxsize=None)
+def model(seed: int = 0) -> Transformer:
+    return Transformer(MODEL, seed=seed)
+
+
+def make_engine(*, scheduler: SchedulerConfig = SCHEDULER, host_bytes: int = 0, disk_dir=None,
+                disk_bytes: int = 0, seed: int = 0, **engine_kwargs) -> Engine:  # fmt: skip
+    """An engine over a KVCache (device only unless ``host_bytes``), on the shared shapes."""
+    metrics = Metrics()
+    config = KVCacheConfig(pool=pool_config(MODEL, PAGE, BLOCKS), host_bytes=host_bytes, disk_dir=disk_dir,
+                           disk_bytes=disk_bytes, vocab_size=MODEL.vocab_size, cost_model=FETCH_ALWAYS)  # fmt: skip
+    cache = KVCache(config, metrics=CacheMetricsView(metrics))
+    engine_config = engine_kwargs.pop("config", EngineConfig(max_model_len=MAX_LEN, token_buckets=BUCKETS))
+    return Engine(model(seed), cache, scheduler, engine_config, metrics=metrics, **engine_kwargs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _dense_logits(graphdef, state, tokens):
+    return nnx.merge(graphdef, state).forward_dense(tokens)
+
+
+def dense_logits(tokens, seed: int = 0) -> np.ndarray:
+    """Uncached logits ``f32[len(tokens), vocab]`` (padded to MAX_LEN: causal, one compile)."""
+    padded = np.zeros(MAX_LEN, np.int32)
+    padded[: len(tokens)] = tokens
+    graphdef, state = nnx.split(model(seed))
+    return np.asarray(_dense_logits(graphdef, state, jnp.asarray(padded)))[: len(tokens)]
+
+
+def dense_greedy(prompt, num_new: int, seed: int = 0) -> list[int]:
+    """Greedy continuation of ``prompt`` with the dense forward."""
+    tokens = [int(t) for t in prompt]
+    for _ in range(num_new):
+        tokens.append(int(np.argmax(dense_logits(tokens, seed)[-1])))
+    return tokens[len(prompt):]
+
+
+def random_prompts(rng: np.random.Generator, shared: int, tails: list[int]) -> list[np.ndarray]:
+    """Prompts of one shared ``shared``-token prefix followed by random tails."""
+    prefix = rng.integers(0, MODEL.vocab_size, shared)
+    return [np.concatenate([prefix, rng.integers(0, MODEL.vocab_size, n)]).astype(np.int32) for n in tails]

@@ -1,0 +1,111 @@
+"""End to end: the cache changes how much is computed, never what comes out.
+
+Greedy tokens with the cache equal those without it (every request in its own namespace)
+and those of the dense, uncached forward, for every workload kind; logits agree within
+float32 tolerance; hits come from device, host and disk; preempted sequences (swapped or
+recomputed) resume exactly.
+"""
+
+import numpy as np
+import pytest
+
+from engine_cases import ATOL, BLOCKS, PAGE, dense_greedy, dense_logits, make_engine, random_prompts
+from kvjax.engine_events import FinishEvent, TokenEvent
+from kvjax.scheduler_config import SchedulerConfig
+from kvjax.workload import WorkloadSpec, build_workload, drive
+
+SPEC = WorkloadSpec(system_prompts=2, questions_per_system_prompt=3, conversations=2, turns_per_conversation=3,
+                    few_shot_templates=1, queries_per_template=3, examples_per_template=2,
+                    system_prompt_chars=48, max_new_tokens=6)
+
+
+def _run(engine, requests):
+    """Add ``(request_id, tokens, max_new, namespace)`` requests, run, return finish events."""
+    for request_id, tokens, max_new, namespace in requests:
+        engine.add_request(request_id, tokens=tokens, max_new_tokens=max_new, namespace=namespace)
+    events = list(engine.run(summary=False))
+    engine.check_invariants()
+    return {e.request_id: e for e in events if isinstance(e, FinishEvent)}
+
+
+@pytest.mark.parametrize("kind", ["system_prompt", "multi_turn", "few_shot"])
+def test_cached_greedy_equals_uncached_and_dense(kind):
+    sessions = [s for s in build_workload(SPEC) if s.kind == kind]
+    cached, uncached = make_engine(), make_engine()
+    with cached, uncached:
+        hot = drive(cached, sessions)
+        cold = drive(uncached, sessions, isolate=True)
+        cached.check_invariants()
+    assert hot.outputs.keys() == cold.outputs.keys()
+    assert all(e.status == "finished" for e in hot.finishes.values())
+    for request_id, finish in hot.finishes.items():
+        np.testing.assert_array_equal(finish.output_token_ids, cold.outputs[request_id], err_msg=request_id)
+        expected = dense_greedy(finish.prompt_token_ids, len(finish.output_token_ids))
+        assert finish.output_token_ids.tolist() == expected, request_id
+    hot_counters = cached.metrics.to_json()["counters"]
+    cold_counters = uncached.metrics.to_json()["counters"]
+    assert hot_counters["hit_tokens"]["device"] > 0 and sum(cold_counters["hit_tokens"].values()) == 0
+    assert hot_counters["prefill_tokens"] < cold_counters["prefill_tokens"]
+
+
+def test_logits_match_dense_forward():
+    rng = np.random.default_rng(0)
+    prompts = random_prompts(rng, 3 * PAGE + 2, [5, 11, 1, 20])
+    events = []
+    with make_engine(record_logits=True) as engine:
+        for batch in (prompts[:1], prompts[1:]):  # the first request's pages are cached for the rest
+            for prompt in batch:
+                engine.add_request(f"r{len(prompt)}", tokens=prompt, max_new_tokens=4)
+            events += engine.run(summary=False)
+    finishes = {e.request_id: e for e in events if isinstance(e, FinishEvent)}
+    assert sum(f.num_hit_tokens for f in finishes.values()) >= 3 * 3 * PAGE  # later requests hit the prefix
+    for event in (e for e in events if isinstance(e, TokenEvent)):
+        finish = finishes[event.request_id]
+        sequence = np.concatenate([finish.prompt_token_ids, finish.output_token_ids[: event.index]])
+        np.testing.assert_allclose(event.logits, dense_logits(sequence)[-1], atol=ATOL, rtol=ATOL)
+
+
+def _evict_with_fillers(engine, rng, num_tokens):
+    """Fill the device pool with unrelated requests so earlier pages leave the device."""
+    fillers = [(f"fill{i}", rng.integers(0, 256, num_tokens).astype(np.int32), 1, "filler") for i in range(6)]
+    _run(engine, fillers)
+
+
+def test_host_tier_hits_are_exact():
+    rng = np.random.default_rng(1)
+    first, again = random_prompts(rng, 12 * PAGE, [3, 6])
+    with make_engine(host_bytes=BLOCKS * 8 * 1024) as engine:
+        _run(engine, [("first", first, 3, "t")])
+        _evict_with_fillers(engine, rng, 12 * PAGE)
+        finish = _run(engine, [("again", again, 5, "t")])["again"]
+    assert finish.hit_tokens_by_tier.get("host", 0) > 0, finish.hit_tokens_by_tier
+    assert finish.output_token_ids.tolist() == dense_greedy(again, 5)
+
+
+def test_disk_tier_hits_are_exact(tmp_path):
+    rng = np.random.default_rng(2)
+    first, again = random_prompts(rng, 12 * PAGE, [3, 6])
+    with make_engine(host_bytes=BLOCKS * 8 * 1024, disk_dir=str(tmp_path), disk_bytes=1 << 26) as engine:
+        _run(engine, [("first", first, 3, "t")])
+        _evict_with_fillers(engine, rng, 12 * PAGE)
+        assert engine.cache.flush(timeout=30)  # every host page gets its disk copy
+        engine.cache.evict_host(BLOCKS * 8)  # ... and leaves host memory: disk is the only copy
+        finish = _run(engine, [("again", again, 5, "t")])["again"]
+    assert finish.hit_tokens_by_tier.get("disk", 0) > 0, finish.hit_tokens_by_tier
+    assert finish.output_token_ids.tolist() == dense_greedy(again, 5)
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_preempted_sequences_resume_exactly(preemption):
+    rng = np.random.default_rng(3)
+    # Four sequences that grow to 17 pages each cannot all fit 64 blocks: decodes preempt.
+    prompts = [rng.integers(0, 256, 6 * PAGE + 3).astype(np.int32) for _ in range(4)]
+    scheduler = SchedulerConfig(max_num_seqs=4, token_budget=64, max_prefill_chunk=32, preemption=preemption,
+                                host_swap_blocks=64 if preemption == "swap" else 0)  # fmt: skip
+    with make_engine(scheduler=scheduler) as engine:
+        finishes = _run(engine, [(f"r{i}", p, 10 * PAGE, f"own{i}") for i, p in enumerate(prompts)])
+        stats = engine.scheduler.stats
+    assert getattr(stats, f"preempted_{preemption}") > 0
+    assert sum(f.num_preemptions for f in finishes.values()) > 0
+    for i, prompt in enumerate(prompts):
+        assert finishes[f"r{i}"].output_token_ids.tolist() == dense_greedy(prompt, 10 * PAGE), i
