@@ -181,18 +181,17 @@ class KVCache:
         on_disk = np.array([not int(node.tiers[i]) & _HOST for node, i in lower], bool)
         num_fetch = self.config.cost_model.pages_to_fetch(
             first, self.page_size, on_disk, self.pool.config.bytes_per_block)
-        keys = [self.trie.page_keys(node)[i] for node, i in lower[:num_fetch]]
-        pages = [(key, PageRef(node, i)) for key, (node, i) in zip(keys, lower)]
-        self._mover.hold(pages)
+        pages = [self.trie.page_keys(node)[i] for node, i in lower[:num_fetch]]
+        held = self._mover.hold(pages)  # allocating may evict host copies: not these
         handle = self.prefix.admit_matched(ns, buf, matched, now)
-        if handle is None:
-            self._mover.unhold(pages)
-            return None
         fetched = 0
-        if pages:
+        if handle is not None and pages:
             waiter = Waiter(handle, first, on_disk[:num_fetch], prefetch=False)
             fetched = self._mover.start_fetch(waiter, pages, ns.digest(), Priority.DEMAND)
             handle.num_hit_tokens = (first + fetched) * self.page_size
+        self._mover.unhold(held)
+        if handle is None:
+            return None
         self._recompute_chosen += len(lower) - num_fetch
         self._record_admission(handle, first, len(lower) - fetched)
         if self.config.write_policy == "selective":
@@ -282,23 +281,22 @@ class KVCache:
             key = self.trie.page_keys(node)[i]
             if self._mover.device_job(key) is not None:
                 break
-            pages.append((key, PageRef(node, i)))
+            pages.append(key)
         if not pages:
             return
         self._prefetches += 1
         if self.allocator.num_free < len(pages):
-            self._mover.restore_only([p for p, disk in zip(pages, on_disk) if disk], ns.digest())
+            self._mover.restore_only([key for key, disk in zip(pages, on_disk) if disk], ns.digest())
             return
-        self._mover.hold(pages)
+        held = self._mover.hold(pages)
         hold = self.prefix.admit_matched(ns, buf[: (first + len(pages)) * page_bytes], matched,
                                          self.clock(), count=False)  # fmt: skip
-        if hold is None:
-            self._mover.unhold(pages)
-            return
-        waiter = Waiter(hold, first, on_disk[: len(pages)], prefetch=True)
-        self._mover.start_fetch(waiter, pages, ns.digest(), Priority.PREFETCH)
-        if self.is_ready(hold):  # nothing to wait for after all
-            self.prefix.release(hold)
+        if hold is not None:
+            waiter = Waiter(hold, first, on_disk[: len(pages)], prefetch=True)
+            self._mover.start_fetch(waiter, pages, ns.digest(), Priority.PREFETCH)
+            if self.is_ready(hold):  # nothing to wait for after all
+                self.prefix.release(hold)
+        self._mover.unhold(held)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Finish every copy in flight, then copy every host page without a disk copy to

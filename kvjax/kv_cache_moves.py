@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.kv_cache_fetch import FetchJob, Waiter
-from kvjax.kv_cache_tiers import PageRef, TierIndex
+from kvjax.kv_cache_tiers import TierIndex
 from kvjax.metrics import Metrics
 from kvjax.page_pool import PagePool
 from kvjax.prefix_cache import PrefixCache
@@ -36,7 +36,6 @@ from kvjax.trie_node import LOWER_TIERS, Node, Tier
 __all__ = ["TierMover"]
 
 _HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
-Page = tuple[bytes, PageRef]  # a lower-tier page to fetch: its key and where it is
 
 
 class TierMover:
@@ -148,69 +147,70 @@ class TierMover:
 
     # --- up: disk -> host -> device --------------------------------------------------------
 
-    def hold(self, pages: list[Page]) -> None:
-        """Keep the host copies of ``pages`` from eviction until ``start_fetch``/``unhold``."""
-        self.index.hold_host([key for key, _ in pages if self.index.host_state(key)])
+    def hold(self, pages: list[bytes]) -> list[bytes]:
+        """Keep the host copies of ``pages`` from eviction until ``unhold`` (a fetch being
+        planned); returns the keys held, for ``unhold``."""
+        held = [key for key in pages if self.index.host_state(key)]
+        self.index.hold_host(held)
+        return held
 
-    def unhold(self, pages: list[Page]) -> None:
-        for key, _ in pages:
-            if self.index.host_state(key):
-                self.index.release_host(key)
+    def unhold(self, held: list[bytes]) -> None:
+        for key in held:
+            self.index.release_host(key)
 
-    def start_fetch(self, waiter: Waiter, pages: list[Page], namespace: bytes,
+    def start_fetch(self, waiter: Waiter, pages: list[bytes], namespace: bytes,
                     priority: Priority) -> int:  # fmt: skip
-        """Bring ``pages`` (held by ``hold``) into ``waiter``'s blocks; return how many of the
-        leading pages will be fetched (the rest do not fit in host memory: recompute)."""
+        """Bring ``pages`` into ``waiter``'s blocks; return how many of the leading pages will
+        be fetched (the rest do not fit in host memory: recompute them)."""
         self.waiters[waiter.handle.seq_id] = waiter
         offset, covered = 0, len(pages)
         while offset < covered:
-            joined = self.device_job(pages[offset][0])
+            joined = self.device_job(pages[offset])
             count = 1
             if joined is not None:
                 job, row = joined
                 while (offset + count < covered and row + count < len(job.keys)
-                       and job.keys[row + count] == pages[offset + count][0]):  # fmt: skip
+                       and job.keys[row + count] == pages[offset + count]):  # fmt: skip
                     count += 1
             else:
-                while offset + count < covered and self.device_job(pages[offset + count][0]) is None:
+                while offset + count < covered and self.device_job(pages[offset + count]) is None:
                     count += 1
                 job, row = self._new_job(pages[offset : offset + count], namespace, priority, True), 0
                 if len(job.keys) < count:  # host room ran out: recompute from there on
                     covered = offset + len(job.keys)
-                    self.unhold(pages[covered : offset + count])
                     count = len(job.keys)
-            self.unhold(pages[offset : offset + count])  # the job holds them now
             if count:
                 job.consumers.append((waiter, offset, row, count))
                 waiter.segments.append((job, offset, row, count))
                 waiter.outstanding += 1
             offset += count
-        self.unhold(pages[covered:])
         waiter.num_pages = covered
         waiter.from_disk = waiter.from_disk[:covered]
         if not waiter.outstanding:
             del self.waiters[waiter.handle.seq_id]
         return covered
 
-    def restore_only(self, pages: list[Page], namespace: bytes) -> None:
+    def restore_only(self, pages: list[bytes], namespace: bytes) -> None:
         """Prefetch without device room: restore disk-only ``pages`` into host memory."""
-        pages = [page for page in pages if page[0] not in self.jobs]
+        pages = [key for key in pages if key not in self.jobs]
         if pages:
             self._new_job(pages, namespace, Priority.PREFETCH, False)
 
     # --- helpers: jobs -----------------------------------------------------------------------
 
-    def _new_job(self, pages: list[Page], namespace: bytes, priority: Priority,
+    def _new_job(self, pages: list[bytes], namespace: bytes, priority: Priority,
                  to_device: bool) -> FetchJob:  # fmt: skip
         """A job for ``pages`` (none in flight); it may cover only a leading part of them."""
         index = self.index
-        keys, disk_rows = [], []
-        for key, ref in pages:  # stop at a page that left the trie
+        keys, disk_rows, disk_pages = [], [], []
+        for key in pages:  # up to a page that is in no tier (it left the trie meanwhile)
             if index.host_state(key) is None:
-                located = ref.resolve()
-                if located is None or not int(located[0].tiers[located[1]]) & _DISK:
+                ref = index.disk_entries.get((namespace, key))
+                located = None if ref is None else ref.resolve()
+                if located is None:
                     break
                 disk_rows.append(len(keys))
+                disk_pages.append(located)
             keys.append(key)
         fit = index.make_host_room(len(disk_rows), exclude=keys) if disk_rows else 0
         if fit < len(disk_rows):  # pages past the first one without host room are not fetched
@@ -223,23 +223,20 @@ class TierMover:
         for row, key in enumerate(keys):
             self.jobs[key] = (job, row)
         if disk_rows:
-            self._restore(job, [keys[row] for row in disk_rows], [pages[row][1] for row in disk_rows])
+            self._restore(job, [keys[row] for row in disk_rows], disk_pages[: len(disk_rows)])
         job.held = list(keys)
         index.hold_host(keys)
         prereqs = {id(f): f for f in (self.copies.get(key) for key in keys) if f is not None}
-        if not prereqs:  # fetch at the next poll: a job never finishes inside its creator
-            prereqs = {0: _resolved()}
         for future in prereqs.values():
             job.prereqs += 1
             self._on_done(future, lambda result, job=job: self._prereq_done(job))
+        if not prereqs:
+            self._submit_fetch(job)
         return job
 
-    def _restore(self, job: FetchJob, keys: list[bytes], refs: list[PageRef]) -> None:
-        for key, ref in zip(keys, refs):
-            located = ref.resolve()
-            if located is None:
-                raise RuntimeError(f"page of key {key.hex()} left the trie while held for a fetch")
-            self.index.add_host(key, job.namespace, *located, ready=False)
+    def _restore(self, job: FetchJob, keys: list[bytes], pages: list[tuple[Node, int]]) -> None:
+        for key, (node, index) in zip(keys, pages):
+            self.index.add_host(key, job.namespace, node, index, ready=False)
         future = self.transfer.restore(keys, namespace=job.namespace, priority=job.priority)
         for key in keys:
             self.copies[key] = future
@@ -262,8 +259,8 @@ class TierMover:
             if entry is None or not entry.ready:
                 break
             valid += 1
-        if not job.to_device or valid == 0:
-            self._finish(job, 0 if job.to_device else valid)
+        if not job.to_device or valid == 0:  # at the next poll: never inside the job's creator
+            self._on_done(_resolved(), lambda _: self._finish(job, 0 if job.to_device else valid))
             return
         future = self.transfer.fetch(job.keys[:valid], priority=job.priority)
         self._on_done(future, lambda result: self._fetched(job, valid, result))

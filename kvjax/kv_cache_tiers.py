@@ -16,9 +16,8 @@ backs, per disk (namespace, key) the page. Rules it keeps:
 * a page that leaves the trie drops its host copy (at the end of the transfer using it, if
   one does) and keeps its disk copy unindexed: a later lookup finds it again by key.
 
-Pages are referenced by ``PageRef`` (a node and an absolute page index), which survives
-splits: a split keeps the original node as the deeper part, so the page is found by
-walking up parents.
+Pages are referenced by ``PageRef`` (a node and an absolute page index); the trie's
+``on_split`` hook moves the references of pages that a split puts into the new head node.
 """
 
 from __future__ import annotations
@@ -49,12 +48,10 @@ class PageRef:
     def resolve(self) -> tuple[Node, int] | None:
         """(node, index in node) of the page now, or None if it left the trie."""
         node = self.node
-        while node.parent is not None and node.first_page > self.page:
-            node = node.parent
-        if node.parent is None or self.page - node.first_page >= node.num_pages:
+        index = self.page - node.first_page
+        if node.parent is None or not 0 <= index < node.num_pages:
             return None
-        self.node = node
-        return node, self.page - node.first_page
+        return node, index
 
 
 class HostEntry:
@@ -83,6 +80,7 @@ class TierIndex:
         self.lost_blocks = 0  # host blocks evicted with no disk copy (their pages left)
         self._num_dropped = 0  # host entries whose page left the trie, kept while busy
         trie.on_drop = self._on_drop
+        trie.on_split = self._on_split
 
     # --- host ------------------------------------------------------------------------------
 
@@ -196,6 +194,18 @@ class TierIndex:
         return len(gone)
 
     # --- pages leaving the trie ------------------------------------------------------------
+
+    def _on_split(self, head: Node) -> None:
+        keys = self.trie.page_keys(head)
+        namespace = None
+        for index, bits in enumerate(head.tiers.tolist()):
+            if bits & _HOST:
+                entry = self.host_entries.get(keys[index])
+                if entry is not None and not entry.dropped:
+                    entry.ref = PageRef(head, index)
+            if bits & _DISK:
+                namespace = namespace or self.trie.namespace_of(head).digest()
+                self.disk_entries[(namespace, keys[index])] = PageRef(head, index)
 
     def _on_drop(self, node: Node) -> None:
         keys = self.trie.page_keys(node)

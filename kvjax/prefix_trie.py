@@ -57,6 +57,7 @@ class PrefixTrie:
         # Sees (leaf, num_pages) before the leaf's last pages lose their device copy; it may
         # record host copies (write-back) so those pages stay indexed, off device.
         self.before_evict: Callable[[Node, int], None] | None = None
+        self.on_split: Callable[[Node], None] | None = None  # sees each new head with host/disk copies
         self._roots: dict[Namespace, Node] = {}
         self._soft: list[tuple[float, int, Node]] = []  # heap of soft-pin expiries
         self._order = itertools.count()
@@ -117,6 +118,8 @@ class PrefixTrie:
         self.num_nodes += 1
         if head.soft_pinned:
             heapq.heappush(self._soft, (head.soft_until, next(self._order), head))
+        if head.tiers is not None and self.on_split is not None:
+            self.on_split(head)
         return head
 
     def insert(self, parent: Node, label: memoryview, blocks: np.ndarray, now: float) -> Node:
