@@ -1,186 +1,120 @@
-"""``python -m kvjax demo``: a tour of the kernels and the prefix cache on a small pool.
+"""``python -m kvjax demo``: the tiny model serving a built-in workload, with the cache and
+without, side by side.
 
-It checks, and prints, that
+The workload (``kvjax.workload``: shared system prompts, multi-turn conversations, few-shot
+templates, two tenants) runs twice on the ``tiny`` preset: once with the KV cache, once with
+every request in a namespace of its own (the same engine, a cache that never hits). The demo
+prints the metrics of both runs side by side, checks that both produced the same tokens,
+and writes a plot of time to first token per request (needs matplotlib: ``pip install
+'kvjax[demo]'``). Exits non-zero if the outputs differ or the cache saved no prefill work.
 
-1. ragged paged attention (decode + chunked prefill mixed, GQA, NaN in every unowned page)
-   matches the float32 reference with every implementation this machine can run;
-2. the KV write lands in place (the pool buffer is donated, not copied) and a block gather
-   followed by a scatter is bit-exact;
-3. the tiny Flax model on the page pool, serving requests that share a system prompt through
-   :class:`kvjax.prefix_cache.PrefixCache`, produces the same greedy tokens as an uncached
-   dense forward while prefilling only the tokens the cache did not hold.
-
-Exits non-zero if any check fails.
+Compilations are cached on disk (``~/.cache/kvjax/jax``, or ``$JAX_COMPILATION_CACHE_DIR``)
+so a second run starts in seconds; ``--no-compile-cache`` turns that off.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-import pallas_kernels
-from kvjax.model import BatchInputs, ModelConfig, Transformer
-from kvjax.prefix_cache import PrefixCache
-from pallas_kernels.testing import TOLERANCES, make_case
+from kvjax.demo_kernels import kernel_checks
+from kvjax.demo_report import ProgressLine, headline, plot_ttft
+from kvjax.engine import Engine
+from kvjax.workload import Session, WorkloadResult, WorkloadSpec, build_workload, drive
 
-__all__ = ["run_demo"]
+__all__ = ["DemoResult", "add_subcommand", "run_demo"]
 
-
-def run_demo(out=sys.stdout) -> int:
-    """Runs every check, prints a table, returns the number of failed checks."""
-    rows: list[tuple[str, bool, str]] = []
-    print(f"kvjax demo on {jax.default_backend()} "
-          f"(default impl: {pallas_kernels.resolve_impl(None)})", file=out)
-    rows += _attention_checks()
-    rows += _copy_checks()
-    rows += _cache_checks()
-    width = max(len(name) for name, _, _ in rows)
-    print(f"\n{'check'.ljust(width)}  result  detail", file=out)
-    for name, ok, detail in rows:
-        print(f"{name.ljust(width)}  {'ok' if ok else 'FAIL':6}  {detail}", file=out)
-    failed = sum(not ok for _, ok, _ in rows)
-    print(f"\n{len(rows) - failed} passed, {failed} failed", file=out)
-    return failed
+DEFAULT_PLOT = "kvjax_demo_ttft.png"
 
 
-def _attention_checks():
-    rows = []
-    # One batch: two prefill chunks (one on top of cached KV), three decodes, one empty seq.
-    shapes = {"xla": (8, 32), "pallas_gpu": (16, 32), "pallas_tpu": (16, 128)}
-    for impl, (page_size, head_dim) in shapes.items():
-        case = make_case(0, q_lens=[page_size + 3, 5, 1, 1, 1, 0],
-                         kv_lens=[page_size + 3, 2 * page_size + 1, 1, page_size, 40, 0],
-                         page_size=page_size, head_dim=head_dim, num_q_heads=4, num_kv_heads=2)
-        start = time.perf_counter()
-        out = pallas_kernels.paged_attention(*case.args(), layer=case.layer, impl=impl)
-        ref = pallas_kernels.paged_attention_reference(*case.args(), layer=case.layer)
-        err = float(jnp.max(jnp.abs(out - ref)))
-        ok = bool(jnp.isfinite(out).all()) and err <= TOLERANCES[jnp.dtype(jnp.float32)]["atol"]
-        mode = "" if impl == pallas_kernels.resolve_impl(None) else ", interpret mode"
-        rows.append((f"paged attention [{impl}{mode}] vs reference", ok,
-                     f"max |err| {err:.1e} over {int(case.cu_q_lens[-1])} ragged tokens, "
-                     f"{time.perf_counter() - start:.2f}s"))
-    return rows
+class DemoResult:
+    """Both runs: ``engines`` and ``results`` keyed "cached" / "uncached", and the verdict."""
+
+    def __init__(self, engines: dict[str, Engine], results: dict[str, WorkloadResult], sessions: list[Session]):
+        self.engines, self.results, self.sessions = engines, results, sessions
+        cached, uncached = results["cached"].outputs, results["uncached"].outputs
+        self.identical = cached.keys() == uncached.keys() and all(
+            np.array_equal(cached[k], uncached[k]) for k in cached)
+        counters = {name: engine.metrics.to_json()["counters"] for name, engine in engines.items()}
+        self.prefill_tokens = {name: c["prefill_tokens"] for name, c in counters.items()}
+
+    @property
+    def ok(self) -> bool:
+        return self.identical and self.prefill_tokens["cached"] < self.prefill_tokens["uncached"]
 
 
-def _copy_checks():
-    rng = np.random.default_rng(1)
-    shape = (8, 2, 2, 2, 8, 32)  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]
-    pool = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    before = np.array(pool, copy=True)  # a view would pin the buffer and block donation
-    k = jnp.asarray(rng.standard_normal((3, 2, 32)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((3, 2, 32)), jnp.float32)
-    slots = jnp.array([5 * 8 + 7, 2 * 8, -1], jnp.int32)  # last slot of block 5, first of 2
-    new_pool = pallas_kernels.write_kv(pool, k, v, slots, layer=1)
-    expected = pallas_kernels.write_kv_reference(before, k, v, slots, layer=1)
-    written = np.array_equal(np.asarray(new_pool), np.asarray(expected))
-    rows = [("write_kv: exactly the addressed slots, in place", written and pool.is_deleted(),
-             f"input buffer donated: {pool.is_deleted()}")]
-    ids = jnp.array([6, 1, 3], jnp.int32)
-    blocks = pallas_kernels.gather_blocks(new_pool, ids)
-    snapshot = np.asarray(new_pool)
-    zeroed = new_pool.at[ids].set(0.0)
-    restored = pallas_kernels.scatter_blocks(zeroed, ids, blocks)
-    exact = np.array_equal(np.asarray(restored), snapshot)
-    rows.append(("gather_blocks + scatter_blocks round trip", exact,
-                 f"{blocks.shape[0]} blocks of {blocks[0].nbytes} bytes, bit-exact: {exact}"))
-    return rows
+def run_demo(out=sys.stdout, *, preset: str = "tiny", spec: WorkloadSpec | None = None,
+             plot_path: str | None = DEFAULT_PLOT, progress=sys.stderr, with_kernel_checks: bool = False,
+             tiers: bool = False, **engine_overrides) -> DemoResult:  # fmt: skip
+    """Runs the demo (see the module docstring), prints to ``out``, returns both runs.
 
-
-def _cache_checks():
-    cfg = ModelConfig(num_layers=2, d_model=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                      mlp_dim=128)
-    model, page_size, num_blocks = Transformer(cfg), 8, 32
-    cache = PrefixCache(num_blocks, page_size, vocab_size=cfg.vocab_size)
-    pool = jnp.zeros((num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, page_size, cfg.head_dim))
-    rng = np.random.default_rng(2)
-    system = rng.integers(0, 256, 3 * page_size + 2)
-    prompts = [np.concatenate([system, rng.integers(0, 256, n)]).astype(np.int32)
-               for n in (5, 9, 12, 3)]
-    same, computed, total, hit = True, 0, 0, 0
-    for prompt in prompts:
-        handle = cache.admit(prompt, "demo-tenant")
-        tokens, pool, n_computed = _greedy(model, pool, handle, prompt, cache, page_size, steps=4)
-        cache.release(handle)
-        uncached = _greedy_dense(model, prompt, steps=4)
-        same &= tokens == uncached
-        computed += n_computed
-        total += len(prompt)
-        hit += handle.num_hit_tokens
-    cache.check_invariants()
-    return [
-        ("tiny model: cached greedy tokens == uncached", same,
-         f"{len(prompts)} requests sharing a {len(system)}-token system prompt"),
-        ("prefix cache: prefill tokens computed", computed < total,
-         f"{computed} of {total} prompt tokens ({hit} served from cached pages)"),
-    ]
-
-
-_BUCKET = 32
-
-
-@nnx.jit
-def _paged_step(model, batch, pool):
-    return model(batch, pool)
-
-
-@nnx.jit
-def _dense_step(model, tokens):
-    return model.forward_dense(tokens)
-
-
-def _greedy(model, pool, handle, prompt, cache, page_size, steps):
-    """Prefill what the cache lacks (in chunks of _BUCKET), then greedy-decode ``steps``."""
-    seq = list(prompt)
-    start, computed, generated = handle.num_hit_tokens, 0, []
-    while len(generated) < steps:
-        end = min(len(seq), start + _BUCKET)
-        logits, pool = _paged_step(model, _batch(seq, start, end, handle.block_table,
-                                                 page_size), pool)
-        computed += end - start if start < len(prompt) else 0
-        if end == len(seq):
-            generated.append(int(jnp.argmax(logits[end - start - 1])))
-            seq.append(generated[-1])
-            cache.commit(handle, seq[:end])
-            if not cache.extend(handle, 1):
-                raise RuntimeError("demo pool too small")
-        start = end
-    return generated, pool, computed
-
-
-def _greedy_dense(model, prompt, steps):
-    seq = list(prompt)
-    padded_len = 64  # causal: trailing padding cannot change earlier logits; one compile
-    assert len(prompt) + steps <= padded_len
-    for _ in range(steps):
-        padded = np.zeros(padded_len, np.int32)
-        padded[: len(seq)] = seq
-        logits = _dense_step(model, jnp.asarray(padded))
-        seq.append(int(jnp.argmax(logits[len(seq) - 1])))
-    return seq[len(prompt):]
-
-
-def _batch(seq, start, end, block_table, page_size):
-    n = end - start
-    pad = lambda values, fill: np.array(list(values) + [fill] * (_BUCKET - n), np.int32)
-    positions = range(start, end)
-    table = np.zeros((1, 16), np.int32)
-    table[0, : len(block_table)] = block_table
-    return BatchInputs(
-        tokens=jnp.asarray(pad(seq[start:end], 0)),
-        positions=jnp.asarray(pad(positions, 0)),
-        slot_mapping=jnp.asarray(pad((block_table[p // page_size] * page_size + p % page_size
-                                      for p in positions), -1)),
-        block_tables=jnp.asarray(table), seq_lens=jnp.array([end], jnp.int32),
-        cu_q_lens=jnp.array([0, n], jnp.int32), num_seqs=jnp.array([1], jnp.int32))
+    ``spec`` sizes the workload; ``plot_path`` None skips the plot; ``progress`` None hides
+    the progress line; ``tiers`` keeps the preset's host/disk tiers (off by default: today
+    every new number of blocks moved between tiers costs an XLA compilation, seconds on
+    CPU, which would swamp the comparison); ``engine_overrides`` go to ``Engine.from_preset``.
+    """
+    print(f"kvjax demo on {jax.default_backend()}: preset {preset!r}", file=out)
+    if with_kernel_checks:
+        failed = kernel_checks(out)
+        if failed:
+            print(f"{failed} kernel check(s) failed", file=out)
+    sessions = build_workload(spec)
+    engines = {name: Engine.from_preset(preset, tiers=tiers, **engine_overrides) for name in ("cached", "uncached")}
+    start = time.perf_counter()
+    compiled = sum(engine.runner.warmup() for engine in engines.values())
+    print(f"warm-up: {compiled} compilations of the model step (token buckets "
+          f"{engines['cached'].runner.token_buckets}) in {time.perf_counter() - start:.1f}s", file=out)
+    num_requests = sum(len(s.turns) for s in sessions)
+    print(f"workload: {len(sessions)} sessions, {num_requests} requests "
+          f"(system prompts, multi-turn, few-shot; tenants {sorted({s.namespace for s in sessions})})", file=out)
+    results = {}
+    for name, engine in engines.items():
+        with ProgressLine(progress, name, num_requests) as bar:
+            start = time.perf_counter()
+            results[name] = drive(engine, sessions, isolate=name == "uncached", on_event=bar.update)
+            engine.summary(time.perf_counter() - start, engine.num_generated_tokens)
+        engine.close()
+    result = DemoResult(engines, results, sessions)
+    metrics = {name: engine.metrics for name, engine in engines.items()}
+    print("\n" + metrics["cached"].summary_table(metrics["uncached"], labels=("cached", "uncached")), file=out)
+    print("\n" + headline(result), file=out)
+    if plot_path is not None:
+        print(plot_ttft(results, plot_path), file=out)
+    return result
 
 
 def add_subcommand(subparsers) -> None:
     """Registers ``python -m kvjax demo``."""
-    parser = subparsers.add_parser("demo", help="tour of the kernels and the cache on a small pool")
-    parser.set_defaults(func=lambda args: 1 if run_demo() else 0)
+    parser = subparsers.add_parser("demo", help="serve a built-in workload with and without the KV cache")
+    parser.add_argument("--preset", default="tiny", help="configs/<preset>.toml (default: %(default)s)")
+    parser.add_argument("--plot", default=DEFAULT_PLOT, metavar="PNG",
+                        help="where to write the TTFT plot (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--no-plot", action="store_true", help="skip the plot")
+    parser.add_argument("--kernel-checks", action="store_true",
+                        help="first check the kernels against their references (adds ~10-20s on CPU)")
+    parser.add_argument("--tiers", action="store_true",
+                        help="keep the preset's host/disk tiers below the device pool")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not keep compiled steps in ~/.cache/kvjax/jax between runs")  # fmt: skip
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if not args.no_compile_cache:
+        _enable_compile_cache()
+    result = run_demo(preset=args.preset, plot_path=None if args.no_plot else args.plot,
+                      with_kernel_checks=args.kernel_checks, tiers=args.tiers)  # fmt: skip
+    return 0 if result.ok else 1
+
+
+def _enable_compile_cache() -> None:
+    """Persist XLA compilations (seconds each on CPU) across demo runs."""
+    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path.home() / ".cache" / "kvjax" / "jax")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
