@@ -259,6 +259,20 @@ class KVCache:
         self._index.make_host_room(self._index.host_capacity - self._index.host_used + num_blocks)
         return before - self._index.host_used
 
+    def pin(self, tokens: TokensLike, namespace: NamespaceLike = None, ttl: float | None = None) -> int:
+        """Keep the device-cached prefix of ``tokens`` on device (see ``PrefixCache.pin``)."""
+        return self.prefix.pin(tokens, namespace, ttl)
+
+    def unpin(self, tokens: TokensLike, namespace: NamespaceLike = None) -> None:
+        self.prefix.unpin(tokens, namespace)
+
+    def set_tier(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier) -> None:
+        """Record a copy that a store outside this cache holds (a cache without tiers only:
+        with tiers, the cache records its own copies)."""
+        if self._index is not None:
+            raise ValueError("set_tier is for a KVCache without host_bytes; this one tracks its own tier copies")
+        self.prefix.set_tier(tokens, namespace, page, tier)
+
     def prefetch(self, tokens: TokensLike, namespace: NamespaceLike = None) -> None:
         """Start moving the host/disk pages of ``tokens``' cached prefix up (PREFETCH priority).
 

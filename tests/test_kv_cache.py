@@ -1,32 +1,352 @@
-"""KVCache: the pool, the trie and the tiers as one cache (targeted tests)."""
+"""KVCache: the pool, the trie and the tiers as one cache (targeted scenarios).
+
+Round trips through every tier for every pool dtype, the write policies, the cost model's
+choice, prefetch, failures (an injected failed fetch, a corrupt disk block), a warm restart
+from the disk directory, bad input; and the scheduler's own scenarios run on a KVCache.
+"""
+
+import glob
+import os
 
 import numpy as np
 import pytest
+from kv_cache_cases import ManualTransfer, MemoryDisk, page_content
+from tier_cases import DTYPES, random_blocks, same_bits
 
+from kvjax.disk_tier import DiskTier
 from kvjax.fetch_cost import FetchCostModel
 from kvjax.kv_cache import KVCache, KVCacheConfig
+from kvjax.metrics import Metrics
 from kvjax.page_pool import PoolConfig
+from kvjax.trie_node import Tier
 
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
 ALWAYS_FETCH = FetchCostModel(seconds_per_token=1.0)
+NEVER_FETCH = FetchCostModel(fetch_latency=1.0)
+TIMEOUT = 30.0
 
 
 def prompt(n, start=0):
     return np.arange(start, start + n, dtype=np.int32)
 
 
-def test_host_hit_after_device_eviction_is_bit_exact():
-    config = KVCacheConfig(pool=POOL, host_bytes=4 * POOL.bytes_per_block, cost_model=ALWAYS_FETCH)
-    with KVCache(config) as cache:
-        tokens = prompt(17)
-        handle = cache.admit(tokens)
-        content = np.random.default_rng(0).standard_normal((5, *POOL.block_shape)).astype(np.float32)
-        cache.pool.scatter(handle.block_ids, content)
-        assert cache.commit(handle, tokens) == 4
+def make(pool=POOL, *, host_blocks=8, disk_dir=None, cost=ALWAYS_FETCH, **kwargs):
+    config_keys = {"write_policy", "selective_min_hits", "vocab_size"}
+    config = KVCacheConfig(pool=pool, host_bytes=host_blocks * pool.bytes_per_block, cost_model=cost,
+                           disk_dir=None if disk_dir is None else str(disk_dir),
+                           disk_bytes=0 if disk_dir is None else 1 << 26,
+                           **{k: v for k, v in kwargs.items() if k in config_keys})  # fmt: skip
+    return KVCache(config, **{k: v for k, v in kwargs.items() if k not in config_keys})
+
+
+def compute(cache, tokens, namespace=None, blocks=None, *, release=True):
+    """Admit ``tokens``, wait for fetches, write ``blocks`` (the model's KV, one per page) into
+    the pages that did not hit, commit; returns the handle."""
+    handle = cache.admit(tokens, namespace)
+    assert handle is not None and cache.wait_ready(handle, TIMEOUT)
+    first = handle.num_hit_tokens // cache.page_size
+    if blocks is not None and first < len(handle.block_ids):
+        cache.pool.scatter(handle.block_ids[first:], blocks[first : len(handle.block_ids)])
+    cache.commit(handle, tokens)
+    if release:
         cache.release(handle)
-        assert len(cache.evict(8)) == 4
-        again = cache.admit(tokens)
-        assert cache.wait_ready(again, timeout=10)
-        assert again.num_hit_tokens == 16
-        np.testing.assert_array_equal(np.asarray(cache.pool.gather(again.block_ids[:4])), content[:4])
+    return handle
+
+
+def hit_pages(cache, tokens, namespace=None):
+    """(hit pages, their KV) of a fresh admission; the handle is released."""
+    handle = cache.admit(tokens, namespace)
+    assert cache.wait_ready(handle, TIMEOUT)
+    num_hit = handle.num_hit_tokens // cache.page_size
+    kv = np.asarray(cache.pool.gather(handle.block_ids[:num_hit])) if num_hit else None
+    cache.release(handle)
+    return num_hit, kv
+
+
+def counter(metrics, name, label):
+    return metrics.to_json()["counters"][name][label]
+
+
+# --- tiers: round trips, write policies, restart ----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_device_host_disk_device_is_bit_exact(tmp_path, dtype):
+    pool = PoolConfig(num_blocks=8, num_layers=2, num_kv_heads=1, page_size=4, head_dim=8, dtype=dtype)
+    metrics = Metrics()
+    tokens = prompt(9)  # two full pages and one token: the last page is always computed
+    blocks = random_blocks(3, pool.block_shape, dtype, seed=1)  # NaN and inf patterns included
+    with make(pool, disk_dir=tmp_path, metrics=metrics) as cache:
+        compute(cache, tokens, blocks=blocks)
+        served = {}
+        served["device"] = hit_pages(cache, tokens)
+        cache.evict(8)  # write-back: the pages get host copies first
+        assert cache.match(tokens).tiers.tolist() == [Tier.HOST] * 2
+        served["host"] = hit_pages(cache, tokens)
+        cache.evict(8)
+        assert cache.flush(TIMEOUT) and cache.evict_host(8) == 2
+        assert cache.match(tokens).tiers.tolist() == [Tier.DISK] * 2
+        served["disk"] = hit_pages(cache, tokens)
         cache.check_invariants()
+    for tier, (num_hit, kv) in served.items():
+        assert num_hit == 2 and same_bits(kv, blocks[:2]), tier
+        assert counter(metrics, "hit_blocks", tier) == 2, tier
+
+
+def test_warm_restart_serves_what_the_last_process_spilled(tmp_path):
+    blocks = random_blocks(4, POOL.block_shape, seed=2)
+    tokens = prompt(13)
+    with make(disk_dir=tmp_path, write_policy="write_through") as cache:
+        compute(cache, tokens, blocks=blocks)
+        assert cache.flush(TIMEOUT)
+    with make(disk_dir=tmp_path) as reopened:
+        assert reopened.match(tokens).tiers.tolist() == [Tier.DISK] * 3  # found by key
+        num_hit, kv = hit_pages(reopened, tokens)
+        assert num_hit == 3 and same_bits(kv, blocks[:3])
+        assert reopened.match(tokens, "someone-else").num_hit_blocks == 0
+        reopened.check_invariants()
+
+
+@pytest.mark.parametrize("policy, copies_after_commit, copies_after_two_hits",
+                         [("write_through", 2, 2), ("write_back", 0, 0), ("selective", 0, 2)])  # fmt: skip
+def test_write_policies_decide_when_pages_get_host_copies(policy, copies_after_commit, copies_after_two_hits):
+    tokens = prompt(9)
+    with make(write_policy=policy, selective_min_hits=2) as cache:
+        compute(cache, tokens, blocks=random_blocks(3, POOL.block_shape))
+        assert cache.flush(TIMEOUT)
+        assert cache.stats.host_blocks == copies_after_commit
+        hit_pages(cache, tokens)
+        assert cache.flush(TIMEOUT) and cache.stats.host_blocks == copies_after_commit
+        hit_pages(cache, tokens)  # the second hit makes the pages hot
+        assert cache.flush(TIMEOUT) and cache.stats.host_blocks == copies_after_two_hits
+        assert cache.match(tokens).num_device_blocks == 2  # copies never move the device pages
+        cache.evict(8)  # write_back copies now; the others keep what they have or drop
+        expected = {"write_back": [Tier.HOST] * 2}.get(policy, [Tier.HOST] * copies_after_two_hits)
+        assert cache.match(tokens).tiers.tolist() == expected
+        cache.check_invariants()
+
+
+def test_without_lower_tiers_eviction_drops_pages():
+    with KVCache(KVCacheConfig(pool=POOL)) as cache:
+        tokens = prompt(9)
+        compute(cache, tokens, blocks=random_blocks(3, POOL.block_shape))
+        assert cache.match(tokens).num_hit_blocks == 2
+        assert len(cache.evict(8)) == 2 and cache.match(tokens).num_hit_blocks == 0
+        assert cache.evict_host(4) == 0 and cache.flush() and cache.is_ready(cache.admit(tokens))
+
+
+# --- fetch or recompute ----------------------------------------------------------------------
+
+
+def test_cost_model_chooses_recompute_for_cheap_prefixes():
+    with make(cost=NEVER_FETCH) as cache:
+        tokens = prompt(9)
+        compute(cache, tokens, blocks=random_blocks(3, POOL.block_shape))
+        cache.evict(8)
+        handle = cache.admit(tokens)
+        assert cache.is_ready(handle) and handle.num_hit_tokens == 0
+        assert cache.stats.recompute_chosen_blocks == 2 and cache.stats.fetched_host_blocks == 0
+
+
+def test_cost_model_fetches_the_prefix_that_saves_most():
+    model = FetchCostModel(seconds_per_token=1e-3, seconds_per_token_position=0.0, fetch_latency=5e-3,
+                           host_bytes_per_second=1e9, disk_latency=1.0)  # fmt: skip
+    host_only = np.zeros(4, bool)
+    assert model.pages_to_fetch(0, 4, host_only, 4096) == 4  # 16 ms of recompute vs ~5 ms
+    assert model.pages_to_fetch(0, 1, host_only[:3], 4096) == 0  # 3 ms of recompute vs ~5 ms
+    # a disk page costs a second: fetch only the host pages before it
+    assert model.pages_to_fetch(0, 4, np.array([False, False, True, True]), 4096) == 2
+    assert model.break_even_tokens(1, 4096) == 6  # smallest k with k ms > 5 ms + k * 4 us
+    assert model.break_even_tokens(1, 4096, from_disk=True, max_pages=100) is None
+
+
+def test_failed_fetch_turns_into_recompute_not_an_error():
+    with make(transfer_factory=ManualTransfer) as cache:
+        tokens = prompt(9)
+        blocks = random_blocks(3, POOL.block_shape, seed=3)
+        handle = cache.admit(tokens)
+        cache.pool.scatter(handle.block_ids, blocks)
+        cache.commit(handle, tokens)
+        cache.release(handle)
+        cache.evict(8)
+        cache.transfer.complete_all()  # the write-back copies
+        cache.poll()
+        waiting = cache.admit(tokens)
+        assert waiting.num_hit_tokens == 8 and not cache.is_ready(waiting)
+        with pytest.raises(ValueError, match="waiting for fetches; call wait_ready"):
+            cache.commit(waiting, tokens)
+        assert not cache.wait_ready(waiting, timeout=0.01)  # nothing completes it
+        cache.transfer.complete(0, ok=False)
+        assert cache.wait_ready(waiting, timeout=0)
+        assert waiting.num_hit_tokens == 0 and cache.stats.fetch_failures == 1
+        cache.pool.scatter(waiting.block_ids, blocks)  # recomputed
+        assert cache.commit(waiting, tokens) == 2
+        cache.check_invariants()
+
+
+def test_corrupt_disk_block_is_a_miss_and_a_metric_and_the_rest_recomputes(tmp_path):
+    pool = POOL
+    disk = DiskTier(str(tmp_path), pool.block_shape, pool.dtype, 1 << 24, use_ocdbt=False)  # a file per block
+    metrics = Metrics()
+    tokens = prompt(17)
+    blocks = random_blocks(5, pool.block_shape, seed=4)
+    with make(disk_tier=disk, metrics=metrics, write_policy="write_through") as cache:
+        compute(cache, tokens, blocks=blocks)
+        assert cache.flush(TIMEOUT)
+        cache.evict(8)
+        assert cache.evict_host(8) == 4
+        [segment] = [p for p in glob.glob(os.path.join(tmp_path, "seg-*")) if os.path.isdir(p)]
+        chunk = os.path.join(segment, "payload", "c", "2", "0")  # page 2's block
+        data = bytearray(open(chunk, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(chunk, "wb").write(bytes(data))
+        handle = cache.admit(tokens)
+        assert handle.num_hit_tokens == 16 and cache.wait_ready(handle, TIMEOUT)
+        assert handle.num_hit_tokens == 8  # pages 0 and 1 arrived; 2 and 3 are recomputed
+        assert same_bits(np.asarray(cache.pool.gather(handle.block_ids[:2])), blocks[:2])
+        cache.check_invariants()
+        assert counter(metrics, "hit_blocks", "disk") == 2 and counter(metrics, "miss_blocks", "evicted") == 2
+        assert metrics.to_json()["counters"]["disk_errors"] >= 1
+        assert cache.match(tokens).num_hit_blocks == 2  # the corrupt page left the index
+
+
+# --- prefetch -----------------------------------------------------------------------------
+
+
+def test_prefetch_moves_a_waiting_request_prefix_up_and_admit_joins_it():
+    metrics = Metrics()
+    tokens = prompt(13)
+    blocks = random_blocks(4, POOL.block_shape, seed=5)
+    with make(transfer_factory=ManualTransfer, metrics=metrics) as cache:
+        handle = cache.admit(tokens)
+        cache.pool.scatter(handle.block_ids, blocks)
+        cache.commit(handle, tokens)
+        cache.release(handle)
+        cache.evict(8)
+        cache.transfer.complete_all()
+        cache.poll()
+        cache.prefetch(tokens)
+        assert [p.link.value for p in cache.transfer.pending] == ["host_to_device"]
+        joining = cache.admit(tokens)  # admitted while the prefetch is in flight: no new fetch
+        assert len(cache.transfer.pending) == 1 and not cache.is_ready(joining)
+        cache.transfer.complete_all()
+        cache.poll()
+        assert cache.is_ready(joining) and joining.num_hit_tokens == 12
+        assert same_bits(np.asarray(cache.pool.gather(joining.block_ids[:3])), blocks[:3])
+        cache.release(joining)
+        assert cache.match(tokens).num_device_blocks == 3  # the prefetched pages stay cached
+        cache.check_invariants()
+
+
+def test_prefetch_restores_disk_pages_to_host_when_the_device_is_full():
+    disk = MemoryDisk(POOL.block_shape, POOL.dtype, capacity_blocks=8)
+    tokens = prompt(9)
+    with make(transfer_factory=ManualTransfer, disk_tier=disk, write_policy="write_through") as cache:
+        compute_blocks = random_blocks(3, POOL.block_shape, seed=6)
+        handle = cache.admit(tokens)
+        cache.pool.scatter(handle.block_ids, compute_blocks)
+        cache.commit(handle, tokens)
+        cache.release(handle)
+        cache.transfer.complete_all()
+        cache.poll()
+        cache._mover.spill_host(everything=True)
+        cache.transfer.complete_all()
+        cache.poll()
+        cache.evict(8)
+        cache.evict_host(8)
+        filler = cache.admit(prompt(32, start=100))  # holds the whole pool
+        cache.prefetch(tokens)
+        assert [p.link.value for p in cache.transfer.pending] == ["disk_to_host"]
+        cache.transfer.complete_all()
+        cache.poll()
+        assert cache.match(tokens).tiers.tolist() == [Tier.HOST | Tier.DISK] * 2
+        cache.release(filler)
+        cache.check_invariants()
+
+
+# --- isolation and bad input ------------------------------------------------------------------
+
+
+def test_namespaces_never_share_pages_in_any_tier():
+    with make() as cache:
+        tokens = prompt(9)
+        compute(cache, tokens, "tenant-a", random_blocks(3, POOL.block_shape))
+        cache.evict(8)
+        assert cache.flush(TIMEOUT) and cache.match(tokens, "tenant-a").num_hit_blocks == 2
+        assert cache.match(tokens, "tenant-b").num_hit_blocks == 0
+        assert hit_pages(cache, tokens, "tenant-b")[0] == 0
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(write_policy="sometimes"), r"unknown write_policy 'sometimes'; valid: \['write_through'"),
+    (dict(policy="random"), r"unknown eviction policy 'random'; valid policies: \[.*'lru'"),
+    (dict(host_bytes=-1), r"host_bytes=-1 must be an int >= 0"),
+    (dict(disk_dir="/tmp/x", disk_bytes=1 << 20), r"a disk tier \(disk_dir='/tmp/x'\) needs host_bytes > 0"),
+    (dict(selective_min_hits=0), r"selective_min_hits=0 must be an int >= 1"),
+    (dict(high_watermark=0.5, low_watermark=0.6), r"watermarks must satisfy 0 <= low_watermark=0.6"),
+    (dict(cost_model="fast"), r"cost_model='fast' must be a FetchCostModel"),
+])  # fmt: skip
+def test_bad_config_is_rejected_with_a_message(values, message):
+    with pytest.raises(ValueError, match=message):
+        KVCacheConfig(pool=POOL, **values)
+
+
+def test_config_from_dict_builds_nested_sections():
+    config = KVCacheConfig.from_dict({
+        "pool": dict(num_blocks=4, num_layers=1, num_kv_heads=1, page_size=2, head_dim=4, dtype="bfloat16"),
+        "host_bytes": 1024, "cost_model": {"fetch_latency": 0.5}, "write_policy": "selective"})  # fmt: skip
+    assert config.pool.dtype == "bfloat16" and config.cost_model.fetch_latency == 0.5 and config.tiered
+    with pytest.raises(ValueError, match=r"unknown KV cache config keys \['hosts'\]"):
+        KVCacheConfig.from_dict({"pool": config.pool, "hosts": 1})
+    with pytest.raises(ValueError, match=r"unknown cost model keys \['latency'\]"):
+        KVCacheConfig.from_dict({"pool": config.pool, "cost_model": {"latency": 1}})
+    with pytest.raises(ValueError, match=r"fetch_latency=-1 must be a number >= 0"):
+        FetchCostModel(fetch_latency=-1)
+    with pytest.raises(ValueError, match=r"host_bytes_per_second=0 must be > 0"):
+        FetchCostModel(host_bytes_per_second=0)
+
+
+def test_bad_requests_raise_and_change_nothing():
+    with make() as cache:
+        with pytest.raises(ValueError, match=r"token id -1 at index 1 is out of range"):
+            cache.admit([0, -1, 2])
+        with pytest.raises(ValueError, match=r"sequence of 40 tokens needs 10 blocks; the pool has 8"):
+            cache.admit(prompt(40))
+        with pytest.raises(ValueError, match="tracks its own tier copies"):
+            cache.set_tier(prompt(4), None, 0, Tier.HOST)
+        assert cache.num_sequences == 0 and cache.allocator.num_free == 8
+        cache.check_invariants()
+
+
+def test_page_content_model_tells_prefixes_and_tenants_apart():
+    shape = POOL.block_shape
+    assert not np.array_equal(page_content("a", [1, 2], shape), page_content("b", [1, 2], shape))
+    assert not np.array_equal(page_content("a", [1, 2], shape), page_content("a", [2, 2], shape))
+
+
+# --- the scheduler's scenarios, run on a KVCache (a drop-in for its PrefixCache) -----------
+
+import test_scheduler  # noqa: E402
+
+from kvjax.page_pool import PoolConfig as _PoolConfig  # noqa: E402
+
+
+def _kv_cache_like_prefix_cache(num_blocks, page_size, *, vocab_size, clock, high_watermark, low_watermark):
+    pool = _PoolConfig(num_blocks=num_blocks, num_layers=1, num_kv_heads=1, page_size=page_size, head_dim=1,
+                       dtype="float32")  # fmt: skip
+    return KVCache(KVCacheConfig(pool=pool, vocab_size=vocab_size, high_watermark=high_watermark,
+                                 low_watermark=low_watermark), clock=clock)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _scheduler_on_kv_cache(monkeypatch):
+    monkeypatch.setattr(test_scheduler, "PrefixCache", _kv_cache_like_prefix_cache)
+
+
+globals().update({f"test_scheduler_on_kv_cache__{name[5:]}": test
+                  for name, test in vars(test_scheduler).items() if name.startswith("test_")})  # fmt: skip
+
+
+def test_scheduler_scenarios_above_run_on_a_kv_cache():
+    scheduler, _, _ = test_scheduler.make()
+    assert isinstance(scheduler.cache, KVCache)
