@@ -29,6 +29,8 @@ Priorities are stamped when a node becomes evictable (``time_invariant``); a lat
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 from kvjax.eviction import POLICIES, EvictionPolicy
@@ -52,7 +54,8 @@ class SegmentedPolicy(EvictionPolicy):
         self.ghost_pages = ghost_pages
         self._page_bytes = 4 * 16
         # (page index, page token bytes) -> (last_access s, segment); oldest first
-        self._ghost: dict[tuple[int, bytes], tuple[float, int]] = {}
+        # OrderedDict, not dict: popping the oldest of a dict with many deletions scans them.
+        self._ghost: OrderedDict[tuple[int, bytes], tuple[float, int]] = OrderedDict()
         self._population = [0, 0]  # ghost records per segment: [probation, protected]
 
     def bind(self, page_size: int) -> None:
@@ -100,14 +103,15 @@ class SegmentedPolicy(EvictionPolicy):
                 self._on_hit(last_access - recorded_access)
             else:  # seen in this state before (pushed again, or the head of a split)
                 segment = max(segment, recorded_segment)
-        self._record(node, (last_access, segment))
+        if record != (last_access, segment):  # else recorded whole already (a split's head)
+            self._record(node, (last_access, segment))
         return segment
 
-    def _pages(self, node: Any) -> list[tuple[int, bytes]]:
+    def _pages(self, node: Any) -> Iterator[tuple[int, bytes]]:
         # bytes(): the label may be a view of a request's buffer; the ghost must not pin it.
         label, size, first = node.label, self._page_bytes, node.first_page
-        return [(first + start // size, bytes(label[start : start + size]))
-                for start in range(0, len(label), size)]  # fmt: skip
+        for start in range(0, len(label), size):
+            yield first + start // size, bytes(label[start : start + size])
 
     def _first_record(self, node: Any) -> tuple[float, int] | None:
         ghost = self._ghost
@@ -120,14 +124,14 @@ class SegmentedPolicy(EvictionPolicy):
     def _record(self, node: Any, record: tuple[float, int]) -> None:
         ghost, population = self._ghost, self._population
         for page in self._pages(node):
-            old = ghost.pop(page, None)  # re-inserting moves the page to the young end
+            old = ghost.get(page)
             if old is not None:
                 population[old[1]] -= 1
+                ghost.move_to_end(page)  # the young end
             ghost[page] = record
             population[record[1]] += 1
         while len(ghost) > self.ghost_pages:
-            oldest = next(iter(ghost))
-            population[ghost.pop(oldest)[1]] -= 1
+            population[ghost.popitem(last=False)[1][1]] -= 1
 
 
 class AdaptiveSegmentedPolicy(SegmentedPolicy):

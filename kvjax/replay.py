@@ -16,6 +16,8 @@ Two adaptations keep the real cache's rules from distorting the count:
   private page never costs a cached block; the sentinel is never committed.
 - A request longer than the cache gets its first ``device_blocks`` blocks admitted and
   cached; the rest count as misses.
+- Hash ids are renumbered densely (first appearance order) so ids of any size fit the
+  cache's int32 tokens; equal ids stay equal, so nothing about sharing changes.
 
 ``replay_report`` adds the yardsticks of ``kvjax.replay_bounds`` at the same capacity.
 """
@@ -91,9 +93,11 @@ def replay_trace(
     now = [0.0]  # seconds of trace time, read by the cache's clock
     cache = PrefixCache(device_blocks + 1, page_size=1, policy=policy, clock=lambda: now[0])
     counts = HitCounter(block_tokens)
+    dense_ids: dict[int, int] = {}  # hash id -> token id < 2**31 (trace ids may be any size)
     for index, request in enumerate(requests):
         now[0] = request.timestamp_ms / 1000.0
-        counts.add(request, _replay_request(cache, request.hash_ids[:device_blocks]))
+        tokens = [dense_ids.setdefault(h, len(dense_ids)) for h in request.hash_ids[:device_blocks]]
+        counts.add(request, _replay_request(cache, tokens))
         if check_every and (index + 1) % check_every == 0:
             cache.check_invariants()
     return counts.result(evicted_blocks=cache.stats.evicted_blocks)

@@ -70,6 +70,11 @@ def test_a_request_longer_than_the_cache_caches_what_fits():
     assert unlimited_replay(requests, block_tokens=BLOCK).hit_blocks == 3
 
 
+def test_hash_ids_beyond_int32_are_fine():
+    requests = _trace([2**40, 2**40 + 1], [2**40, 2**40 + 1])
+    assert replay_trace(requests, 2, policy="lru", block_tokens=BLOCK).hit_blocks == 2
+
+
 def test_empty_trace_has_zero_rates():
     counts = replay_trace([], 4)
     assert (counts.requests, counts.block_hit_rate, counts.token_hit_rate) == (0, 0.0, 0.0)
