@@ -1,0 +1,255 @@
+"""The engine's API: requests in, events out, errors named, metrics that add up."""
+
+import numpy as np
+import pytest
+
+from engine_cases import BUCKETS, MAX_LEN, MODEL, PAGE, SCHEDULER, dense_greedy, make_engine, model, random_prompts
+from kvjax.canonicalize import CanonicalizeConfig
+from kvjax.engine import Engine
+from kvjax.engine_config import EngineConfig
+from kvjax.engine_events import FinishEvent, RunSummary, TokenEvent
+from kvjax.engine_observer import CacheMetricsView
+from kvjax.engine_preset import build_engine_parts, pool_config
+from kvjax.kv_cache import KVCache, KVCacheConfig
+from kvjax.metrics import Metrics
+from kvjax.miss_attribution import MissAttributor
+from kvjax.model import save_weights
+from kvjax.page_pool import PagePool
+from kvjax.prefix_cache import PrefixCache
+from kvjax.sampling import SamplingParams
+from kvjax.scheduler_config import SchedulerConfig
+
+
+def _finishes(events):
+    return {e.request_id: e for e in events if isinstance(e, FinishEvent)}
+
+
+@pytest.fixture
+def engine():
+    with make_engine() as built:
+        yield built
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(), "exactly one of prompt= .* or tokens="),
+    (dict(prompt="hi", tokens=[1]), "exactly one of prompt="),
+    (dict(tokens=[1, 256]), r"256"),
+    (dict(tokens=[1] * 380, max_new_tokens=8), "needs 380 prompt \\+ 8 new tokens; max_model_len=384"),
+    (dict(tokens=[1], sampling="greedy"), "must be a kvjax SamplingParams"),
+    (dict(prompt=b"bytes"), "prompt must be a str, got bytes"),
+])
+def test_bad_requests_are_refused_and_change_nothing(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("r", **kwargs)
+    assert not engine.has_unfinished and engine.step() == []
+    engine.check_invariants()
+
+
+def test_duplicate_request_id_is_refused(engine):
+    engine.add_request("r", tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match="request_id='r' is already queued or running"):
+        engine.add_request("r", tokens=[4])
+
+
+def test_events_stream_tokens_then_finish_then_summary(engine):
+    prompt = np.arange(20, dtype=np.int32)
+    engine.add_request("r", tokens=prompt, max_new_tokens=5)
+    events = list(engine.run())
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert [e.index for e in tokens] == [0, 1, 2, 3, 4]
+    finish = events[-2]
+    assert isinstance(finish, FinishEvent) and (finish.status, finish.reason) == ("finished", "length")
+    assert [e.token_id for e in tokens] == finish.output_token_ids.tolist() == dense_greedy(prompt, 5)
+    assert finish.text == engine.tokenizer.decode(finish.output_token_ids)
+    summary = events[-1]
+    assert isinstance(summary, RunSummary) and summary.num_finished == 1
+    assert summary.metrics["latencies"]["ttft_seconds"]["count"] == 1
+    assert summary.metrics["latencies"]["inter_token_seconds"]["count"] == 4
+
+
+def test_stop_token_ends_a_request_early(engine):
+    prompt = np.arange(30, dtype=np.int32)
+    first = dense_greedy(prompt, 1)[0]
+    engine.add_request("r", tokens=prompt, max_new_tokens=8, stop_token_ids=[first])
+    finish = _finishes(engine.run())["r"]
+    assert (finish.reason, finish.output_token_ids.tolist()) == ("stop", [first])
+
+
+def test_cancel_running_and_waiting_requests(engine):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, 20).astype(np.int32) for _ in range(6)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", tokens=prompt, max_new_tokens=6)
+    events = engine.step()  # r0..r3 admitted (max_num_seqs=4), r4 and r5 wait
+    assert engine.cancel("r1") and engine.cancel("r5")
+    assert not engine.cancel("r5") and not engine.cancel("nope")
+    events += engine.run(summary=False)
+    finishes = _finishes(events)
+    assert {rid for rid, f in finishes.items() if f.status == "cancelled"} == {"r1", "r5"}
+    for i in (0, 2, 3, 4):
+        assert finishes[f"r{i}"].output_token_ids.tolist() == dense_greedy(prompts[i], 6)
+    engine.check_invariants()
+    engine.cache.check_invariants()
+    assert engine.cache.num_sequences == 0
+
+
+def test_full_queue_rejects_with_a_reason():
+    scheduler = SchedulerConfig(max_num_seqs=4, token_budget=64, max_prefill_chunk=32, max_waiting=2)
+    with make_engine(scheduler=scheduler) as engine:
+        accepted = [engine.add_request(f"r{i}", tokens=[i + 1] * 10, max_new_tokens=2) for i in range(3)]
+        finishes = _finishes(engine.run(summary=False))
+        rejections = engine.metrics.to_json()["counters"]["rejections"]
+    assert accepted == [True, True, False]
+    assert finishes["r2"].status == "rejected"
+    assert finishes["r2"].reason.startswith("waiting queue is full (2 requests, max_waiting=2)")
+    assert rejections == 1
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
+    rng = np.random.default_rng(1)
+    prompt, other = rng.integers(0, 256, 17).astype(np.int32), rng.integers(0, 256, 9).astype(np.int32)
+    hot = SamplingParams(temperature=1.5, top_k=20, seed=7)
+    engine.add_request("alone", tokens=prompt, max_new_tokens=12, sampling=hot)
+    alone = _finishes(engine.run())["alone"].output_token_ids.tolist()
+    engine.add_request("batched", tokens=prompt, max_new_tokens=12, sampling=hot)
+    engine.add_request("neighbour", tokens=other, max_new_tokens=12)
+    engine.add_request("top1", tokens=prompt, max_new_tokens=12, sampling=SamplingParams(temperature=2.0, top_k=1))
+    finishes = _finishes(engine.run())
+    assert finishes["batched"].output_token_ids.tolist() == alone
+    assert alone != dense_greedy(prompt, 12)  # 12 draws at temperature 1.5 from 20 tokens: not greedy
+    assert finishes["top1"].output_token_ids.tolist() == dense_greedy(prompt, 12)
+
+
+def test_compilations_are_counted_once_per_bucket():
+    # A pool shape no other test uses, so these compilations are this test's own.
+    metrics = Metrics()
+    cache = KVCache(KVCacheConfig(pool=pool_config(MODEL, PAGE, 40), vocab_size=256), metrics=CacheMetricsView(metrics))
+    config = EngineConfig(max_model_len=MAX_LEN, token_buckets=(64,))
+    with Engine(model(), cache, SCHEDULER, config, metrics=metrics) as engine:
+        assert engine.warmup() == 1
+        for i in range(3):
+            engine.add_request(f"r{i}", tokens=[i + 1] * (5 + 20 * i), max_new_tokens=3)
+        list(engine.run())
+        assert engine.runner.compilations == 1
+        assert metrics.to_json()["counters"]["compilations"] == 1
+
+
+def test_canonicalization_reports_changes_and_turns_variants_into_hits():
+    config = EngineConfig(max_model_len=MAX_LEN, token_buckets=BUCKETS)
+    system = "System: answer in one word.\r\nBe  brief.\r\n" * 3
+    variant = system.replace("\r\n", "\n").replace("  ", " ")
+    with make_engine(config=config, canonicalize=CanonicalizeConfig()) as engine:
+        engine.add_request("a", prompt=system + "Q: one?", max_new_tokens=2)
+        first = _finishes(engine.run())["a"]
+        engine.add_request("b", prompt=variant + "Q: two?", max_new_tokens=2)
+        second = _finishes(engine.run())["b"]
+    assert {c.rule for c in first.canonical_changes} == {"line_endings", "collapse_spaces"}
+    assert second.canonical_changes == ()
+    assert second.num_hit_tokens >= PAGE * ((len(variant) - 1) // PAGE) - PAGE
+    with make_engine(config=config) as engine:  # off by default: the variant shares nothing past "System..."
+        engine.add_request("a", prompt=system + "Q: one?", max_new_tokens=2)
+        assert _finishes(engine.run())["a"].canonical_changes == ()
+        engine.add_request("b", prompt=variant + "Q: two?", max_new_tokens=2)
+        assert _finishes(engine.run())["b"].num_hit_tokens < len("System: answer in one word.")
+
+
+def test_misses_are_attributed_to_namespace_and_template(engine):
+    prompt = "Order 17. " + "System: you label things. " * 4
+    engine.add_request("a", prompt=prompt, max_new_tokens=2, namespace="tenant-a")
+    list(engine.run())
+    engine.add_request("b", prompt=prompt, max_new_tokens=2, namespace="tenant-b")
+    b = _finishes(engine.run())["b"]
+    engine.add_request("c", prompt=prompt.replace("you label", "you tag"), max_new_tokens=2, namespace="tenant-a")
+    c = _finishes(engine.run())["c"]
+    engine.add_request("d", prompt=prompt.replace("17", "42"), max_new_tokens=2, namespace="tenant-a")
+    d = _finishes(engine.run())["d"]
+    assert b.num_hit_tokens == 0 and b.miss_tokens_by_cause == {"other_namespace": len(prompt)}
+    assert c.hit_tokens_by_tier == {"device": 2 * PAGE} and set(c.miss_tokens_by_cause) == {"never_seen"}  # new text
+    assert d.hit_tokens_by_tier == {} and d.miss_tokens_by_cause == {"different_template": len(prompt)}
+    counters = engine.metrics.to_json()["counters"]
+    assert counters["miss_tokens"]["other_namespace"] == len(prompt)
+    looked_up = sum(len(f.prompt_token_ids) for f in (b, c, d)) + len(prompt)
+    assert sum(counters["miss_tokens"].values()) + sum(counters["hit_tokens"].values()) == looked_up
+
+
+def test_miss_attributor_tells_evicted_from_never_seen():
+    attributor = MissAttributor(page_size=4)
+    seen = np.arange(12, dtype=np.int32)
+    assert attributor.attribute(seen, "a", 0) == {"never_seen": (12, 3)}
+    attributor.remember(seen, "a")
+    # Pages 0-1 were seen (evicted now, since they missed); the last page is always computed
+    # and takes the cause of the first missed page.
+    assert attributor.attribute(seen, "a", 0) == {"evicted": (12, 3)}
+    assert attributor.attribute(seen, "a", 4) == {"evicted": (8, 2)}
+    assert attributor.attribute(seen, "a", 8) == {"never_seen": (4, 1)}  # every mappable page hit
+    assert attributor.attribute(seen, "b", 0) == {"other_namespace": (12, 3)}
+    changed = np.concatenate([seen[:4], seen[4:] + 1])
+    assert attributor.attribute(changed, "a", 4, fingerprint="f") == {"never_seen": (8, 2)}
+    attributor.remember(seen, "a", fingerprint="f")
+    assert attributor.attribute(changed, "a", 4, fingerprint="f") == {"different_template": (8, 2)}
+
+
+def test_miss_attributor_forgets_the_least_recently_seen():
+    attributor = MissAttributor(page_size=2, max_pages=2)
+    attributor.remember(np.array([1, 2, 3, 4], np.int32), "a")
+    attributor.remember(np.array([9, 9], np.int32), "a")  # pushes out page [1, 2], keeps [3, 4] after it
+    causes = attributor.attribute(np.array([1, 2, 3, 4, 5], np.int32), "a", 0)
+    assert causes == {"never_seen": (3, 2), "evicted": (2, 1)}
+    with pytest.raises(ValueError, match="page_size=0 and max_pages=1 must be >= 1"):
+        MissAttributor(page_size=0, max_pages=1)
+
+
+def test_metrics_export_prometheus_and_json(engine):
+    pytest.importorskip("prometheus_client")
+    for i, prompt in enumerate(random_prompts(np.random.default_rng(2), 2 * PAGE, [3, 4])):
+        engine.add_request(f"r{i}", tokens=prompt, max_new_tokens=3)
+    list(engine.run())
+    text = engine.metrics.prometheus_text()
+    for name in ("kvjax_ttft_seconds{quantile=\"0.5\"}", "kvjax_prefill_tokens_total", "kvjax_compilations_total",
+                 "kvjax_pool_fragmentation_ratio", "kvjax_miss_tokens_total{cause=\"never_seen\"}"):
+        assert name in text
+    snapshot = engine.metrics.to_json()
+    assert snapshot["latencies"]["ttft_seconds"]["count"] == 2
+    assert snapshot["counters"]["decode_tokens"] == 2 * 2  # 3 tokens each, the first from the prefill
+
+
+def test_engine_refuses_a_pool_or_metrics_that_do_not_fit():
+    cache = PrefixCache(32, PAGE, vocab_size=256)
+    wrong = PagePool(pool_config(MODEL, 16, 256))
+    with pytest.raises(ValueError, match=r"cache \(page_size, num_blocks\)=\(8, 32\) must match the pool's \(16, 256\)"):
+        Engine(model(), cache, pool=wrong)
+    metrics = Metrics()
+    shared = KVCache(KVCacheConfig(pool=pool_config(MODEL, PAGE, 32)), metrics=metrics)
+    with pytest.raises(ValueError, match="hits would count twice"):
+        Engine(model(), shared, metrics=metrics)
+
+
+def test_tiny_preset_wires_model_scheduler_and_tiers():
+    parts = build_engine_parts("tiny")
+    parts["cache"].close()
+    assert parts["model"].cfg.d_model == 128 and parts["config"].token_buckets == (32, 256)
+    assert parts["scheduler_config"].max_num_seqs == 16
+    assert parts["cache"].config.host_bytes == 16 << 20 and parts["cache"].config.disk_dir is None
+    assert (parts["cache"].pool.config.page_size, parts["cache"].pool.config.num_blocks) == (16, 256)
+    assert build_engine_parts("tiny", tiers=False)["cache"].config.host_bytes == 0
+
+
+def test_preset_loads_saved_weights(tmp_path):
+    preset = tmp_path / "small.toml"
+    fields = "\n".join(f"{k} = {getattr(MODEL, k)!r}".replace("'", '"') for k in MODEL.__dataclass_fields__)
+    preset.write_text(f"[model]\n{fields}\n[cache]\npage_size = {PAGE}\nnum_blocks = 16\n")
+    save_weights(model(seed=3), tmp_path / "weights")
+    loaded = build_engine_parts(str(preset), weights=str(tmp_path / "weights"))["model"]
+    fresh = build_engine_parts(str(preset))["model"]
+    np.testing.assert_array_equal(loaded.embed.embedding[...], model(seed=3).embed.embedding[...])
+    assert not np.array_equal(fresh.embed.embedding[...], model(seed=3).embed.embedding[...])
+
+
+def test_preset_rejects_unknown_sections_keys(tmp_path):
+    preset = tmp_path / "bad.toml"
+    preset.write_text("[model]\nnum_layers = 1\n[cache]\npage_size = 8\nnum_blocks = 8\n[tiers]\nhost_gb = 1\n")
+    with pytest.raises(ValueError, match=r"unknown \[cache\]/\[tiers\] keys \['host_gb'\]"):
+        build_engine_parts(str(preset))
+    preset.write_text("[model]\nnum_layers = 1\n[cache]\npage_size = 8\nnum_blocks = 8\n[engine]\nturbo = true\n")
+    with pytest.raises(ValueError, match=r"unknown engine config keys \['turbo'\]"):
+        build_engine_parts(str(preset))
