@@ -26,8 +26,8 @@ __all__ = ["FetchJob", "Waiter"]
 class FetchJob:
     """One transfer chain; see the module docstring. ``keys`` are in page order."""
 
-    __slots__ = ("namespace", "keys", "from_disk", "priority", "to_device", "prereqs",
-                 "valid", "blocks", "consumers", "held", "started")  # fmt: skip
+    __slots__ = ("namespace", "keys", "from_disk", "priority", "to_device", "prereqs", "pending",
+                 "valid", "chunks", "consumers", "held", "started")  # fmt: skip
 
     def __init__(self, namespace: bytes, keys: list[bytes], from_disk: np.ndarray,
                  priority: Priority, to_device: bool, started: float):  # fmt: skip
@@ -37,8 +37,9 @@ class FetchJob:
         self.priority = priority
         self.to_device = to_device  # False: a prefetch that only restores disk -> host
         self.prereqs = 0  # copies (offloads, the restore) still to finish before the fetch
+        self.pending = 0  # host -> device fetches in flight (one per power-of-two run)
         self.valid: int | None = None  # leading pages on device; None while running
-        self.blocks = None  # [valid, *block_shape] device array once fetched
+        self.chunks: dict = {}  # first row -> [run, *block_shape] device array, None if failed
         self.consumers: list[tuple[Waiter, int, int, int]] = []  # (waiter, page, row, count)
         self.held: list[bytes] = []  # host keys this job holds against eviction
         self.started = started  # time.monotonic() seconds, for the fetch latency metric

@@ -22,7 +22,6 @@ import concurrent.futures
 import time
 from collections.abc import Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.kv_cache_fetch import FetchJob, Waiter
@@ -105,12 +104,16 @@ class TierMover:
         if not todo:
             return 0
         todo_keys = [keys[i] for i in todo]
-        future = self.transfer.offload(self.pool.kv_pages, node.blocks[todo], todo_keys,
-                                       namespace=namespace, priority=Priority.SPILL)  # fmt: skip
         for i, key in zip(todo, todo_keys):
             index.add_host(key, namespace, node, i, ready=False)
-            self.copies[key] = future
-        self._on_done(future, lambda result: self._copied_down(todo_keys, result, "device_to_host"))
+        blocks = node.blocks[todo]
+        for start, size in _pow2_runs(len(todo)):
+            run_keys = todo_keys[start : start + size]
+            future = self.transfer.offload(self.pool.kv_pages, blocks[start : start + size], run_keys,
+                                           namespace=namespace, priority=Priority.SPILL)  # fmt: skip
+            for key in run_keys:
+                self.copies[key] = future
+            self._on_done(future, lambda result, run_keys=run_keys: self._copied_down(run_keys, result))
         return len(todo)
 
     def before_evict(self, node: Node, num_pages: int) -> None:
@@ -262,16 +265,23 @@ class TierMover:
         if not job.to_device or valid == 0:  # at the next poll: never inside the job's creator
             self._on_done(_resolved(), lambda _: self._finish(job, 0 if job.to_device else valid))
             return
-        future = self.transfer.fetch(job.keys[:valid], priority=job.priority)
-        self._on_done(future, lambda result: self._fetched(job, valid, result))
+        for start, size in _pow2_runs(valid):
+            future = self.transfer.fetch(job.keys[start : start + size], priority=job.priority)
+            job.pending += 1
+            self._on_done(future, lambda result, start=start: self._fetched(job, start, result))
 
-    def _fetched(self, job: FetchJob, valid: int, result: TransferResult) -> None:
-        if result.ok:
-            job.blocks = result.blocks
-        else:
-            valid = 0
+    def _fetched(self, job: FetchJob, start: int, result: TransferResult) -> None:
+        job.chunks[start] = result.blocks if result.ok else None
+        job.pending -= 1
+        if job.pending:
+            return
         if self.metrics is not None:
             self.metrics.observe("fetch_seconds", time.monotonic() - job.started, tier=job.tier)
+        valid = 0
+        for start in sorted(job.chunks):  # leading chunks that arrived
+            if job.chunks[start] is None:
+                break
+            valid += len(job.chunks[start])
         self._finish(job, valid)
 
     def _finish(self, job: FetchJob, valid: int) -> None:
@@ -287,27 +297,25 @@ class TierMover:
         for key in job.held:
             self.index.release_host(key)
         self._scatter(job)
-        job.blocks = None
+        job.chunks = {}
         for waiter, _, _, _ in job.consumers:
             waiter.outstanding -= 1
             if waiter.outstanding == 0:
                 self._finalize(waiter)
 
     def _scatter(self, job: FetchJob) -> None:
-        ids, parts = [], []
-        for waiter, offset, row, count in job.consumers:
-            got = min(count, max(0, job.valid - row))
-            if got and waiter.handle.alive:
-                first = waiter.first + offset
-                ids.append(waiter.handle.block_ids[first : first + got])
-                parts.append((row, got))
-        if not ids:
-            return
-        if len(parts) == 1 and parts[0] == (0, job.valid):
-            blocks = job.blocks
-        else:
-            blocks = jnp.concatenate([job.blocks[row : row + got] for row, got in parts])
-        self.pool.scatter(np.concatenate(ids), blocks)
+        """Each arrived chunk into the blocks of every live consumer of its rows."""
+        for start, blocks in job.chunks.items():
+            if blocks is None or start >= job.valid:
+                continue
+            end = start + len(blocks)
+            for waiter, offset, row, count in job.consumers:
+                low, high = max(row, start), min(row + count, end)
+                if low >= high or not waiter.handle.alive:
+                    continue
+                first = waiter.first + offset + low - row
+                part = blocks if (low, high) == (start, end) else blocks[low - start : high - start]
+                self.pool.scatter(waiter.handle.block_ids[first : first + high - low], part)
 
     def _finalize(self, waiter: Waiter) -> None:
         del self.waiters[waiter.handle.seq_id]
@@ -340,7 +348,7 @@ class TierMover:
 
     # --- helpers: copies down ----------------------------------------------------------------
 
-    def _copied_down(self, keys: list[bytes], result: TransferResult, link: str) -> None:
+    def _copied_down(self, keys: list[bytes], result: TransferResult) -> None:
         done = 0
         for key in keys:
             if self.copies.get(key) is not None:
@@ -349,7 +357,7 @@ class TierMover:
             done += self.index.host.contains(key)
         self.counts["offloaded"] += done
         if self.metrics is not None and done:
-            self.metrics.record_spill(link, done, done * self.block_nbytes)
+            self.metrics.record_spill("device_to_host", done, done * self.block_nbytes)
 
     def _restored(self, keys: list[bytes], namespace: bytes, result: TransferResult) -> None:
         for key in keys:
@@ -386,6 +394,20 @@ class TierMover:
 
     def _on_done(self, future: concurrent.futures.Future, callback: Callable) -> None:
         self._callbacks.append((future, callback))
+
+
+def _pow2_runs(count: int) -> list[tuple[int, int]]:
+    """(start, size) runs covering ``range(count)`` with power-of-two sizes, largest first.
+
+    Every transfer and scatter is compiled per number of blocks; runs of powers of two bound
+    the distinct shapes by log2 of the largest transfer instead of one per size.
+    """
+    runs, start = [], 0
+    for bit in reversed(range(count.bit_length())):
+        if count >> bit & 1:
+            runs.append((start, 1 << bit))
+            start += 1 << bit
+    return runs
 
 
 def _resolved() -> concurrent.futures.Future:
