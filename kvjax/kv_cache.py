@@ -110,6 +110,7 @@ class KVCache:
         self._mover: TierMover | None = None
         self._recompute_chosen = 0
         self._prefetches = 0
+        self._hit_sources: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (device pages, from_disk)
         if config.tiered:
             self._open_tiers(impl, transfer_factory)
 
@@ -189,6 +190,8 @@ class KVCache:
             waiter = Waiter(handle, first, on_disk[:num_fetch], prefetch=False)
             fetched = self._mover.start_fetch(waiter, pages, ns.digest(), Priority.DEMAND)
             handle.num_hit_tokens = (first + fetched) * self.page_size
+            if fetched:
+                self._hit_sources[handle.seq_id] = (first, waiter.from_disk)
         self._mover.unhold(held)
         if handle is None:
             return None
@@ -197,6 +200,17 @@ class KVCache:
         if self.config.write_policy == "selective":
             self._copy_hot_path(handle)
         return handle
+
+    def hit_tokens_by_tier(self, handle: SeqHandle) -> dict[str, int]:
+        """``handle.num_hit_tokens`` split by the tier each hit page came from ("device",
+        "host", "disk"); final once the handle is ready (a failed fetch lowers it)."""
+        page_size = self.page_size
+        num_hit = handle.num_hit_tokens // page_size
+        first, from_disk = self._hit_sources.get(handle.seq_id, (num_hit, ()))
+        device = min(first, num_hit)
+        disk = int(np.count_nonzero(from_disk[: num_hit - device]))
+        return {"device": device * page_size, "host": (num_hit - device - disk) * page_size,
+                "disk": disk * page_size}  # fmt: skip
 
     def is_ready(self, handle: SeqHandle) -> bool:
         """Whether every fetch of ``handle`` finished (its hit KV is in the pool)."""
@@ -245,6 +259,7 @@ class KVCache:
     def release(self, handle: SeqHandle) -> None:
         """Drop the sequence's references (fetches in flight for it are discarded)."""
         self.prefix.release(handle)
+        self._hit_sources.pop(handle.seq_id, None)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` cached device blocks; with write_back, pages without a

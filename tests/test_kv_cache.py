@@ -88,6 +88,13 @@ def test_round_trip_device_host_disk_device_is_bit_exact(tmp_path, dtype):
         assert cache.match(tokens).tiers.tolist() == [Tier.DISK] * 2
         served["disk"] = hit_pages(cache, tokens)
         cache.check_invariants()
+        handle = cache.admit(tokens)
+        assert cache.hit_tokens_by_tier(handle) == {"device": 8, "host": 0, "disk": 0}
+        cache.release(handle)
+        cache.evict(8)
+        handle = cache.admit(tokens)
+        assert cache.wait_ready(handle, TIMEOUT)
+        assert cache.hit_tokens_by_tier(handle) == {"device": 0, "host": 8, "disk": 0}  # restored to host
     for tier, (num_hit, kv) in served.items():
         assert num_hit == 2 and same_bits(kv, blocks[:2]), tier
         assert counter(metrics, "hit_blocks", tier) == 2, tier
@@ -179,6 +186,7 @@ def test_failed_fetch_turns_into_recompute_not_an_error():
         cache.transfer.complete(0, ok=False)
         assert cache.wait_ready(waiting, timeout=0)
         assert waiting.num_hit_tokens == 0 and cache.stats.fetch_failures == 1
+        assert cache.hit_tokens_by_tier(waiting) == {"device": 0, "host": 0, "disk": 0}
         cache.pool.scatter(waiting.block_ids, blocks)  # recomputed
         assert cache.commit(waiting, tokens) == 2
         cache.check_invariants()
@@ -203,6 +211,7 @@ def test_corrupt_disk_block_is_a_miss_and_a_metric_and_the_rest_recomputes(tmp_p
         handle = cache.admit(tokens)
         assert handle.num_hit_tokens == 16 and cache.wait_ready(handle, TIMEOUT)
         assert handle.num_hit_tokens == 8  # pages 0 and 1 arrived; 2 and 3 are recomputed
+        assert cache.hit_tokens_by_tier(handle) == {"device": 0, "host": 0, "disk": 8}
         assert same_bits(np.asarray(cache.pool.gather(handle.block_ids[:2])), blocks[:2])
         cache.check_invariants()
         assert counter(metrics, "hit_blocks", "disk") == 2 and counter(metrics, "miss_blocks", "evicted") == 2
