@@ -88,16 +88,20 @@ def test_round_trip_device_host_disk_device_is_bit_exact(tmp_path, dtype):
         assert cache.match(tokens).tiers.tolist() == [Tier.DISK] * 2
         served["disk"] = hit_pages(cache, tokens)
         cache.check_invariants()
-        handle = cache.admit(tokens)
-        assert cache.hit_tokens_by_tier(handle) == {"device": 8, "host": 0, "disk": 0}
-        cache.release(handle)
-        cache.evict(8)
-        handle = cache.admit(tokens)
-        assert cache.wait_ready(handle, TIMEOUT)
-        assert cache.hit_tokens_by_tier(handle) == {"device": 0, "host": 8, "disk": 0}  # restored to host
     for tier, (num_hit, kv) in served.items():
         assert num_hit == 2 and same_bits(kv, blocks[:2]), tier
         assert counter(metrics, "hit_blocks", tier) == 2, tier
+
+
+def test_hit_tokens_by_tier_names_where_each_hit_page_came_from():
+    tokens = prompt(13)
+    with make() as cache:
+        compute(cache, tokens[:9], blocks=random_blocks(3, POOL.block_shape))  # pages 0, 1
+        cache.evict(8)  # ... now on host
+        compute(cache, tokens[:5], blocks=random_blocks(2, POOL.block_shape))  # page 0 on device again
+        handle = cache.admit(tokens)
+        assert cache.wait_ready(handle, TIMEOUT)
+        assert cache.hit_tokens_by_tier(handle) == {"device": 4, "host": 4, "disk": 0}
 
 
 def test_warm_restart_serves_what_the_last_process_spilled(tmp_path):
