@@ -21,6 +21,7 @@ import heapq
 from collections.abc import Sequence
 
 from kvjax.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from kvjax.trie_node import Tier
 
 __all__ = ["HitCounter", "HitCounts", "intern_block_paths", "offline_replay", "unlimited_replay"]
 
@@ -37,6 +38,28 @@ class HitCounts:
     tokens: int  # prompt tokens
     hit_tokens: int  # prompt tokens inside hit blocks
     evicted_blocks: int  # blocks that lost their place in the cache
+    host_hit_blocks: int = 0  # hit blocks found on the host tier only (part of hit_blocks)
+    host_hit_tokens: int = 0
+    disk_hit_blocks: int = 0  # hit blocks found on the disk tier only (part of hit_blocks)
+    disk_hit_tokens: int = 0
+
+    @property
+    def device_hit_blocks(self) -> int:
+        """Hit blocks that were on the device (every hit of a replay without lower tiers)."""
+        return self.hit_blocks - self.host_hit_blocks - self.disk_hit_blocks
+
+    @property
+    def device_hit_tokens(self) -> int:
+        return self.hit_tokens - self.host_hit_tokens - self.disk_hit_tokens
+
+    def tier_rates(self) -> dict[str, float]:
+        """``{device,host,disk}_{block,token}_hit_rate``: fractions of all blocks / tokens."""
+        rates = {}
+        for tier in ("device", "host", "disk"):
+            blocks, tokens = getattr(self, f"{tier}_hit_blocks"), getattr(self, f"{tier}_hit_tokens")
+            rates[f"{tier}_block_hit_rate"] = blocks / self.blocks if self.blocks else 0.0
+            rates[f"{tier}_token_hit_rate"] = tokens / self.tokens if self.tokens else 0.0
+        return rates
 
     @property
     def block_hit_rate(self) -> float:
@@ -166,15 +189,23 @@ class HitCounter:
     def __init__(self, block_tokens: int):
         self.block_tokens = block_tokens
         self.requests = self.blocks = self.hit_blocks = self.tokens = self.hit_tokens = 0
+        self.lower = {Tier.HOST: [0, 0], Tier.DISK: [0, 0]}  # tier -> [hit blocks, hit tokens]
 
-    def add(self, request: TraceRequest, hit_blocks: int) -> None:
+    def add(self, request: TraceRequest, hit_blocks: int, lower_tiers: Sequence[Tier] = ()) -> None:
+        """Counts a request whose first ``hit_blocks`` blocks hit; the last
+        ``len(lower_tiers)`` of those came from the named lower tiers, in order."""
         per_block = request.block_tokens(self.block_tokens)
         self.requests += 1
         self.blocks += len(per_block)
         self.hit_blocks += hit_blocks
         self.tokens += sum(per_block)
         self.hit_tokens += sum(per_block[:hit_blocks])
+        first = hit_blocks - len(lower_tiers)
+        for tokens, tier in zip(per_block[first:hit_blocks], lower_tiers):
+            self.lower[tier][0] += 1
+            self.lower[tier][1] += tokens
 
     def result(self, *, evicted_blocks: int) -> HitCounts:
-        return HitCounts(self.requests, self.blocks, self.hit_blocks, self.tokens,
-                         self.hit_tokens, evicted_blocks)  # fmt: skip
+        (host_blocks, host_tokens), (disk_blocks, disk_tokens) = self.lower[Tier.HOST], self.lower[Tier.DISK]
+        return HitCounts(self.requests, self.blocks, self.hit_blocks, self.tokens, self.hit_tokens,
+                         evicted_blocks, host_blocks, host_tokens, disk_blocks, disk_tokens)  # fmt: skip

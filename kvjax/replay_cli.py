@@ -1,7 +1,9 @@
-"""``python -m kvjax replay TRACE --device-blocks N [--policy NAME] [--json]``.
+"""``python -m kvjax replay TRACE --device-blocks N [--host-blocks M] [--disk-blocks K]
+[--write-through] [--policy NAME] [--json]``.
 
-Replays a Mooncake-format trace through the prefix cache (no model) and prints block and
-token hit rates next to the offline (farthest next use) and unlimited-capacity yardsticks.
+Replays a Mooncake-format trace through the prefix cache (no model), above optional host and
+disk tiers (see ``kvjax.replay``), and prints block and token hit rates, per tier and in all,
+next to the offline (farthest next use) and unlimited-capacity yardsticks.
 With ``--json`` the last line is one JSON object (rates as fractions); see
 ``ReplayReport.as_dict`` for its keys. Bad input (a malformed line, a missing file) prints one
 error line naming it and exits with status 2.
@@ -32,6 +34,12 @@ def add_replay_subcommand(subparsers) -> None:
     replay.add_argument("trace", help="path of the trace (JSON lines)")
     replay.add_argument("--device-blocks", type=_positive_int, required=True, metavar="N",
                         help="cache capacity in blocks (one block per hash id)")  # fmt: skip
+    replay.add_argument("--host-blocks", type=_non_negative_int, default=0, metavar="M",
+                        help="host tier capacity in blocks (default: 0, no host tier)")  # fmt: skip
+    replay.add_argument("--disk-blocks", type=_non_negative_int, default=0, metavar="K",
+                        help="disk tier capacity in blocks (default: 0, no disk tier)")  # fmt: skip
+    replay.add_argument("--write-through", action="store_true",
+                        help="write every used block to the host (default: write-back on eviction)")  # fmt: skip
     replay.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                         help=f"eviction policy (default: {DEFAULT_POLICY})")  # fmt: skip
     replay.add_argument("--block-tokens", type=_positive_int, default=MOONCAKE_BLOCK_TOKENS,
@@ -50,7 +58,8 @@ def run_replay(args: argparse.Namespace, out=None, err=None) -> int:
         print(f"kvjax replay: error: {error}", file=err)
         return 2
     report = replay_report(requests, args.device_blocks, policy=args.policy,
-                           block_tokens=args.block_tokens)  # fmt: skip
+                           block_tokens=args.block_tokens, host_blocks=args.host_blocks,
+                           disk_blocks=args.disk_blocks, write_through=args.write_through)  # fmt: skip
     print(format_report(args.trace, report), file=out)
     if args.json:
         print(json.dumps(report.as_dict()), file=out)
@@ -58,30 +67,51 @@ def run_replay(args: argparse.Namespace, out=None, err=None) -> int:
 
 
 def format_report(trace: str, report: ReplayReport) -> str:
-    """Human-readable table: the policy, the offline policy and unlimited capacity."""
+    """Human-readable table: the policy (per tier when there are lower tiers), the offline
+    policy at the device capacity and unlimited capacity."""
     online = report.online
+    write = "write-through" if report.write_through else "write-back"
     lines = [
         f"trace {trace}: {online.requests} requests, {online.blocks} blocks, "
         f"{online.tokens} prompt tokens",
-        f"capacity {report.device_blocks} blocks; sequential replay (no concurrency)",
-        f"{'':<24}{'block hits':>12}{'token hits':>12}{'evicted':>10}",
+        f"capacity {report.device_blocks} device blocks, {report.host_blocks} host, "
+        f"{report.disk_blocks} disk ({write}); sequential replay (no concurrency)",
+        f"{'':<28}{'block hits':>12}{'token hits':>12}{'evicted':>10}",
     ]
-    rows = ((f"policy {report.policy}", online), ("offline (farthest use)", report.offline),
-            ("unlimited capacity", report.unlimited))  # fmt: skip
-    for label, counts in rows:
-        lines.append(f"{label:<24}{counts.block_hit_rate:>12.2%}{counts.token_hit_rate:>12.2%}"
-                     f"{counts.evicted_blocks:>10}")  # fmt: skip
+    rows = [(f"policy {report.policy}", online.block_hit_rate, online.token_hit_rate,
+             online.evicted_blocks)]  # fmt: skip
+    if report.host_blocks or report.disk_blocks:
+        rates = online.tier_rates()
+        rows += [(f"  of which {tier}", rates[f"{tier}_block_hit_rate"],
+                  rates[f"{tier}_token_hit_rate"], "") for tier in ("device", "host", "disk")]  # fmt: skip
+    for label, counts in (("offline (farthest use)", report.offline),
+                          ("unlimited capacity", report.unlimited)):  # fmt: skip
+        rows.append((label, counts.block_hit_rate, counts.token_hit_rate, counts.evicted_blocks))
+    for label, block_rate, token_rate, evicted in rows:
+        lines.append(f"{label:<28}{block_rate:>12.2%}{token_rate:>12.2%}{evicted:>10}")
     if report.offline.hit_blocks:
         share = online.hit_blocks / report.offline.hit_blocks
-        lines.append(f"policy {report.policy} gets {share:.1%} of the offline block hits")
+        lines.append(f"policy {report.policy} gets {share:.1%} of the offline block hits "
+                     f"(offline at {report.device_blocks} device blocks)")  # fmt: skip
+    if report.unlimited.hit_blocks:
+        share = online.hit_blocks / report.unlimited.hit_blocks
+        lines.append(f"policy {report.policy} gets {share:.1%} of the unlimited-capacity block hits")
     return "\n".join(lines)
 
 
 def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
     return value

@@ -1,0 +1,114 @@
+"""Host and disk tiers of a trace replay: bookkeeping of which blocks each tier holds.
+
+No data moves: a tier is a set of block ids (interned prefix paths, see
+``kvjax.replay_bounds.intern_block_paths``) with a capacity in blocks and LRU order. The
+device tier is the real ``PrefixCache`` of ``kvjax.replay``; ``LowerTiers`` sees its evictions
+through the trie's ``before_evict`` hook and each request's blocks after they enter the device.
+
+Write policies:
+- write-back (default): a block is written to the host when the device evicts it; a block
+  brought back to the device from the host or disk leaves that tier (tiers are exclusive, so
+  device + host + disk hold up to N + M + K distinct blocks).
+- write-through: every block a request puts on (or hits on) the device is written to the
+  host at once, refreshing its LRU place; device evictions write nothing. The host is then
+  inclusive: it may hold copies of device blocks.
+
+In both, a block the host evicts (its least recently written or hit) goes to the disk when
+the disk has capacity, and a block the disk evicts is gone.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kvjax.trie_node import Tier
+
+__all__ = ["LowerTiers", "LruBlockTier"]
+
+
+class LruBlockTier:
+    """Up to ``capacity`` block ids in least-recently-used order (capacity 0: holds nothing)."""
+
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"{capacity=} must be >= 0 blocks")
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()  # oldest first
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def put(self, block: int) -> list[int]:
+        """Store ``block`` (or refresh it) as the most recent; return the blocks pushed out."""
+        if self.capacity == 0:
+            return [block]
+        blocks = self._blocks
+        blocks[block] = None
+        blocks.move_to_end(block)
+        return [blocks.popitem(last=False)[0] for _ in range(len(blocks) - self.capacity)]
+
+    def discard(self, block: int) -> None:
+        self._blocks.pop(block, None)
+
+    def blocks(self) -> list[int]:
+        """Held block ids, least recently used first."""
+        return list(self._blocks)
+
+
+class LowerTiers:
+    """The host and disk tiers under the replay's device cache (see the module docstring)."""
+
+    def __init__(self, host_blocks: int, disk_blocks: int, *, write_through: bool = False):
+        if host_blocks < 0 or disk_blocks < 0:
+            raise ValueError(f"{host_blocks=} and {disk_blocks=} must be >= 0")
+        self.host = LruBlockTier(host_blocks)
+        self.disk = LruBlockTier(disk_blocks)
+        self.write_through = write_through
+
+    def run_tiers(self, path: Sequence[int], start: int) -> list[Tier]:
+        """Tier of each block of ``path[start:]`` while one of the lower tiers holds it
+        (the host before the disk); stops at the first block that neither holds."""
+        found = []
+        for block in path[start:]:
+            if block in self.host:
+                found.append(Tier.HOST)
+            elif block in self.disk:
+                found.append(Tier.DISK)
+            else:
+                break
+        return found
+
+    def device_evicted(self, blocks: Iterable[int]) -> None:
+        """The device dropped ``blocks``: write-back stores them on the host."""
+        if not self.write_through:
+            for block in blocks:
+                self._to_host(block)
+
+    def on_device(self, blocks: Iterable[int]) -> None:
+        """``blocks`` are on the device after a request: write-back takes them out of the lower
+        tiers (moved up), write-through writes each to the host (and out of the disk)."""
+        for block in blocks:
+            self.disk.discard(block)
+            if self.write_through:
+                self._to_host(block)
+            else:
+                self.host.discard(block)
+
+    def check_invariants(self) -> None:
+        """RuntimeError if a tier is over capacity or a block is on both host and disk."""
+        for name, tier in (("host", self.host), ("disk", self.disk)):
+            if len(tier) > tier.capacity:
+                raise RuntimeError(f"{name} tier holds {len(tier)} blocks > {tier.capacity}")
+        both = set(self.host.blocks()) & set(self.disk.blocks())
+        if both:
+            raise RuntimeError(f"blocks {sorted(both)[:5]} are on both host and disk")
+
+    def _to_host(self, block: int) -> None:
+        self.disk.discard(block)
+        for demoted in self.host.put(block):
+            if self.disk.capacity:
+                self.disk.put(demoted)  # the disk's own overflow is dropped
