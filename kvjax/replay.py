@@ -23,8 +23,9 @@ Two adaptations keep the real cache's rules from distorting the count:
 Tiers (``host_blocks``/``disk_blocks`` > 0; bookkeeping in ``kvjax.replay_tiers``, no data
 moves): the device tier is the PrefixCache above with the chosen policy. When it evicts a
 block (the trie's ``before_evict`` hook), write-back stores the block on the host tier, which
-has its own capacity and LRU eviction; a block the host evicts goes to the disk tier when it
-has capacity (LRU too), and one the disk evicts is gone. ``write_through=True`` instead writes
+has its own capacity and eviction (``tier_policy``: LRU, or scan-resistant segmented LRU); a
+block the host evicts goes to the disk tier when it has capacity (same policy), and one the
+disk evicts is gone. ``write_through=True`` instead writes
 every block to the host as it is used on the device. A request's leading run continues past
 its device hits through blocks the host or disk holds; each hit counts for the highest tier
 holding it (device, then host, then disk). Every block of the request then occupies a device
@@ -75,6 +76,7 @@ class ReplayReport:
     host_blocks: int = 0
     disk_blocks: int = 0
     write_through: bool = False
+    tier_policy: str = "lru"
 
     def as_dict(self) -> dict[str, Any]:
         """Flat summary (rates are fractions in [0, 1]) for ``--json`` and benchmarks."""
@@ -85,6 +87,7 @@ class ReplayReport:
             "host_blocks": self.host_blocks,
             "disk_blocks": self.disk_blocks,
             "write": "through" if self.write_through else "back",
+            "tier_policy": self.tier_policy,
             "requests": online.requests,
             "blocks": online.blocks,
             "hit_blocks": online.hit_blocks,
@@ -110,6 +113,7 @@ def replay_trace(
     host_blocks: int = 0,
     disk_blocks: int = 0,
     write_through: bool = False,
+    tier_policy: str = "lru",
     check_every: int = 0,
 ) -> HitCounts:
     """Replays ``requests`` (in the given order) through a ``PrefixCache`` of ``device_blocks``
@@ -123,7 +127,7 @@ def replay_trace(
         raise ValueError(f"{device_blocks=} must be >= 1")
     if check_every < 0:
         raise ValueError(f"{check_every=} must be >= 0")
-    tiers = LowerTiers(host_blocks, disk_blocks, write_through=write_through)
+    tiers = LowerTiers(host_blocks, disk_blocks, write_through=write_through, policy=tier_policy)
     now = [0.0]  # seconds of trace time, read by the cache's clock
     cache = PrefixCache(device_blocks + 1, page_size=1, policy=policy, clock=lambda: now[0])
     # With page_size=1 a page's only token is its block id: read the evicted tail off the label.
@@ -154,10 +158,12 @@ def replay_report(
     host_blocks: int = 0,
     disk_blocks: int = 0,
     write_through: bool = False,
+    tier_policy: str = "lru",
 ) -> ReplayReport:
     """The policy's replay (with the lower tiers) plus the offline policy at ``device_blocks``
     and unlimited capacity on the same requests."""
-    tiers = dict(host_blocks=host_blocks, disk_blocks=disk_blocks, write_through=write_through)
+    tiers = dict(host_blocks=host_blocks, disk_blocks=disk_blocks, write_through=write_through,
+                 tier_policy=tier_policy)  # fmt: skip
     online = replay_trace(requests, device_blocks, policy=policy, block_tokens=block_tokens, **tiers)
     return ReplayReport(
         policy=policy,

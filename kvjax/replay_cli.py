@@ -1,5 +1,5 @@
 """``python -m kvjax replay TRACE --device-blocks N [--host-blocks M] [--disk-blocks K]
-[--write-through] [--policy NAME] [--json]``.
+[--write-through] [--tier-policy lru|segmented] [--policy NAME] [--json]``.
 
 Replays a Mooncake-format trace through the prefix cache (no model), above optional host and
 disk tiers (see ``kvjax.replay``), and prints block and token hit rates, per tier and in all,
@@ -16,6 +16,7 @@ import json
 import sys
 
 from kvjax.eviction import POLICIES
+from kvjax.replay_tiers import TIER_POLICIES
 from kvjax.replay import DEFAULT_POLICY, ReplayReport, replay_report
 from kvjax.trace import MOONCAKE_BLOCK_TOKENS, load_trace
 
@@ -40,6 +41,8 @@ def add_replay_subcommand(subparsers) -> None:
                         help="disk tier capacity in blocks (default: 0, no disk tier)")  # fmt: skip
     replay.add_argument("--write-through", action="store_true",
                         help="write every used block to the host (default: write-back on eviction)")  # fmt: skip
+    replay.add_argument("--tier-policy", default="lru", choices=sorted(TIER_POLICIES),
+                        help="eviction policy of the host and disk tiers (default: lru)")  # fmt: skip
     replay.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                         help=f"eviction policy (default: {DEFAULT_POLICY})")  # fmt: skip
     replay.add_argument("--block-tokens", type=_positive_int, default=MOONCAKE_BLOCK_TOKENS,
@@ -59,7 +62,8 @@ def run_replay(args: argparse.Namespace, out=None, err=None) -> int:
         return 2
     report = replay_report(requests, args.device_blocks, policy=args.policy,
                            block_tokens=args.block_tokens, host_blocks=args.host_blocks,
-                           disk_blocks=args.disk_blocks, write_through=args.write_through)  # fmt: skip
+                           disk_blocks=args.disk_blocks, write_through=args.write_through,
+                           tier_policy=args.tier_policy)  # fmt: skip
     print(format_report(args.trace, report), file=out)
     if args.json:
         print(json.dumps(report.as_dict()), file=out)
@@ -75,7 +79,7 @@ def format_report(trace: str, report: ReplayReport) -> str:
         f"trace {trace}: {online.requests} requests, {online.blocks} blocks, "
         f"{online.tokens} prompt tokens",
         f"capacity {report.device_blocks} device blocks, {report.host_blocks} host, "
-        f"{report.disk_blocks} disk ({write}); sequential replay (no concurrency)",
+        f"{report.disk_blocks} disk ({write}, {report.tier_policy}); sequential replay (no concurrency)",
         f"{'':<28}{'block hits':>12}{'token hits':>12}{'evicted':>10}",
     ]
     rows = [(f"policy {report.policy}", online.block_hit_rate, online.token_hit_rate,

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 
 from kvjax.trie_node import Tier
 
-__all__ = ["LowerTiers", "LruBlockTier"]
+__all__ = ["TIER_POLICIES", "LowerTiers", "LruBlockTier", "SegmentedBlockTier"]
 
 
 class LruBlockTier:
@@ -42,8 +42,9 @@ class LruBlockTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def put(self, block: int) -> list[int]:
-        """Store ``block`` (or refresh it) as the most recent; return the blocks pushed out."""
+    def put(self, block: int, reused: bool = False) -> list[int]:
+        """Store ``block`` (or refresh it) as the most recent; return the blocks pushed out.
+        ``reused`` (whether the block served more than one request) is ignored by LRU."""
         if self.capacity == 0:
             return [block]
         blocks = self._blocks
@@ -59,15 +60,71 @@ class LruBlockTier:
         return list(self._blocks)
 
 
+class SegmentedBlockTier:
+    """Segmented LRU: blocks that served one request so far wait in probation and go first;
+    reused blocks live in a protected segment of at most ``protected_fraction`` of the
+    capacity, whose overflow (its least recent) drops back to probation. Scan-resistant: a
+    flood of one-off blocks cannot push out blocks that were reused."""
+
+    def __init__(self, capacity: int, protected_fraction: float = 0.8):
+        if capacity < 0:
+            raise ValueError(f"{capacity=} must be >= 0 blocks")
+        if not 0.0 <= protected_fraction <= 1.0:
+            raise ValueError(f"{protected_fraction=} must be in [0, 1]")
+        self.capacity = capacity
+        self.protected_capacity = int(capacity * protected_fraction)
+        self._probation: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._protected: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._probation or block in self._protected
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def put(self, block: int, reused: bool = False) -> list[int]:
+        """Store ``block`` as the most recent of its segment; return the blocks pushed out."""
+        if self.capacity == 0:
+            return [block]
+        self.discard(block)
+        probation, protected = self._probation, self._protected
+        if reused:
+            protected[block] = None
+            while len(protected) > self.protected_capacity:
+                probation[protected.popitem(last=False)[0]] = None
+        else:
+            probation[block] = None
+        pushed_out = []
+        while len(self) > self.capacity:
+            pushed_out.append((probation or protected).popitem(last=False)[0])
+        return pushed_out
+
+    def discard(self, block: int) -> None:
+        self._probation.pop(block, None)
+        self._protected.pop(block, None)
+
+    def blocks(self) -> list[int]:
+        """Held block ids: probation then protected, least recently used first in each."""
+        return [*self._probation, *self._protected]
+
+
+TIER_POLICIES = {"lru": LruBlockTier, "segmented": SegmentedBlockTier}
+"""Eviction policies of a lower tier, by name."""
+
+
 class LowerTiers:
     """The host and disk tiers under the replay's device cache (see the module docstring)."""
 
-    def __init__(self, host_blocks: int, disk_blocks: int, *, write_through: bool = False):
+    def __init__(self, host_blocks: int, disk_blocks: int, *, write_through: bool = False,
+                 policy: str = "lru"):  # fmt: skip
         if host_blocks < 0 or disk_blocks < 0:
             raise ValueError(f"{host_blocks=} and {disk_blocks=} must be >= 0")
-        self.host = LruBlockTier(host_blocks)
-        self.disk = LruBlockTier(disk_blocks)
+        if policy not in TIER_POLICIES:
+            raise ValueError(f"unknown tier policy {policy!r}; valid: {sorted(TIER_POLICIES)}")
+        self.host = TIER_POLICIES[policy](host_blocks)
+        self.disk = TIER_POLICIES[policy](disk_blocks)
         self.write_through = write_through
+        self._uses: dict[int, int] = {}  # block -> requests that used it (on the device)
 
     def run_tiers(self, path: Sequence[int], start: int) -> list[Tier]:
         """Tier of each block of ``path[start:]`` while one of the lower tiers holds it
@@ -91,7 +148,9 @@ class LowerTiers:
     def on_device(self, blocks: Iterable[int]) -> None:
         """``blocks`` are on the device after a request: write-back takes them out of the lower
         tiers (moved up), write-through writes each to the host (and out of the disk)."""
+        uses = self._uses
         for block in blocks:
+            uses[block] = uses.get(block, 0) + 1
             self.disk.discard(block)
             if self.write_through:
                 self._to_host(block)
@@ -109,6 +168,6 @@ class LowerTiers:
 
     def _to_host(self, block: int) -> None:
         self.disk.discard(block)
-        for demoted in self.host.put(block):
+        for demoted in self.host.put(block, self._uses.get(block, 0) > 1):
             if self.disk.capacity:
-                self.disk.put(demoted)  # the disk's own overflow is dropped
+                self.disk.put(demoted, self._uses.get(demoted, 0) > 1)  # its overflow is dropped
