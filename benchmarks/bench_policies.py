@@ -10,7 +10,10 @@ have a structure unlike it, so a policy tuned to one trace shows it.
     .venv/bin/python benchmarks/bench_policies.py [--trace PATH] [--capacities 1000 2000 4000 16000]
         [--policies lru adaptive ...] [--seed 0] [--no-synthetic | --no-trace]
 
-Cells read ``hit% (share of offline)``; ``s/replay`` is the mean wall time of one replay.
+Cells read ``hit% (share of offline)``; ``s/replay`` is the mean wall time of one replay. The
+``oracle-lru`` column is a second yardstick (``reuse_oracle_lru_replay``): LRU that knows which
+blocks will never be used again and evicts those first. Like the offline policy it sees the
+future, but only whether a block is reused, not when.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from synthetic_traces import chat_trace, scan_trace  # noqa: E402
 
 from kvjax.eviction import POLICIES  # noqa: E402
 from kvjax.replay import DEFAULT_POLICY, replay_trace  # noqa: E402
-from kvjax.replay_bounds import offline_replay, unlimited_replay  # noqa: E402
+from kvjax.replay_bounds import offline_replay, reuse_oracle_lru_replay, unlimited_replay  # noqa: E402
 from kvjax.trace import load_trace  # noqa: E402
 
 _SHARED = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
@@ -66,10 +69,12 @@ def _table(name: str, requests, capacities: list[int], policies: list[str]) -> s
     unlimited = unlimited_replay(requests)
     lines = [f"{name}: {unlimited.requests} requests, {unlimited.blocks} blocks, "
              f"unlimited capacity hits {unlimited.block_hit_rate:.2%}"]  # fmt: skip
-    lines.append(f"{'capacity':>8} {'offline':>8} | " + " ".join(f"{p:>16}" for p in policies))
+    lines.append(f"{'capacity':>8} {'offline':>8} {'oracle-lru':>16} | "
+                 + " ".join(f"{p:>16}" for p in policies))  # fmt: skip
     seconds = dict.fromkeys(policies, 0.0)
     for capacity in capacities:
         offline = offline_replay(requests, capacity).block_hit_rate
+        oracle = reuse_oracle_lru_replay(requests, capacity).block_hit_rate
         cells = []
         for policy in policies:
             start = time.perf_counter()
@@ -77,8 +82,10 @@ def _table(name: str, requests, capacities: list[int], policies: list[str]) -> s
             seconds[policy] += time.perf_counter() - start
             share = rate / offline if offline else 0.0
             cells.append(f"{rate:>7.2%} ({share:>4.0%})")
-        lines.append(f"{capacity:>8} {offline:>8.2%} | " + " ".join(f"{c:>16}" for c in cells))
-    lines.append(f"{'s/replay':>8} {'':>8} | "
+        oracle_cell = f"{oracle:>7.2%} ({oracle / offline if offline else 0.0:>4.0%})"
+        lines.append(f"{capacity:>8} {offline:>8.2%} {oracle_cell:>16} | "
+                     + " ".join(f"{c:>16}" for c in cells))  # fmt: skip
+    lines.append(f"{'s/replay':>8} {'':>8} {'':>16} | "
                  + " ".join(f"{seconds[p] / len(capacities):>16.2f}" for p in policies))  # fmt: skip
     return "\n".join(lines)
 

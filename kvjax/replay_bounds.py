@@ -1,4 +1,5 @@
-"""Yardsticks for a trace replay: the offline (Belady/MIN) policy and unlimited capacity.
+"""Yardsticks for a trace replay: the offline (Belady/MIN) policy, a reuse-oracle LRU and
+unlimited capacity.
 
 Both run the same sequential model as ``kvjax.replay`` (requests one after another in
 timestamp order; no concurrency) over the same block identity as the prefix trie: a block is
@@ -23,7 +24,14 @@ from collections.abc import Sequence
 from kvjax.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from kvjax.trie_node import Tier
 
-__all__ = ["HitCounter", "HitCounts", "intern_block_paths", "offline_replay", "unlimited_replay"]
+__all__ = [
+    "HitCounter",
+    "HitCounts",
+    "intern_block_paths",
+    "offline_replay",
+    "reuse_oracle_lru_replay",
+    "unlimited_replay",
+]
 
 _NEVER = float("inf")
 
@@ -116,29 +124,55 @@ def offline_replay(
 
     O(total blocks x log) time: next uses are precomputed in one backward pass, and the
     eviction heap drops stale entries lazily (an entry is live while it matches the block's
-    current next use).
+    current priority).
     """
+    return _keyed_replay(requests, num_blocks, block_tokens,
+                         lambda next_use, index, depth: (-next_use, -depth))  # fmt: skip
+
+
+def reuse_oracle_lru_replay(
+    requests: Sequence[TraceRequest],
+    num_blocks: int,
+    *,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> HitCounts:
+    """Hits of LRU told which blocks will never be used again, with room for ``num_blocks``.
+
+    Evicts blocks with no future use first, then the others; least recently used first in
+    each group, the deepest first among blocks last used by the same request (so a reused
+    block is always a leaf when it goes). It knows the future only as "used again or not",
+    not when: the gap to ``offline_replay`` is what knowing the time of reuse is worth.
+    """
+    return _keyed_replay(requests, num_blocks, block_tokens,
+                         lambda next_use, index, depth: (next_use != _NEVER, index, -depth))  # fmt: skip
+
+
+def _keyed_replay(requests: Sequence[TraceRequest], num_blocks: int, block_tokens: int,
+                  priority) -> HitCounts:  # fmt: skip
+    """Sequential replay evicting the cached block of least ``priority(next use, index of the
+    request that last used it, depth)`` (a tuple; lowest goes first) that the current request
+    does not use."""
     if num_blocks < 1:
         raise ValueError(f"{num_blocks=} must be >= 1")
     paths, depth = intern_block_paths(requests)
     next_uses = _next_uses(paths)
-    cached: dict[int, float] = {}  # node -> its next use (request index), as last pushed
-    heap: list[tuple[float, int, int]] = []  # (-next use, -depth, node): farthest, deepest first
+    cached: dict[int, tuple] = {}  # node -> its priority, as last pushed
+    heap: list[tuple[tuple, int]] = []  # (priority, node): lowest goes first
     counter = HitCounter(block_tokens)
     evicted = 0
-    for request, path, path_next in zip(requests, paths, next_uses):
+    for index, (request, path, path_next) in enumerate(zip(requests, paths, next_uses)):
         counter.add(request, _leading_run(path, cached))
         kept = path[:num_blocks]
         evicted += _make_room(cached, heap, kept, num_blocks)
         for node, next_use in zip(kept, path_next):
-            cached[node] = next_use
-            heapq.heappush(heap, (-next_use, -depth[node], node))
+            key = priority(next_use, index, depth[node])
+            cached[node] = key
+            heapq.heappush(heap, (key, node))
     return counter.result(evicted_blocks=evicted)
 
 
-def _make_room(
-    cached: dict[int, float], heap: list[tuple[float, int, int]], path: list[int], num_blocks: int
-) -> int:
+def _make_room(cached: dict[int, tuple], heap: list[tuple[tuple, int]], path: list[int],
+               num_blocks: int) -> int:  # fmt: skip
     """Evicts until ``path``'s missing blocks fit; returns how many blocks were evicted."""
     missing = sum(1 for node in path if node not in cached)
     excess = len(cached) + missing - num_blocks
@@ -149,8 +183,8 @@ def _make_room(
     evicted = 0
     while evicted < excess:
         entry = heapq.heappop(heap)
-        negative_next_use, _, node = entry
-        if cached.get(node) != -negative_next_use:
+        key, node = entry
+        if cached.get(node) != key:
             continue  # stale: the block was used again (or evicted) since this entry
         if node in in_use:
             held_back.append(entry)

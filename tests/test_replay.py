@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 from kvjax.__main__ import main
 from kvjax.eviction import POLICIES
 from kvjax.replay import DEFAULT_POLICY, replay_report, replay_trace
-from kvjax.replay_bounds import intern_block_paths, offline_replay, unlimited_replay
+from kvjax.replay_bounds import (
+    intern_block_paths,
+    offline_replay,
+    reuse_oracle_lru_replay,
+    unlimited_replay,
+)
 from kvjax.trace import TraceRequest
 
 BLOCK = 4  # tokens per hash id in the tiny traces (the Mooncake release uses 512)
@@ -40,6 +45,19 @@ def test_cyclic_trace_offline_hits_two_and_unlimited_three():
     unlimited = unlimited_replay(CYCLE, block_tokens=BLOCK)
     assert (unlimited.hit_blocks, unlimited.hit_tokens, unlimited.evicted_blocks) == (3, 9, 0)
     assert unlimited.block_hit_rate == 0.5 and offline.block_hit_rate == pytest.approx(1 / 3)
+
+
+def test_reuse_oracle_lru_evicts_dead_blocks_first_but_not_by_next_use():
+    # [1], [2], [3], [1] with room for 2: at [3] B is never used again, so the oracle evicts it
+    # and hits A (plain LRU evicts A and misses). On CYCLE every block is reused, so it is
+    # plain LRU there and hits nothing, while the offline policy hits 2.
+    requests = _trace([1], [2], [3], [1])
+    oracle = reuse_oracle_lru_replay(requests, 2, block_tokens=BLOCK)
+    assert (oracle.hit_blocks, oracle.hit_tokens, oracle.evicted_blocks) == (1, 4, 1)
+    assert replay_trace(requests, 2, policy="lru", block_tokens=BLOCK).hit_blocks == 0
+    assert reuse_oracle_lru_replay(CYCLE, 2, block_tokens=BLOCK).hit_blocks == 0
+    with pytest.raises(ValueError, match=r"num_blocks=0 must be >= 1"):
+        reuse_oracle_lru_replay(CYCLE, 0)
 
 
 def test_a_block_is_shared_only_under_the_same_prefix():
@@ -139,6 +157,7 @@ def test_no_policy_beats_the_offline_policy_or_unlimited_capacity(paths, capacit
     offline = offline_replay(requests, capacity, block_tokens=BLOCK)
     unlimited = unlimited_replay(requests, block_tokens=BLOCK)
     assert online.hit_blocks <= offline.hit_blocks <= unlimited.hit_blocks
+    assert reuse_oracle_lru_replay(requests, capacity, block_tokens=BLOCK).hit_blocks <= unlimited.hit_blocks
     assert online.blocks == offline.blocks == unlimited.blocks
 
 
