@@ -49,13 +49,14 @@ def test_cyclic_trace_offline_hits_two_and_unlimited_three():
 
 def test_reuse_oracle_lru_evicts_dead_blocks_first_but_not_by_next_use():
     # [1], [2], [3], [1] with room for 2: at [3] B is never used again, so the oracle evicts it
-    # and hits A (plain LRU evicts A and misses). On CYCLE every block is reused, so it is
-    # plain LRU there and hits nothing, while the offline policy hits 2.
+    # and hits A (plain LRU evicts A and misses). On CYCLE ([1] [2] [3] [1] [2] [3]) all are
+    # reused at [3], so LRU evicts A, then B at [4]; at [5] A is dead and goes, and the last C
+    # hits: 1 hit, where the offline policy hits 2 and plain LRU none.
     requests = _trace([1], [2], [3], [1])
     oracle = reuse_oracle_lru_replay(requests, 2, block_tokens=BLOCK)
     assert (oracle.hit_blocks, oracle.hit_tokens, oracle.evicted_blocks) == (1, 4, 1)
     assert replay_trace(requests, 2, policy="lru", block_tokens=BLOCK).hit_blocks == 0
-    assert reuse_oracle_lru_replay(CYCLE, 2, block_tokens=BLOCK).hit_blocks == 0
+    assert reuse_oracle_lru_replay(CYCLE, 2, block_tokens=BLOCK).hit_blocks == 1
     with pytest.raises(ValueError, match=r"num_blocks=0 must be >= 1"):
         reuse_oracle_lru_replay(CYCLE, 0)
 
