@@ -17,9 +17,12 @@ The prefill of the prompt's tail runs either way, so only the marginal recompute
 counts. :meth:`FetchCostModel.pages_to_fetch` picks the number of leading lower-tier pages
 whose fetch saves the most time (0: recompute them all).
 
-The defaults were measured on CPU with the tiny model (``configs/tiny.toml``) by
-``benchmarks/bench_fetch_vs_recompute.py`` (see its docstring for the numbers); a serving
-deployment measures its own model and link and passes a model of its own.
+The defaults were measured on CPU with the tiny model (``configs/tiny.toml``, 16 KiB pages)
+by ``benchmarks/bench_fetch_vs_recompute.py --repeats 5`` on a shared 2-core machine (fits
+of two runs, rounded): fetching from host pays off from one page (a 32-token prompt, where
+the two are within 15% of each other; 2.2-2.9x at 128 tokens, 16-19x at 2048), from disk
+from about three pages. A deployment measures its own model and links and passes its own
+``FetchCostModel`` (``KVCacheConfig.cost_model``).
 """
 
 from __future__ import annotations
@@ -36,12 +39,12 @@ __all__ = ["FetchCostModel"]
 class FetchCostModel:
     """Seconds to recompute tokens or fetch blocks; see the module docstring for the formulas."""
 
-    seconds_per_token: float = 2.2e-5
-    seconds_per_token_position: float = 2.0e-9
-    fetch_latency: float = 1.5e-3  # one host->device fetch: dispatch, copy-in, scatter
-    host_bytes_per_second: float = 2.0e9
-    disk_latency: float = 2.0e-2  # one disk read (a segment open), before any byte
-    disk_bytes_per_second: float = 3.0e8
+    seconds_per_token: float = 2.5e-4
+    seconds_per_token_position: float = 1.0e-8
+    fetch_latency: float = 2.5e-3  # one host->device fetch: thread hand-offs, copy-in, scatter
+    host_bytes_per_second: float = 9.0e7  # one small device_put per block on CPU
+    disk_latency: float = 6.0e-3  # one restore (segment read and checksum), before any byte
+    disk_bytes_per_second: float = 5.5e7
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
