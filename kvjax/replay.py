@@ -55,7 +55,7 @@ from kvjax.replay_bounds import (
     offline_replay,
     unlimited_replay,
 )
-from kvjax.replay_tiers import LowerTiers
+from kvjax.replay_tiers import DEFAULT_TIER_POLICY, LowerTiers
 from kvjax.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["DEFAULT_POLICY", "ReplayReport", "add_subcommand", "replay_report", "replay_trace"]
@@ -76,7 +76,7 @@ class ReplayReport:
     host_blocks: int = 0
     disk_blocks: int = 0
     write_through: bool = False
-    tier_policy: str = "lru"
+    tier_policy: str = DEFAULT_TIER_POLICY
 
     def as_dict(self) -> dict[str, Any]:
         """Flat summary (rates are fractions in [0, 1]) for ``--json`` and benchmarks."""
@@ -113,7 +113,7 @@ def replay_trace(
     host_blocks: int = 0,
     disk_blocks: int = 0,
     write_through: bool = False,
-    tier_policy: str = "lru",
+    tier_policy: str = DEFAULT_TIER_POLICY,
     check_every: int = 0,
 ) -> HitCounts:
     """Replays ``requests`` (in the given order) through a ``PrefixCache`` of ``device_blocks``
@@ -158,7 +158,7 @@ def replay_report(
     host_blocks: int = 0,
     disk_blocks: int = 0,
     write_through: bool = False,
-    tier_policy: str = "lru",
+    tier_policy: str = DEFAULT_TIER_POLICY,
 ) -> ReplayReport:
     """The policy's replay (with the lower tiers) plus the offline policy at ``device_blocks``
     and unlimited capacity on the same requests."""

@@ -16,7 +16,7 @@ import json
 import sys
 
 from kvjax.eviction import POLICIES
-from kvjax.replay_tiers import TIER_POLICIES
+from kvjax.replay_tiers import DEFAULT_TIER_POLICY, TIER_POLICIES
 from kvjax.replay import DEFAULT_POLICY, ReplayReport, replay_report
 from kvjax.trace import MOONCAKE_BLOCK_TOKENS, load_trace
 
@@ -41,8 +41,8 @@ def add_replay_subcommand(subparsers) -> None:
                         help="disk tier capacity in blocks (default: 0, no disk tier)")  # fmt: skip
     replay.add_argument("--write-through", action="store_true",
                         help="write every used block to the host (default: write-back on eviction)")  # fmt: skip
-    replay.add_argument("--tier-policy", default="lru", choices=sorted(TIER_POLICIES),
-                        help="eviction policy of the host and disk tiers (default: lru)")  # fmt: skip
+    replay.add_argument("--tier-policy", default=DEFAULT_TIER_POLICY, choices=sorted(TIER_POLICIES),
+                        help=f"eviction policy of the host and disk tiers (default: {DEFAULT_TIER_POLICY})")  # fmt: skip
     replay.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                         help=f"eviction policy (default: {DEFAULT_POLICY})")  # fmt: skip
     replay.add_argument("--block-tokens", type=_positive_int, default=MOONCAKE_BLOCK_TOKENS,

