@@ -1,4 +1,4 @@
-"""What the prefix cache hands back: match results, sequence handles, counters."""
+"""What the caches hand back: match results, sequence handles, counters."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from kvjax.block_keys import Namespace
 from kvjax.trie_node import Node
 
-__all__ = ["CacheStats", "MatchResult", "SeqHandle"]
+__all__ = ["CacheStats", "KVCacheStats", "MatchResult", "SeqHandle"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,6 +48,27 @@ class CacheStats:
     def hit_rate(self) -> float:
         """Fraction of admitted prompt tokens served from device blocks."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class KVCacheStats:
+    """Counters since construction: ``prefix`` (device-level, see CacheStats) plus tiers.
+
+    Blocks are pages; ``fetched_*`` count pages that arrived on device for a sequence.
+    """
+
+    prefix: CacheStats
+    host_blocks: int = 0  # held or being copied in
+    disk_blocks: int = 0
+    offloaded_blocks: int = 0  # device -> host copies completed
+    spilled_blocks: int = 0  # host -> disk copies completed
+    fetched_host_blocks: int = 0
+    fetched_disk_blocks: int = 0
+    recompute_chosen_blocks: int = 0  # lower-tier pages the cost model left to recompute
+    fetch_failures: int = 0  # jobs that delivered fewer pages than planned
+    disk_errors: int = 0  # write errors, corrupt blocks, unreadable segments
+    lost_host_blocks: int = 0  # evicted from host with no disk copy
+    prefetches: int = 0  # prefetch calls that started a transfer
 
 
 class SeqHandle:

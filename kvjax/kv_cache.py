@@ -33,23 +33,22 @@ targets are its own private blocks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import time
 from collections.abc import Callable
 
 import numpy as np
 
 import pallas_kernels
-from kvjax.block_keys import Namespace, as_namespace, chained_block_keys, token_bytes
-from kvjax.cache_records import CacheStats, MatchResult, SeqHandle
+from kvjax.block_keys import Namespace, as_namespace, token_bytes
+from kvjax.cache_records import KVCacheStats, MatchResult, SeqHandle
 from kvjax.disk_tier import DiskTier
 from kvjax.host_tier import HostTier
 from kvjax.kv_cache_config import KVCacheConfig
 from kvjax.kv_cache_fetch import Waiter
+from kvjax.kv_cache_metrics import record_admission, record_occupancy
 from kvjax.kv_cache_moves import TierMover
-from kvjax.kv_cache_tiers import PageRef, TierIndex
+from kvjax.kv_cache_tiers import TierIndex
 from kvjax.metrics import Metrics
 from kvjax.page_pool import PagePool
 from kvjax.prefix_cache import NamespaceLike, PrefixCache, TokensLike
@@ -58,28 +57,7 @@ from kvjax.trie_node import Node, Tier
 
 __all__ = ["KVCache", "KVCacheConfig", "KVCacheStats"]
 
-_HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
-
-
-@dataclasses.dataclass(slots=True)
-class KVCacheStats:
-    """Counters since construction: ``prefix`` (device-level, see CacheStats) plus tiers.
-
-    Blocks are pages; ``fetched_*`` count pages that arrived on device for a sequence.
-    """
-
-    prefix: CacheStats
-    host_blocks: int = 0  # held or being copied in
-    disk_blocks: int = 0
-    offloaded_blocks: int = 0  # device -> host copies completed
-    spilled_blocks: int = 0  # host -> disk copies completed
-    fetched_host_blocks: int = 0
-    fetched_disk_blocks: int = 0
-    recompute_chosen_blocks: int = 0  # lower-tier pages the cost model left to recompute
-    fetch_failures: int = 0  # jobs that delivered fewer pages than planned
-    disk_errors: int = 0  # write errors, corrupt blocks, unreadable segments
-    lost_host_blocks: int = 0  # evicted from host with no disk copy
-    prefetches: int = 0  # prefetch calls that started a transfer
+_HOST = int(Tier.HOST)
 
 
 class KVCache:
@@ -142,7 +120,9 @@ class KVCache:
 
     @property
     def num_sequences(self) -> int:
-        return self.prefix.num_sequences
+        """Live sequences admitted by the caller (a prefetch's own hold is not one)."""
+        holds = 0 if self._mover is None else sum(w.prefetch for w in self._mover.waiters.values())
+        return self.prefix.num_sequences - holds
 
     def fragmentation(self) -> float:
         return self.prefix.fragmentation()
@@ -170,7 +150,7 @@ class KVCache:
         if self._index is None:
             handle = self.prefix.admit(tokens, namespace)
             if handle is not None:
-                self._record_admission(handle, handle.num_hit_tokens // self.page_size, 0)
+                record_admission(self.metrics, handle, self.page_size, handle.num_hit_tokens // self.page_size, 0)
             return handle
         ns = as_namespace(namespace)
         buf = token_bytes(tokens, self.vocab_size)
@@ -178,10 +158,7 @@ class KVCache:
         now = self.clock()
         self.trie.expire_soft_pins(now)
         matched = self._lookup(ns, buf, self.prefix.admit_limit(len(buf)))
-        first, lower = _split_device(matched)
-        on_disk = np.array([not int(node.tiers[i]) & _HOST for node, i in lower], bool)
-        num_fetch = self.config.cost_model.pages_to_fetch(
-            first, self.page_size, on_disk, self.pool.config.bytes_per_block)
+        first, lower, on_disk, num_fetch = self._plan_fetch(matched)
         pages = [self.trie.page_keys(node)[i] for node, i in lower[:num_fetch]]
         held = self._mover.hold(pages)  # allocating may evict host copies: not these
         handle = self.prefix.admit_matched(ns, buf, matched, now)
@@ -196,7 +173,7 @@ class KVCache:
         if handle is None:
             return None
         self._recompute_chosen += len(lower) - num_fetch
-        self._record_admission(handle, first, len(lower) - fetched)
+        record_admission(self.metrics, handle, self.page_size, first, len(lower) - fetched)
         if self.config.write_policy == "selective":
             self._copy_hot_path(handle)
         return handle
@@ -227,6 +204,8 @@ class KVCache:
             remaining = 60.0 if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 return False
+            if not self._mover.busy:
+                raise RuntimeError(f"sequence {handle.seq_id} waits for fetches but no transfer is in flight")
             self._mover.wait_any(remaining)
 
     def poll(self) -> None:
@@ -236,7 +215,7 @@ class KVCache:
         self._mover.poll()
         self._mover.spill_host()
         if self.metrics is not None:
-            self._record_occupancy()
+            record_occupancy(self.metrics, self.allocator, self._index)
 
     def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
         """Room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
@@ -267,7 +246,10 @@ class KVCache:
         return self.prefix.evict(num_blocks)
 
     def evict_host(self, num_blocks: int) -> int:
-        """Drop up to ``num_blocks`` unlocked host copies, LRU first; return how many."""
+        """Drop up to ``num_blocks`` unlocked host copies, LRU first; return how many. Pages
+        left with no copy in any tier leave the trie."""
+        if num_blocks < 0:
+            raise ValueError(f"{num_blocks=} must be >= 0")
         if self._index is None:
             return 0
         before = self._index.host_used
@@ -301,10 +283,7 @@ class KVCache:
         buf = token_bytes(tokens, self.vocab_size)
         page_bytes = self.trie.page_bytes
         matched = self._lookup(ns, buf, len(buf) - len(buf) % page_bytes)
-        first, lower = _split_device(matched)
-        on_disk = np.array([not int(node.tiers[i]) & _HOST for node, i in lower], bool)
-        num_fetch = self.config.cost_model.pages_to_fetch(
-            first, self.page_size, on_disk, self.pool.config.bytes_per_block)
+        first, lower, on_disk, num_fetch = self._plan_fetch(matched)
         pages = []
         for node, i in lower[:num_fetch]:  # up to the first page already on its way
             key = self.trie.page_keys(node)[i]
@@ -400,32 +379,17 @@ class KVCache:
         root = self.trie.root(ns, create=False)
         matched = [] if root is None else self.trie.walk(root, buf, 0, end)
         if self._index.has_unindexed_disk_blocks():
-            matched = self._probe_disk(ns, buf, end, matched)
+            matched = self._index.probe_disk(ns, buf, end, matched, self.clock())
         return matched
 
-    def _probe_disk(self, ns: Namespace, buf: bytes, end: int, matched: list) -> list:
-        trie, page_bytes = self.trie, self.trie.page_bytes
-        start = sum(k for _, k in matched) * page_bytes
-        parent_key = trie.page_keys(matched[-1][0])[matched[-1][1] - 1] if matched else None
-        digest, keys, pos = ns.digest(), [], start
-        while pos + page_bytes <= end:
-            page = np.frombuffer(buf, "<i4", self.page_size, pos)
-            [key] = chained_block_keys(page, self.page_size, ns, parent_key)
-            if not self.disk_tier.contains(key, digest):
-                break
-            keys.append(key)
-            parent_key, pos = key, pos + page_bytes
-        if not keys:
-            return matched
-        if matched and matched[-1][1] < matched[-1][0].num_pages:
-            node, k = matched[-1]
-            matched[-1] = (trie.split(node, k), k)
-        parent = matched[-1][0] if matched else trie.root(ns, create=True)
-        node = trie.insert_offloaded(parent, buf[start:pos], np.full(len(keys), _DISK, np.uint8), self.clock())
-        node.keys = keys
-        for i, key in enumerate(keys):
-            self._index.disk_entries[(digest, key)] = PageRef(node, i)
-        return matched + [(node, len(keys))]
+    def _plan_fetch(self, matched: list[tuple[Node, int]]):
+        """(device pages, [(node, index)] of the lower-tier pages after them, which of those
+        are on disk only, how many of them the cost model says to fetch)."""
+        first, lower = _split_device(matched)
+        on_disk = np.array([not int(node.tiers[i]) & _HOST for node, i in lower], bool)
+        num_fetch = self.config.cost_model.pages_to_fetch(first, self.page_size, on_disk,
+                                                          self.pool.config.bytes_per_block)  # fmt: skip
+        return first, lower, on_disk, num_fetch
 
     def _copy_path(self, node: Node, first_page: int, min_hits: int) -> None:
         """Host copies of the pages from ``first_page`` on, on the path ending at ``node``,
@@ -442,29 +406,6 @@ class KVCache:
     def _copy_hot_path(self, handle: SeqHandle) -> None:
         if handle._committed:
             self._copy_path(handle._tail, 0, self.config.selective_min_hits)
-
-    def _record_admission(self, handle: SeqHandle, device_pages: int, lower_missed: int) -> None:
-        metrics = self.metrics
-        if metrics is None:
-            return
-        page_size = self.page_size
-        if device_pages:
-            metrics.record_hit("device", device_pages * page_size, device_pages)
-        if lower_missed:
-            metrics.record_miss("evicted", lower_missed * page_size, lower_missed)
-        hit_tokens = handle.num_hit_tokens + lower_missed * page_size
-        never_seen = handle.num_tokens - hit_tokens
-        if never_seen > 0:
-            metrics.record_miss("never_seen", never_seen, -(-never_seen // page_size))
-
-    def _record_occupancy(self) -> None:
-        metrics, index = self.metrics, self._index
-        metrics.set("pool_occupancy_ratio", self.allocator.occupancy, tier="device")
-        if index.host_capacity:
-            metrics.set("pool_occupancy_ratio", min(1.0, index.host_used / index.host_capacity), tier="host")
-        if self.disk_tier is not None and self.disk_tier.capacity_bytes:
-            used = self.disk_tier.bytes_used / self.disk_tier.capacity_bytes
-            metrics.set("pool_occupancy_ratio", min(1.0, used), tier="disk")
 
 
 def _split_device(matched: list[tuple[Node, int]]) -> tuple[int, list[tuple[Node, int]]]:

@@ -32,6 +32,9 @@ def check_kv_cache(cache: KVCache) -> None:
     live = {key for key, entry in index.host_entries.items() if not entry.dropped}
     if host_pages != live:
         raise RuntimeError(f"{len(host_pages ^ live)} host entries and HOST bits disagree")
+    undisked = {key for key in live if not _page_bits(index.host_entries[key]) & _DISK}
+    if set(index.undisked) != undisked:
+        raise RuntimeError(f"{len(set(index.undisked) ^ undisked)} host blocks are misfiled as with/without a disk copy")
     if disk_pages != set(index.disk_entries):
         raise RuntimeError(f"{len(disk_pages ^ set(index.disk_entries))} disk entries and DISK bits disagree")
     if index.host_used > index.host_capacity:
@@ -41,6 +44,11 @@ def check_kv_cache(cache: KVCache) -> None:
         raise RuntimeError(f"host tier holds {len(cache.host_tier)} blocks; the index knows "
                            f"{ready} ready of {index.host_used}")  # fmt: skip
     _check_transfers(cache)
+
+
+def _page_bits(entry) -> int:
+    node, index = entry.ref.resolve()
+    return int(node.tiers[index])
 
 
 def _check_page_tiers(cache: KVCache) -> tuple[set, set]:

@@ -15,12 +15,14 @@ valid pages; those pages are committed to the trie and the sequence is ready.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 
 from kvjax.cache_records import SeqHandle
 from kvjax.transfer import Priority
 
-__all__ = ["FetchJob", "Waiter"]
+__all__ = ["FetchJob", "Waiter", "pow2_runs", "resolved_future"]
 
 
 class FetchJob:
@@ -75,3 +77,23 @@ class Waiter:
             if got < count:
                 break
         return total
+
+
+def pow2_runs(count: int) -> list[tuple[int, int]]:
+    """(start, size) runs covering ``range(count)`` with power-of-two sizes, largest first.
+
+    Every transfer and scatter is compiled per number of blocks; runs of powers of two bound
+    the distinct shapes by log2 of the largest transfer instead of one per size.
+    """
+    runs, start = [], 0
+    for bit in reversed(range(count.bit_length())):
+        if count >> bit & 1:
+            runs.append((start, 1 << bit))
+            start += 1 << bit
+    return runs
+
+
+def resolved_future() -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(None)
+    return future

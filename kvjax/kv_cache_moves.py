@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvjax.kv_cache_fetch import FetchJob, Waiter
+from kvjax.kv_cache_fetch import FetchJob, Waiter, pow2_runs, resolved_future
 from kvjax.kv_cache_tiers import TierIndex
 from kvjax.metrics import Metrics
 from kvjax.page_pool import PagePool
@@ -87,15 +87,14 @@ class TierMover:
         """Start host copies of device pages ``indices`` of ``node`` that have none; return
         how many got one (the leading ones, as host room allows)."""
         keys = self.prefix.trie.page_keys(node)
-        index, namespace = self.index, None
+        index = self.index
         todo = []
         for i in indices:
             entry = index.host_entries.get(keys[i])
             if entry is None:
                 todo.append(i)
             elif entry.dropped:  # its old page left the trie, the copy is still good
-                namespace = entry.namespace
-                index.add_host(keys[i], namespace, node, i, ready=entry.ready)
+                index.add_host(keys[i], entry.namespace, node, i, ready=entry.ready)
         if not todo:
             return 0
         namespace = self.prefix.trie.namespace_of(node).digest()
@@ -107,7 +106,7 @@ class TierMover:
         for i, key in zip(todo, todo_keys):
             index.add_host(key, namespace, node, i, ready=False)
         blocks = node.blocks[todo]
-        for start, size in _pow2_runs(len(todo)):
+        for start, size in pow2_runs(len(todo)):
             run_keys = todo_keys[start : start + size]
             future = self.transfer.offload(self.pool.kv_pages, blocks[start : start + size], run_keys,
                                            namespace=namespace, priority=Priority.SPILL)  # fmt: skip
@@ -127,20 +126,19 @@ class TierMover:
             self.offload(node, indices, exclude=tuple(keys[first:]))
 
     def spill_host(self, everything: bool = False) -> None:
-        """Copy host pages without a disk copy to disk, LRU first: down to the low watermark
-        when above the high one (``everything``: all of them)."""
+        """Copy host pages without a disk copy to disk, LRU first: above the high watermark,
+        until at most the low watermark's worth lacks one (``everything``: all of them)."""
         index = self.index
         if index.disk is None or (not everything and (self.spills or index.host_used <= self.spill_high)):
             return
-        want = index.host_used if everything else index.host_used - self.spill_low
+        want = len(index.undisked) - (0 if everything else self.spill_low)
         keys = []
-        for key, entry in index.host_entries.items():
+        for key in index.undisked:
             if len(keys) >= want:
                 break
-            if entry.ready and not entry.busy and not entry.dropped:
-                located = entry.ref.resolve()
-                if located is not None and not int(located[0].tiers[located[1]]) & _DISK:
-                    keys.append(key)
+            entry = index.host_entries[key]
+            if entry.ready and not entry.busy:
+                keys.append(key)
         if not keys:
             return
         index.hold_host(keys)
@@ -263,9 +261,9 @@ class TierMover:
                 break
             valid += 1
         if not job.to_device or valid == 0:  # at the next poll: never inside the job's creator
-            self._on_done(_resolved(), lambda _: self._finish(job, 0 if job.to_device else valid))
+            self._on_done(resolved_future(), lambda _: self._finish(job, 0 if job.to_device else valid))
             return
-        for start, size in _pow2_runs(valid):
+        for start, size in pow2_runs(valid):
             future = self.transfer.fetch(job.keys[start : start + size], priority=job.priority)
             job.pending += 1
             self._on_done(future, lambda result, start=start: self._fetched(job, start, result))
@@ -394,23 +392,3 @@ class TierMover:
 
     def _on_done(self, future: concurrent.futures.Future, callback: Callable) -> None:
         self._callbacks.append((future, callback))
-
-
-def _pow2_runs(count: int) -> list[tuple[int, int]]:
-    """(start, size) runs covering ``range(count)`` with power-of-two sizes, largest first.
-
-    Every transfer and scatter is compiled per number of blocks; runs of powers of two bound
-    the distinct shapes by log2 of the largest transfer instead of one per size.
-    """
-    runs, start = [], 0
-    for bit in reversed(range(count.bit_length())):
-        if count >> bit & 1:
-            runs.append((start, 1 << bit))
-            start += 1 << bit
-    return runs
-
-
-def _resolved() -> concurrent.futures.Future:
-    future = concurrent.futures.Future()
-    future.set_result(None)
-    return future

@@ -26,6 +26,9 @@ import collections
 import itertools
 from collections.abc import Iterable
 
+import numpy as np
+
+from kvjax.block_keys import Namespace, chained_block_keys
 from kvjax.disk_tier import DiskTier
 from kvjax.host_tier import HostTier
 from kvjax.prefix_trie import PrefixTrie
@@ -77,8 +80,9 @@ class TierIndex:
         self.host_capacity = host.capacity_bytes // host.block_nbytes  # blocks
         self.host_entries: collections.OrderedDict[bytes, HostEntry] = collections.OrderedDict()
         self.disk_entries: dict[tuple[bytes, bytes], PageRef] = {}
+        # live host entries whose page has no disk copy, LRU first: what a spill writes
+        self.undisked: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.lost_blocks = 0  # host blocks evicted with no disk copy (their pages left)
-        self._num_dropped = 0  # host entries whose page left the trie, kept while busy
         trie.on_drop = self._on_drop
         trie.on_split = self._on_split
 
@@ -112,8 +116,8 @@ class TierIndex:
         """Drop the host copy of ``key`` (ready and unlocked); its page loses the HOST bit."""
         entry = self.host_entries.pop(key)
         self.host.discard([key])
+        self.undisked.pop(key, None)
         if entry.dropped:
-            self._num_dropped -= 1
             return
         located = entry.ref.resolve()
         if located is not None:
@@ -127,11 +131,12 @@ class TierIndex:
         entry = self.host_entries.get(key)
         if entry is not None and entry.dropped:  # same key, same content: adopt the old copy
             entry.dropped = False
-            self._num_dropped -= 1
             entry.ref = PageRef(node, index)
         elif entry is None:
             self.host_entries[key] = HostEntry(namespace, PageRef(node, index), ready)
         self.trie.set_tier(node, index, Tier.HOST)
+        if not int(node.tiers[index]) & _DISK:
+            self.undisked[key] = None
 
     def host_done(self, key: bytes) -> None:
         """A pending copy of ``key`` finished: ready if the host tier holds it, else forgotten."""
@@ -143,10 +148,8 @@ class TierIndex:
             self.release_host(key, 0)
             return
         del self.host_entries[key]
-        if entry.dropped:
-            self._num_dropped -= 1
-            return
-        located = entry.ref.resolve()
+        self.undisked.pop(key, None)
+        located = None if entry.dropped else entry.ref.resolve()
         if located is not None:
             self.trie.clear_tier(*located, Tier.HOST)
 
@@ -156,6 +159,8 @@ class TierIndex:
             entry = self.host_entries[key]
             entry.busy += 1
             self.host_entries.move_to_end(key)  # a use: most recently used
+            if key in self.undisked:
+                self.undisked.move_to_end(key)
 
     def release_host(self, key: bytes, count: int = 1) -> None:
         """End ``count`` transfers reading ``key``; a dropped entry goes with the last one."""
@@ -165,14 +170,15 @@ class TierIndex:
         entry.busy -= count
         if entry.dropped and not entry.busy and entry.ready:
             del self.host_entries[key]
-            self._num_dropped -= 1
             self.host.discard([key])
 
     # --- disk ------------------------------------------------------------------------------
 
     def add_disk(self, key: bytes, namespace: bytes, node: Node, index: int) -> None:
+        """Record a disk copy of page ``index`` of ``node`` (the disk tier holds it)."""
         self.disk_entries[(namespace, key)] = PageRef(node, index)
         self.trie.set_tier(node, index, Tier.DISK)
+        self.undisked.pop(key, None)
 
     def forget_disk(self, key: bytes, namespace: bytes) -> None:
         """The disk tier no longer holds ``key``: clear its page's DISK bit."""
@@ -180,11 +186,40 @@ class TierIndex:
         located = None if ref is None else ref.resolve()
         if located is not None:
             self.trie.clear_tier(*located, Tier.DISK)
+            if self.host_state(key) is not None:
+                self.undisked[key] = None
 
     def has_unindexed_disk_blocks(self) -> bool:
         """Whether the disk holds blocks no trie page indexes (from a previous process, or
         whose pages left the trie): only then is a lookup by key worth its hashing."""
         return self.disk is not None and len(self.disk) > len(self.disk_entries)
+
+    def probe_disk(self, ns: Namespace, buf: bytes, end: int, matched: list[tuple[Node, int]],
+                   now: float) -> list[tuple[Node, int]]:  # fmt: skip
+        """Extend a trie walk of ``buf[:end]`` (``matched``) by the next pages that the disk
+        holds under their chained keys: they join the trie as an off-device node (DISK)."""
+        trie, page_bytes, page_size = self.trie, self.trie.page_bytes, self.trie.page_size
+        start = sum(k for _, k in matched) * page_bytes
+        parent_key = trie.page_keys(matched[-1][0])[matched[-1][1] - 1] if matched else None
+        digest, keys, pos = ns.digest(), [], start
+        while pos + page_bytes <= end:
+            page = np.frombuffer(buf, "<i4", page_size, pos)
+            [key] = chained_block_keys(page, page_size, ns, parent_key)
+            if not self.disk.contains(key, digest):
+                break
+            keys.append(key)
+            parent_key, pos = key, pos + page_bytes
+        if not keys:
+            return matched
+        if matched and matched[-1][1] < matched[-1][0].num_pages:
+            node, k = matched[-1]
+            matched[-1] = (trie.split(node, k), k)
+        parent = matched[-1][0] if matched else trie.root(ns, create=True)
+        node = trie.insert_offloaded(parent, buf[start:pos], np.full(len(keys), _DISK, np.uint8), now)
+        node.keys = keys
+        for i, key in enumerate(keys):
+            self.disk_entries[(digest, key)] = PageRef(node, i)
+        return matched + [(node, len(keys))]
 
     def reconcile_disk(self) -> int:
         """Clear the DISK bit of every page whose block the disk tier dropped; return count."""
@@ -215,9 +250,9 @@ class TierIndex:
             if bits & _HOST:
                 entry = self.host_entries.get(key)
                 if entry is not None and not entry.dropped:
+                    self.undisked.pop(key, None)
                     if entry.busy or not entry.ready:
                         entry.dropped = True
-                        self._num_dropped += 1
                     else:
                         del self.host_entries[key]
                         self.host.discard([key])

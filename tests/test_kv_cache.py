@@ -328,6 +328,8 @@ def test_bad_requests_raise_and_change_nothing():
             cache.admit(prompt(40))
         with pytest.raises(ValueError, match="tracks its own tier copies"):
             cache.set_tier(prompt(4), None, 0, Tier.HOST)
+        with pytest.raises(ValueError, match=r"num_blocks=-1 must be >= 0"):
+            cache.evict_host(-1)
         assert cache.num_sequences == 0 and cache.allocator.num_free == 8
         cache.check_invariants()
 

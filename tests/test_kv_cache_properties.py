@@ -171,6 +171,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def invariants_hold(self):
         if hasattr(self, "cache"):
             self.cache.check_invariants()
+            assert self.cache.num_sequences == len(self.seqs)  # prefetch holds are not sequences
             self._check_cached_content()
 
     # --- helpers ---------------------------------------------------------------------------
