@@ -32,7 +32,7 @@ class CacheStats:
     extend_failures: int = 0
     prompt_tokens: int = 0  # of admitted sequences
     hit_tokens: int = 0  # prompt tokens served from device blocks
-    lower_tier_hit_tokens: int = 0  # matched on host/disk only (recomputed for now)
+    lower_tier_hit_tokens: int = 0  # matched on host/disk only (KVCache may fetch them)
     inserted_blocks: int = 0
     duplicate_blocks: int = 0  # committed pages another sequence had already cached
     evicted_blocks: int = 0

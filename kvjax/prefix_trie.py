@@ -277,6 +277,12 @@ class PrefixTrie:
             node.keys = keys
         return keys
 
+    def namespace_of(self, node: Node) -> Namespace:
+        """The namespace of the root above ``node``."""
+        while node.parent is not None:
+            node = node.parent
+        return node.namespace
+
     def nodes(self) -> Iterator[Node]:
         """Every live non-root node, parents before children."""
         stack = list(self._roots.values())
@@ -402,12 +408,6 @@ class PrefixTrie:
         # Stale entries pile up as nodes are locked and unlocked; rebuild when they dominate.
         if len(self.queue) > 4 * self.num_nodes + 1024:
             self.queue.rebuild([n for n in self.nodes() if self.is_evictable_leaf(n)], now)
-
-    def namespace_of(self, node: Node) -> Namespace:
-        """The namespace of the root above ``node``."""
-        while node.parent is not None:
-            node = node.parent
-        return node.namespace
 
 
 def _compact(label: memoryview) -> memoryview:

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kv_cache_cases import ManualTransfer, MemoryDisk, page_content
+from scheduler_cases import Clock
 
 from kvjax.fetch_cost import FetchCostModel
 from kvjax.kv_cache import KVCache, KVCacheConfig
@@ -41,14 +42,6 @@ class ModelSeq:
     namespace: str
     tokens: list
     computed: bool = False
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 class KVCacheMachine(RuleBasedStateMachine):
