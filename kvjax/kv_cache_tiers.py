@@ -8,13 +8,16 @@ backs, per disk (namespace, key) the page. Rules it keeps:
   entry is *pending* while the copy is being made (an offload or a restore in flight) and
   *ready* once the host tier holds it;
 * a page has the DISK bit exactly when the index has a disk entry for it and the disk tier
-  holds the block (the disk tier may drop segments on its own when it writes; ``reconcile``
-  clears the bits of what it dropped);
+  holds the block (the disk tier may drop segments on its own when it writes;
+  ``reconcile_disk`` clears the bits of what it dropped);
+* ``undisked`` lists, LRU first, the host entries whose page has no disk copy: what a
+  spill to disk writes;
 * the host tier never evicts on its own: every put is preceded by ``make_host_room``, which
   evicts unlocked, ready host entries in LRU order (clearing their HOST bits, so a page left
   without copies leaves the trie);
 * a page that leaves the trie drops its host copy (at the end of the transfer using it, if
-  one does) and keeps its disk copy unindexed: a later lookup finds it again by key.
+  one does) and keeps its disk copy unindexed: a later lookup finds it again by key
+  (``probe_disk``), as it finds what a previous process left in the directory.
 
 Pages are referenced by ``PageRef`` (a node and an absolute page index); the trie's
 ``on_split`` hook moves the references of pages that a split puts into the new head node.
