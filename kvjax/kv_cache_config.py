@@ -6,13 +6,12 @@ import dataclasses
 from collections.abc import Mapping
 
 from kvjax.eviction import POLICIES
+from kvjax.eviction_adaptive import DEFAULT_POLICY
 from kvjax.fetch_cost import FetchCostModel
 from kvjax.page_pool import PoolConfig
 
 __all__ = ["DEFAULT_POLICY", "WRITE_POLICIES", "KVCacheConfig"]
 
-DEFAULT_POLICY = "lru"
-"""Device eviction policy when none is named (see ``kvjax.eviction.POLICIES``)."""
 
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 """When a device page gets a host copy:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvjax.canonicalize
+import importlib
 from kvjax.canonicalize import (
     COMMON_DYNAMIC_FIELDS,
     RULES,
@@ -49,7 +49,9 @@ def only(rule, **overrides):
 
 
 def test_docstring_examples_hold():
-    assert doctest.testmod(kvjax.canonicalize).failed == 0
+    # The package re-exports the function under the module's name: fetch the module itself.
+    module = importlib.import_module("kvjax.canonicalize")
+    assert doctest.testmod(module).failed == 0
 
 
 @settings(max_examples=200, deadline=None)
