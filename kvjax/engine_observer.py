@@ -11,8 +11,8 @@ Recorded, all in seconds on the engine's clock or in tokens / blocks:
   remembered for the miss attribution of later requests;
 * per step: ``prefill_tokens`` and ``decode_tokens`` computed, ``preemptions``,
   ``rejections``, and the gauges ``running_sequences``, ``queued_requests``,
-  ``pool_occupancy_ratio`` (device: blocks referenced or pinned / pool blocks; blocks that
-  only keep cached KV are free to reuse, so they do not count) and
+  ``pool_occupancy_ratio`` (device: the allocator's occupancy, blocks that are not empty-free
+  / pool blocks, cached KV included, as its watermarks count them) and
   ``pool_fragmentation_ratio``.
 """
 
@@ -106,9 +106,7 @@ class EngineObserver:
             metrics.inc("rejections", len(plan.rejected))
         metrics.set("running_sequences", scheduler.num_running)
         metrics.set("queued_requests", scheduler.num_waiting)
-        allocator = cache.allocator
-        held = allocator.num_blocks - allocator.num_free - cache.num_reclaimable
-        metrics.set("pool_occupancy_ratio", held / allocator.num_blocks, tier="device")
+        metrics.set("pool_occupancy_ratio", cache.allocator.occupancy, tier="device")
         metrics.set("pool_fragmentation_ratio", cache.fragmentation())
 
 

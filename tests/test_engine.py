@@ -1,5 +1,8 @@
 """The engine's API: requests in, events out, errors named, metrics that add up."""
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,11 +16,13 @@ from kvjax.engine_preset import build_engine_parts, pool_config
 from kvjax.kv_cache import KVCache, KVCacheConfig
 from kvjax.metrics import Metrics
 from kvjax.miss_attribution import MissAttributor
-from kvjax.model import save_weights
+from kvjax.model import ModelConfig, load_weights, save_weights
 from kvjax.page_pool import PagePool
 from kvjax.prefix_cache import PrefixCache
-from kvjax.sampling import SamplingParams
+from kvjax.sampling import SamplingBatch, SamplingParams, sample
 from kvjax.scheduler_config import SchedulerConfig
+from kvjax.swap_store import SwapStore
+from kvjax.workload import WorkloadSpec
 
 
 def _finishes(events):
@@ -253,3 +258,43 @@ def test_preset_rejects_unknown_sections_keys(tmp_path):
     preset.write_text("[model]\nnum_layers = 1\n[cache]\npage_size = 8\nnum_blocks = 8\n[engine]\nturbo = true\n")
     with pytest.raises(ValueError, match=r"unknown engine config keys \['turbo'\]"):
         build_engine_parts(str(preset))
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: SamplingParams(temperature=-1.0), "temperature=-1.0 must be a finite number >= 0"),
+    (lambda: SamplingParams(top_k=-1), r"top_k=-1 must be an int >= 0 \(0: no limit\)"),
+    (lambda: SamplingParams(seed=2**32), r"seed=4294967296 must be None or an int in \[0, 2\*\*32\)"),
+    (lambda: EngineConfig(max_model_len=1), "max_model_len=1 must be None or an int >= 2"),
+    (lambda: EngineConfig(seed=-1), r"seed=-1 must be an int in \[0, 2\*\*32\)"),
+    (lambda: EngineConfig(canonicalize="yes"), "canonicalize='yes' must be a bool"),
+    (lambda: EngineConfig(template_chars=0), "template_chars=0 must be an int >= 1"),
+    (lambda: WorkloadSpec(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
+    (lambda: WorkloadSpec(tenants=()), "tenants must name at least one tenant"),
+    (lambda: SwapStore(PagePool(pool_config(MODEL, PAGE, 4)), 0), r"num_slots=0 must be >= 1"),
+    (lambda: make_engine(config=EngineConfig(token_buckets=(48,))),
+     r"token_buckets=\(48,\) must be ascending powers of two, the last >= token_budget=64"),
+])
+def test_settings_are_validated(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_weights_errors_name_the_directory(tmp_path):
+    save_weights(model(), tmp_path / "w")
+    with pytest.raises(ValueError, match="already exists; expected a new path"):
+        save_weights(model(), tmp_path / "w")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_weights(MODEL, tmp_path / "missing")
+    wider = ModelConfig(num_layers=2, d_model=32, num_q_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
+    with pytest.raises(ValueError, match="does not fit the model config"):
+        load_weights(wider, tmp_path / "w")
+
+
+def test_top_k_sampling_draws_only_the_k_largest():
+    logits = jnp.tile(jnp.array([0.0, 3.0, -1.0, 2.9, 1.0]), (64, 1))
+    params = SamplingBatch(temperature=jnp.full(64, 50.0), top_k=jnp.full(64, 2, jnp.int32),
+                           seed=jnp.arange(64, dtype=jnp.uint32), index=jnp.zeros(64, jnp.int32))
+    drawn = np.asarray(sample(logits, params))
+    assert set(drawn.tolist()) == {1, 3}  # at temperature 50 both are drawn; nothing else ever is
+    greedy = np.asarray(sample(logits, dataclasses.replace(params, temperature=jnp.zeros(64))))
+    assert (greedy == 1).all()
