@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import pallas_kernels
 from kvjax.model import BatchInputs
 from kvjax.page_pool import Buckets, PagePool, bucket, build_batch
 from kvjax.sampling import SamplingBatch, SamplingParams, sample, sampling_batch
@@ -41,7 +40,6 @@ from kvjax.step_plan import ScheduledSeq
 
 __all__ = ["ModelRunner", "default_token_buckets"]
 
-_XLA_PAGES_PER_STEP = 8
 _TRACES = [0]  # incremented inside the jitted step: counts traces (= compilations) process-wide
 
 
@@ -79,11 +77,9 @@ class ModelRunner:
         _check_ladder(ladder, token_budget)
         self.token_buckets = ladder
         self.compilations = 0
-        # The XLA attention's default page step spans the whole (fixed, wide) table; a short
-        # step keeps its while_loop bounded by the batch's real lengths (measured on CPU with
-        # a 128-page table: a 16-sequence decode 99 -> 8 ms, a 256-token prefill 214 -> 16 ms).
-        xla = pallas_kernels.resolve_impl(impl) == "xla"
-        self.attention_tuning = (("pages_per_step", _XLA_PAGES_PER_STEP),) if xla else ()
+        # Implementation-specific attention block sizes (static); the kernels' defaults suit
+        # the engine's bucketed shapes, so none are passed unless a caller sets them.
+        self.attention_tuning: tuple[tuple[str, int], ...] = ()
 
     def run(self, seqs: Sequence[ScheduledSeq], sampling: Sequence[tuple[SamplingParams, int, int]],
             *, return_logits: bool = False):  # fmt: skip
