@@ -31,7 +31,7 @@ from flax import nnx
 from kvjax.canonicalize import CanonicalizeConfig, canonicalize as canonicalize_text, template_fingerprint
 from kvjax.engine_config import EngineConfig
 from kvjax.engine_events import Event, FinishEvent, RunSummary, TokenEvent
-from kvjax.engine_observer import EngineObserver, RequestRecord, fetch_sources, hits_by_tier
+from kvjax.engine_observer import EngineObserver, RequestRecord
 from kvjax.engine_preset import build_engine_parts, pool_config
 from kvjax.engine_step import ModelRunner
 from kvjax.metrics import Metrics
@@ -272,17 +272,20 @@ class Engine:
         A fetch that failed leaves fewer hit tokens than the scheduler planned with: the
         sequence then recomputes from the last page that did arrive.
         """
-        now, page_size = self.clock(), self.pool.config.page_size
+        now = self.clock()
         for seq, record in zip(seqs, records):
-            handle, sources = record.request.handle, None
+            handle = record.request.handle
             if self._tiered and not self.cache.is_ready(handle):
-                sources = fetch_sources(self.cache, handle)
                 self.cache.wait_ready(handle)
                 if handle.num_hit_tokens < seq.start:
                     seq.num_tokens += seq.start - handle.num_hit_tokens
                     seq.start = record.request.num_computed_tokens = handle.num_hit_tokens
             if record.admitted is None:
-                self.observer.on_admitted(record, now, hits_by_tier(handle.num_hit_tokens, page_size, sources))
+                # KVCache splits the (final) hits by the tier each page came from; a plain
+                # PrefixCache only ever maps device pages.
+                split = getattr(self.cache, "hit_tokens_by_tier", None)
+                tiers = split(handle) if split else {"device": handle.num_hit_tokens}
+                self.observer.on_admitted(record, now, tiers)
 
     def _finish(self, request_id: str, status: str) -> FinishEvent:
         record = self._records.pop(request_id)

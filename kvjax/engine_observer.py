@@ -29,7 +29,7 @@ from kvjax.request import Request
 from kvjax.sampling import SamplingParams
 from kvjax.step_plan import StepPlan
 
-__all__ = ["CacheMetricsView", "EngineObserver", "RequestRecord", "fetch_sources", "hits_by_tier"]
+__all__ = ["CacheMetricsView", "EngineObserver", "RequestRecord"]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -126,30 +126,3 @@ class CacheMetricsView:
 
     def __getattr__(self, name: str):
         return getattr(self._metrics, name)
-
-
-def fetch_sources(cache, handle) -> tuple[int, np.ndarray] | None:
-    """``(device pages, from_disk  # bool[fetched pages])`` of a handle whose fetches are still
-    running, or None when it fetches nothing. Read it before ``wait_ready``.
-
-    Stopgap: ``KVCache`` has no public per-sequence tier split yet, so this reads its fetch
-    bookkeeping (``_mover.waiters``); a cache without it (``PrefixCache``) fetches nothing.
-    """
-    mover = getattr(cache, "_mover", None)
-    waiter = None if mover is None else mover.waiters.get(handle.seq_id)
-    return None if waiter is None else (waiter.first, np.array(waiter.from_disk, bool))
-
-
-def hits_by_tier(num_hit_tokens: int, page_size: int, sources: tuple[int, np.ndarray] | None) -> dict[str, int]:
-    """Split a sequence's final ``num_hit_tokens`` by the tier each page came from.
-
-    ``sources`` is ``fetch_sources`` at admission: mapped device pages lead, fetched pages
-    follow (from disk where flagged, else from host); None: every hit page was on device.
-    """
-    num_hit = num_hit_tokens // page_size
-    if sources is None:
-        return {"device": num_hit * page_size}
-    device_pages, from_disk = sources
-    device = min(device_pages, num_hit)
-    disk = int(np.count_nonzero(from_disk[: num_hit - device]))
-    return {"device": device * page_size, "host": (num_hit - device - disk) * page_size, "disk": disk * page_size}
