@@ -51,6 +51,9 @@ def paged_attention_xla(
     pages_per_step: int | None = None,
     block_q: int | None = None,
 ):
+    for name, value in (("pages_per_step", pages_per_step), ("block_q", block_q)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive int or None")
     num_tokens, num_q_heads, head_dim = q.shape
     max_num_seqs, pages_per_seq = block_tables.shape
     num_kv_heads, page_size = kv_pages.shape[3], kv_pages.shape[4]

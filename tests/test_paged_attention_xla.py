@@ -56,3 +56,14 @@ def test_attention_depends_on_the_right_pages():
                               layer=case.layer, impl="xla")
     assert not np.allclose(out[0], out[1])
     np.testing.assert_allclose(swapped[0], out[1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("tuning,message", [
+    (dict(block_q=0), r"block_q=0 must be a positive int or None"),
+    (dict(pages_per_step=-2), r"pages_per_step=-2 must be a positive int or None"),
+    (dict(block_q=2.5), r"block_q=2.5 must be a positive int or None"),
+])
+def test_bad_tuning_is_refused(tuning, message):
+    case = make_case(6, q_lens=[2], kv_lens=[5])
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*case.args(), layer=case.layer, impl="xla", **tuning)
