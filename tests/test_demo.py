@@ -55,3 +55,18 @@ def test_demo_command_lists_its_options(capsys):
     help_text = capsys.readouterr().out
     for option in ("--plot", "--no-plot", "--tiers", "--kernel-checks", "--no-compile-cache"):
         assert option in help_text
+
+
+def test_kernel_checks_pass_and_are_reported():
+    """`demo --kernel-checks`: every implementation this machine can run, against the reference."""
+    import io
+
+    from kvjax.demo_kernels import kernel_checks
+
+    out = io.StringIO()
+    assert kernel_checks(out) == 0, out.getvalue()
+    text = out.getvalue()
+    for check in ("paged attention [xla", "[pallas_gpu, interpret mode]",
+                  "[pallas_tpu, interpret mode]", "write_kv", "round trip"):
+        assert check in text
+    assert "FAIL" not in text
