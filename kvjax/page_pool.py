@@ -48,6 +48,7 @@ import numpy as np
 
 from kvjax.config_util import config_from_dict
 import pallas_kernels
+from pallas_kernels.kv_format import KVFormat, QuantizedPages, empty_pool
 from pallas_kernels.validation import check_block_ids, check_slot_mapping
 
 __all__ = ["PoolConfig", "PagePool", "Buckets", "BatchMetadata", "build_batch", "bucket"]
@@ -55,7 +56,13 @@ __all__ = ["PoolConfig", "PagePool", "Buckets", "BatchMetadata", "build_batch", 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolConfig:
-    """Shape of the page pool. ``dtype`` is a name jnp understands (e.g. ``"bfloat16"``)."""
+    """Shape of the page pool. ``dtype`` is a name jnp understands (e.g. ``"bfloat16"``): the
+    model's K/V dtype, and the pool's unless ``kv_quant`` stores pages quantized.
+
+    ``kv_quant``: ``None`` (the default: pages in ``dtype``), ``"int8"``, ``"fp8_e4m3"`` or
+    ``"fp8_e5m2"``; ``kv_scale``: ``"token"`` or ``"page"`` scales (see
+    :mod:`pallas_kernels.kv_format` for the trade-off).
+    """
 
     num_blocks: int
     num_layers: int
@@ -63,6 +70,8 @@ class PoolConfig:
     page_size: int  # tokens per block
     head_dim: int
     dtype: str = "bfloat16"
+    kv_quant: str | None = None
+    kv_scale: str = "token"
 
     def __post_init__(self):
         for name in ("num_blocks", "num_layers", "num_kv_heads", "page_size", "head_dim"):
@@ -74,6 +83,9 @@ class PoolConfig:
         except TypeError as e:
             raise ValueError(f"dtype={self.dtype!r} is not a dtype jax.numpy knows") from e
         object.__setattr__(self, "dtype", name)  # canonical, so equal configs compare equal
+        if self.kv_quant in ("", "none"):
+            object.__setattr__(self, "kv_quant", None)
+        KVFormat(self.kv_quant, self.kv_scale)  # raises on an unknown format or granularity
 
     @classmethod
     def from_dict(cls, values: Mapping) -> "PoolConfig":
@@ -90,9 +102,23 @@ class PoolConfig:
         return (self.num_blocks,) + self.block_shape
 
     @property
+    def kv_format(self) -> KVFormat:
+        return KVFormat(self.kv_quant, self.kv_scale)
+
+    @property
+    def storage_dtype(self) -> str:
+        """The dtype pages are stored in (``dtype``, or the quantized format's)."""
+        fmt = self.kv_format
+        return fmt.storage_dtype.name if fmt.quantized else self.dtype
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block: K and V of ``page_size`` tokens in every layer."""
-        return math.prod(self.block_shape) * jnp.dtype(self.dtype).itemsize
+        """Bytes of one block: K and V of ``page_size`` tokens in every layer, scales included."""
+        fmt = self.kv_format
+        data = math.prod(self.block_shape) * jnp.dtype(self.storage_dtype).itemsize
+        if not fmt.quantized:
+            return data
+        return data + 4 * math.prod(fmt.scales_shape(self.block_shape))
 
     @property
     def pool_bytes(self) -> int:
@@ -112,33 +138,44 @@ class PagePool:
                  impl: str | None = None, interpret: bool | None = None):
         self.config = config
         self._kernel_options = dict(impl=impl, interpret=interpret)
-        zeros = lambda: jnp.zeros(config.shape, config.dtype)
+        zeros = lambda: empty_pool(config.shape, config.kv_format, config.dtype)
         self._kv_pages = jax.jit(zeros, out_shardings=sharding)()
 
     @property
-    def kv_pages(self) -> jax.Array:
-        """The current pool array. Pass it to a step that donates it, then set the result."""
+    def kv_pages(self) -> "jax.Array | QuantizedPages":
+        """The current pool: an array, or :class:`QuantizedPages` (data and scales) for a
+        quantized format. Pass it to a step that donates it, then set the result."""
         return self._kv_pages
 
     @kv_pages.setter
-    def kv_pages(self, new_pages: jax.Array) -> None:
-        if (tuple(new_pages.shape), jnp.dtype(new_pages.dtype).name) != (
-                self.config.shape, self.config.dtype):
-            raise ValueError(
-                f"new kv_pages {tuple(new_pages.shape)} {new_pages.dtype} must match the pool's "
-                f"{self.config.shape} {self.config.dtype}")
+    def kv_pages(self, new_pages) -> None:
+        problem = self._mismatch(new_pages)
+        if problem:
+            raise ValueError(f"new kv_pages {problem}")
         self._kv_pages = new_pages
 
+    def _mismatch(self, pages) -> str | None:
+        fmt = self.config.kv_format
+        if fmt.quantized != isinstance(pages, QuantizedPages):
+            return (f"is a {type(pages).__name__} but the pool's format is {fmt.name()}")
+        if (tuple(pages.shape), jnp.dtype(pages.dtype).name) != (
+                self.config.shape, self.config.storage_dtype):
+            return (f"{tuple(pages.shape)} {pages.dtype} must match the pool's "
+                    f"{self.config.shape} {self.config.storage_dtype}")
+        if fmt.quantized and tuple(pages.scales.shape) != fmt.scales_shape(self.config.shape):
+            return (f"scales {tuple(pages.scales.shape)} must be "
+                    f"{fmt.scales_shape(self.config.shape)}")
+        return None
+
     def check_invariants(self) -> None:
-        """The pool holds a live array of the configured shape and dtype."""
-        if self._kv_pages.is_deleted():
+        """The pool holds live arrays of the configured shape, dtype and format."""
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self._kv_pages)):
             raise RuntimeError(
                 "the pool's array was donated to a step whose result was never handed back; "
                 "set pool.kv_pages = <the step's returned pool>")
-        if (tuple(self._kv_pages.shape), self._kv_pages.dtype.name) != (
-                self.config.shape, self.config.dtype):
-            raise RuntimeError(f"pool array {self._kv_pages.shape} {self._kv_pages.dtype} no "
-                               f"longer matches {self.config}")
+        problem = self._mismatch(self._kv_pages)
+        if problem:
+            raise RuntimeError(f"pool array {problem} ({self.config})")
 
     def write(self, k, v, slot_mapping, *, layer: int) -> None:
         """Stores this step's K/V (``[num_tokens, num_kv_heads, head_dim]``) at their slots."""
@@ -149,16 +186,18 @@ class PagePool:
         self._kv_pages = pallas_kernels.write_kv(
             self._kv_pages, k, v, jnp.asarray(slot_mapping), layer=layer, **self._kernel_options)
 
-    def gather(self, block_ids) -> jax.Array:
-        """Copies of the blocks, ``[n, *block_shape]``; negative ids give zero rows."""
+    def gather(self, block_ids) -> "jax.Array | QuantizedPages":
+        """Copies of the blocks, ``[n, *block_shape]`` (with their scales for a quantized
+        pool); negative ids give zero rows."""
         ids = self._checked_ids(block_ids, distinct=False)
         return pallas_kernels.gather_blocks(self._kv_pages, ids, **self._kernel_options)
 
     def scatter(self, block_ids, blocks) -> None:
         """Stores ``blocks[i]`` into block ``block_ids[i]``; negative ids are skipped."""
         ids = self._checked_ids(block_ids, distinct=True)
+        blocks = blocks if isinstance(blocks, QuantizedPages) else jnp.asarray(blocks)
         self._kv_pages = pallas_kernels.scatter_blocks(
-            self._kv_pages, ids, jnp.asarray(blocks), **self._kernel_options)
+            self._kv_pages, ids, blocks, **self._kernel_options)
 
     def build_batch(self, block_tables, seq_lens, q_lens, *,
                     buckets: "Buckets | None" = None) -> "BatchMetadata":

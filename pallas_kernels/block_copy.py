@@ -10,7 +10,10 @@ page-major pool a block is one contiguous region, so each block moves as one cop
 * :func:`scatter_blocks` stores ``blocks[i]`` into block ``block_ids[i]`` in place (the pool
   is donated); negative ids are skipped. Ids must be distinct.
 
-Any dtype moves bit-exactly (these are byte copies: int8 and float8 pools included).
+Any dtype moves bit-exactly (these are byte copies: int8 and float8 pools included). A
+quantized pool (:class:`~pallas_kernels.kv_format.QuantizedPages`) moves its pages and their
+scales together: ``gather_blocks`` returns ``QuantizedPages`` blocks and ``scatter_blocks``
+takes them; the scales ride the same kernel as a pool whose ``head_dim`` is 1.
 
 >>> import jax.numpy as jnp
 >>> from pallas_kernels import gather_blocks, scatter_blocks
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_impl, resolve_interpret
 from pallas_kernels.copy_common import on_bits
+from pallas_kernels.kv_format import QuantizedPages, is_quantized
 from pallas_kernels.validation import check_block_copy_args
 
 __all__ = ["gather_blocks", "scatter_blocks", "gather_blocks_xla", "scatter_blocks_xla"]
@@ -49,6 +53,9 @@ def gather_blocks(
     check_block_copy_args(kv_pages, block_ids)
     impl = _resolve(impl)
     interpret = resolve_interpret(impl, interpret)
+    if is_quantized(kv_pages):
+        return _on_leaves(lambda leaf: gather_blocks(
+            leaf, block_ids, impl=impl, interpret=interpret, **tuning), kv_pages)
     if block_ids.shape[0] == 0:
         return jnp.zeros((0,) + tuple(kv_pages.shape[1:]), kv_pages.dtype)
     if impl == "xla":
@@ -74,6 +81,9 @@ def scatter_blocks(
     interpret = resolve_interpret(impl, interpret)
     if block_ids.shape[0] == 0:
         return kv_pages
+    if is_quantized(kv_pages):
+        return _on_leaves(lambda leaf, src: scatter_blocks(
+            leaf, block_ids, src, impl=impl, interpret=interpret, **tuning), kv_pages, blocks)
     if impl == "xla":
         return scatter_blocks_xla(kv_pages, block_ids, blocks, **tuning)
     from pallas_kernels import block_copy_pallas as kernels
@@ -95,6 +105,17 @@ def gather_blocks_xla(kv_pages, block_ids):
 def scatter_blocks_xla(kv_pages, block_ids, blocks):
     """One XLA scatter into the donated pool; padding ids land out of bounds and are dropped."""
     return kv_pages.at[_padding_past_end(block_ids, kv_pages.shape[0])].set(blocks, mode="drop")
+
+
+def _on_leaves(fn, pages: QuantizedPages, *others: QuantizedPages) -> QuantizedPages:
+    """Runs a block copy on the data and on the scales (viewed as ``head_dim = 1``).
+
+    Each leaf goes through the public function, so it is donated and copied in place like a
+    plain pool (eagerly, a reshape of the scales is a view-like copy of a small array).
+    """
+    data = fn(pages.data, *(o.data for o in others))
+    scales = fn(pages.scales[..., None], *(o.scales[..., None] for o in others))[..., 0]
+    return QuantizedPages(data, scales)
 
 
 def _resolve(impl: str | None) -> str:

@@ -15,6 +15,9 @@ on CPU where a per-token formulation was not:
 The number of items is static: ``cdiv(num_tokens, block_q) + max_num_seqs`` bounds it for
 any ragged layout (each sequence wastes at most one partial item). Decode-heavy shapes
 (``num_tokens <= 2 * max_num_seqs``) use ``block_q = 1``, where that bound is tight.
+
+A quantized pool (:class:`~pallas_kernels.kv_format.QuantizedPages`) is dequantized tile by
+tile as its pages are gathered: only ``pages_per_step`` pages per item are ever float32.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.kv_format import is_quantized
 
 __all__ = ["paged_attention_xla"]
 
@@ -84,12 +89,22 @@ def paged_attention_xla(
     qi = qi.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_q * group, head_dim)
     row_pos = jnp.repeat(pos, group, axis=1)  # [items, bq * group], matching qi's row order
     row_live = jnp.repeat(live, group, axis=1)
-    layer_pages = kv_pages[:, layer]  # [num_blocks, 2, num_kv_heads, page_size, head_dim]
+    if is_quantized(kv_pages):
+        layer_data = kv_pages.data[:, layer]  # [num_blocks, 2, num_kv_heads, page_size, head_dim]
+        layer_scales = kv_pages.scales[:, layer]  # [num_blocks, 2, num_kv_heads, page_size | 1]
+
+        def load(ids):
+            return layer_data[ids].astype(jnp.float32) * layer_scales[ids][..., None]
+    else:
+        layer_pages = kv_pages[:, layer]  # [num_blocks, 2, num_kv_heads, page_size, head_dim]
+
+        def load(ids):
+            return layer_pages[ids].astype(jnp.float32)
 
     def step(carry):
         i, m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, axis=1)
-        kv = layer_pages[ids].astype(jnp.float32)  # [items, pps, 2, kvh, page, d]
+        kv = load(ids)  # [items, pps, 2, kvh, page, d] float32
         kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(num_items, 2, num_kv_heads, span, head_dim)
         logits = jnp.einsum("nkrd,nksd->nkrs", qi, kv[:, 0])
         if soft_cap is not None:

@@ -9,6 +9,10 @@ Pool layout (see :mod:`kvjax.page_pool` for why)::
 
     kv_pages  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]; [:, :, 0] is K
 
+A quantized pool (:class:`~pallas_kernels.kv_format.QuantizedPages`) is dequantized to
+float32 first: the references define what the quantized kernels compute, and tests compare
+them against the float pool they came from for the quantization error itself.
+
 Ragged batch convention shared by all paged-attention implementations:
 
 * ``q``          ``[num_tokens, num_q_heads, head_dim]``; tokens of sequence ``s`` are rows
@@ -23,8 +27,11 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.kv_format import QuantizedPages, dequantize, encode, is_quantized
 
 __all__ = [
     "paged_attention_reference",
@@ -58,7 +65,7 @@ def paged_attention_reference(
     n = len(lens) if num_seqs is None else int(np.asarray(num_seqs).reshape(-1)[0])
 
     q32 = np.asarray(q).astype(np.float32)
-    pool = np.asarray(kv_pages)
+    pool = _float_pool(kv_pages)
     out = np.zeros((num_tokens, num_q_heads, head_dim), np.float32)
     for s in range(n):
         q_start, q_end, kv_len = int(cu[s]), int(cu[s + 1]), int(lens[s])
@@ -94,7 +101,12 @@ def write_kv_reference(
     *,
     layer: int,
 ):
-    """Returns a new pool with token ``t``'s K/V stored at slot ``slot_mapping[t]`` of ``layer``."""
+    """Returns a new pool with token ``t``'s K/V stored at slot ``slot_mapping[t]`` of ``layer``.
+
+    A quantized pool gets each token quantized (see :func:`_write_quantized` for the rules).
+    """
+    if is_quantized(kv_pages):
+        return _write_quantized(kv_pages, k, v, slot_mapping, layer=layer)
     pages = np.array(kv_pages)
     page_size = pages.shape[4]
     k_np, v_np = np.asarray(k).astype(pages.dtype), np.asarray(v).astype(pages.dtype)
@@ -107,8 +119,61 @@ def write_kv_reference(
     return jnp.asarray(pages)
 
 
+def _float_pool(kv_pages) -> np.ndarray:
+    if is_quantized(kv_pages):
+        return dequantize(np.asarray(kv_pages.data), np.asarray(kv_pages.scales))
+    return np.asarray(kv_pages)
+
+
+def _write_quantized(kv_pages, k, v, slot_mapping, *, layer: int):
+    """Quantizing write, page by page.
+
+    Per-token scales: each token's K (and V) row of each KV head gets its own scale.
+    Per-page scales: for every page this call writes, the new scale (per K/V and head) is the
+    larger of the page's old scale and what the new tokens need; the page's other slots are
+    requantized with it; a page whose first written offset is 0 starts afresh (old scale
+    treated as 0, other slots left as they were, they are past the sequence's end).
+    """
+    fmt = kv_pages.format
+    data = np.array(kv_pages.data)
+    scales = np.array(kv_pages.scales)
+    page_size = data.shape[4]
+    kv = np.stack([np.asarray(k, np.float32), np.asarray(v, np.float32)], axis=1)  # [T,2,h,d]
+    slots = np.asarray(slot_mapping)
+    by_block: dict[int, list[tuple[int, int]]] = {}
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            block, offset = divmod(int(slot), page_size)
+            by_block.setdefault(block, []).append((t, offset))
+    qmax = np.float32(fmt.qmax)
+    for block, items in by_block.items():
+        toks = [t for t, _ in items]
+        offs = [o for _, o in items]
+        rows = kv[toks]  # [n, 2, h, d]
+        if fmt.granularity == "token":
+            s = np.max(np.abs(rows), axis=-1) / qmax  # [n, 2, h]
+            for i, o in enumerate(offs):
+                scales[block, layer, :, :, o] = s[i]
+                data[block, layer, :, :, o] = encode(rows[i], s[i][..., None], fmt)
+            continue
+        fresh = min(offs) == 0
+        old = np.zeros_like(scales[block, layer, :, :, 0]) if fresh else scales[block, layer, :, :, 0]
+        new = np.maximum(old, np.max(np.abs(rows), axis=(0, 3)) / qmax)  # [2, h]
+        if not fresh:
+            page = dequantize(data[block, layer], old[..., None])  # [2, h, page, d]
+            data[block, layer] = encode(page, new[..., None, None], fmt)
+        for i, o in enumerate(offs):
+            data[block, layer, :, :, o] = encode(rows[i], new[..., None], fmt)
+        scales[block, layer, :, :, 0] = new
+    return QuantizedPages(jnp.asarray(data), jnp.asarray(scales))
+
+
 def gather_blocks_reference(kv_pages, block_ids):
-    """``[n, num_layers, 2, num_kv_heads, page_size, head_dim]``; rows of negative ids are 0."""
+    """``[n, num_layers, 2, num_kv_heads, page_size, head_dim]``; rows of negative ids are 0.
+
+    A quantized pool gives :class:`QuantizedPages` blocks (scale rows of padding ids are 0)."""
+    if is_quantized(kv_pages):
+        return jax.tree.map(lambda leaf: gather_blocks_reference(leaf, block_ids), kv_pages)
     pages = np.asarray(kv_pages)
     ids = np.asarray(block_ids)
     out = np.zeros((len(ids),) + pages.shape[1:], pages.dtype)
@@ -120,6 +185,9 @@ def gather_blocks_reference(kv_pages, block_ids):
 
 def scatter_blocks_reference(kv_pages, block_ids, blocks):
     """Returns a new pool with ``blocks[i]`` stored in block ``block_ids[i]`` (negative: skip)."""
+    if is_quantized(kv_pages):
+        return jax.tree.map(lambda leaf, src: scatter_blocks_reference(leaf, block_ids, src),
+                            kv_pages, blocks)
     pages = np.array(kv_pages)
     src = np.asarray(blocks)
     for i, block in enumerate(np.asarray(block_ids)):

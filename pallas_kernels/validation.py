@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_format import FORMATS, QuantizedPages
+
 __all__ = [
     "POOL_DTYPES",
     "check_pool",
@@ -25,21 +27,40 @@ __all__ = [
     "check_block_ids",
 ]
 
-# Float formats attention runs on. Quantized pools (int8 / fp8) come with their own scales.
+# Float formats attention runs on. Quantized pools (int8 / fp8) come with their own scales
+# (see :mod:`pallas_kernels.kv_format`).
 POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+QUANT_DTYPES = tuple(spec.dtype for spec in FORMATS.values())
 
 
 def check_pool(kv_pages, layer: int | None = None) -> None:
-    """The pool is ``[num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]``."""
+    """The pool is ``[num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]``: a float
+    array, or a :class:`~pallas_kernels.kv_format.QuantizedPages` with matching scales."""
     if kv_pages.ndim != 6 or kv_pages.shape[2] != 2:
         raise ValueError(
             f"kv_pages.shape={tuple(kv_pages.shape)} must be "
             "[num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]")
+    if isinstance(kv_pages, QuantizedPages):
+        _check_quantized(kv_pages, "kv_pages")
     if layer is not None:
         if not isinstance(layer, (int, np.integer)):
             raise ValueError(f"layer={layer!r} must be a Python int (a static layer index)")
         if not 0 <= layer < kv_pages.shape[1]:
             raise ValueError(f"{layer=} is out of range for num_layers={kv_pages.shape[1]}")
+
+
+def _check_quantized(pages: QuantizedPages, name: str) -> None:
+    if jnp.dtype(pages.data.dtype) not in QUANT_DTYPES:
+        raise ValueError(f"{name}.data.dtype={pages.data.dtype} must be one of "
+                         f"{[str(d) for d in QUANT_DTYPES]}")
+    shape = tuple(pages.data.shape)
+    allowed = (shape[:-1], shape[:-2] + (1,))
+    if tuple(pages.scales.shape) not in allowed:
+        raise ValueError(
+            f"{name}.scales.shape={tuple(pages.scales.shape)} must be {allowed[0]} (per token "
+            f"and KV head) or {allowed[1]} (per page and KV head)")
+    if pages.scales.dtype != jnp.float32:
+        raise ValueError(f"{name}.scales.dtype={pages.scales.dtype} must be float32")
 
 
 def _check_int32(name: str, x, ndim: int) -> None:
@@ -65,8 +86,11 @@ def check_paged_attention_args(
         raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
     if jnp.dtype(q.dtype) not in POOL_DTYPES:
         raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in POOL_DTYPES]}")
-    if jnp.dtype(kv_pages.dtype) != jnp.dtype(q.dtype):
-        raise ValueError(f"kv_pages.dtype={kv_pages.dtype} must equal q.dtype={q.dtype}")
+    if (not isinstance(kv_pages, QuantizedPages)
+            and jnp.dtype(kv_pages.dtype) != jnp.dtype(q.dtype)):
+        hint = (" (a quantized pool is passed as QuantizedPages(data, scales))"
+                if jnp.dtype(kv_pages.dtype) in QUANT_DTYPES else "")
+        raise ValueError(f"kv_pages.dtype={kv_pages.dtype} must equal q.dtype={q.dtype}{hint}")
     _check_int32("block_tables", block_tables, 2)
     _check_int32("seq_lens", seq_lens, 1)
     _check_int32("cu_q_lens", cu_q_lens, 1)
@@ -99,8 +123,15 @@ def check_kv_write_args(kv_pages, k, v, slot_mapping, *, layer) -> None:
             raise ValueError(
                 f"{name}.shape={tuple(x.shape)} must be [num_tokens, num_kv_heads={expected[0]}, "
                 f"head_dim={expected[1]}]")
-        if jnp.dtype(x.dtype) != jnp.dtype(kv_pages.dtype):
-            raise ValueError(f"{name}.dtype={x.dtype} must equal kv_pages.dtype={kv_pages.dtype}")
+        if isinstance(kv_pages, QuantizedPages):
+            if jnp.dtype(x.dtype) not in POOL_DTYPES:
+                raise ValueError(f"{name}.dtype={x.dtype} must be one of "
+                                 f"{[str(d) for d in POOL_DTYPES]} (it is quantized on write)")
+        elif jnp.dtype(x.dtype) != jnp.dtype(kv_pages.dtype):
+            hint = (" (a quantized pool is passed as QuantizedPages(data, scales))"
+                    if jnp.dtype(kv_pages.dtype) in QUANT_DTYPES else "")
+            raise ValueError(
+                f"{name}.dtype={x.dtype} must equal kv_pages.dtype={kv_pages.dtype}{hint}")
     if k.shape != v.shape:
         raise ValueError(f"k.shape={tuple(k.shape)} must equal v.shape={tuple(v.shape)}")
     _check_int32("slot_mapping", slot_mapping, 1)
@@ -117,6 +148,17 @@ def check_block_copy_args(kv_pages, block_ids, blocks=None) -> None:
     if blocks is None:
         return
     expected = (block_ids.shape[0],) + tuple(kv_pages.shape[1:])
+    if isinstance(kv_pages, QuantizedPages) != isinstance(blocks, QuantizedPages):
+        raise ValueError(
+            f"blocks is a {type(blocks).__name__} but kv_pages is a {type(kv_pages).__name__}: "
+            "a quantized pool takes QuantizedPages blocks (data and scales) and a float pool "
+            "plain arrays")
+    if isinstance(blocks, QuantizedPages):
+        _check_quantized(blocks, "blocks")
+        scale_expected = (block_ids.shape[0],) + tuple(kv_pages.scales.shape[1:])
+        if tuple(blocks.scales.shape) != scale_expected:
+            raise ValueError(
+                f"blocks.scales.shape={tuple(blocks.scales.shape)} must be {scale_expected}")
     if tuple(blocks.shape) != expected:
         raise ValueError(f"blocks.shape={tuple(blocks.shape)} must be {expected}")
     if jnp.dtype(blocks.dtype) != jnp.dtype(kv_pages.dtype):
