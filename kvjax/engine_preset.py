@@ -1,7 +1,8 @@
 """Building an engine's parts from a preset (``configs/<preset>.toml``).
 
 Sections: ``[model]`` (``ModelConfig``), ``[cache]`` (``page_size``, ``num_blocks``, the
-eviction ``policy`` and the device pool's watermarks), ``[scheduler]`` (``SchedulerConfig``),
+eviction ``policy``, the device pool's watermarks and its page format ``kv_quant`` /
+``kv_scale``), ``[scheduler]`` (``SchedulerConfig``),
 ``[tiers]`` (``host_bytes``, ``disk_dir`` ("" = none), ``disk_bytes``, ``write_policy``) and
 ``[engine]`` (``EngineConfig``). Every section but ``[model]`` and ``[cache]`` is optional.
 """
@@ -22,20 +23,26 @@ from kvjax.scheduler_config import SchedulerConfig
 
 __all__ = ["build_cache_config", "build_engine_parts", "pool_config"]
 
-_CACHE_KEYS = ("page_size", "num_blocks", "policy", "high_watermark", "low_watermark")
+_CACHE_KEYS = ("page_size", "num_blocks", "policy", "high_watermark", "low_watermark", "kv_quant",
+               "kv_scale")
+_POOL_KEYS = ("page_size", "num_blocks", "kv_quant", "kv_scale")
 _TIER_KEYS = ("host_bytes", "disk_dir", "disk_bytes", "write_policy")
 
 
 def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed: int | None = None,
-                       tiers: bool = True, **engine_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+                       tiers: bool = True, cache_options: dict | None = None,
+                       **engine_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     """``Engine(**parts)`` arguments for ``preset``.
 
     ``weights``: an orbax checkpoint directory written by ``kvjax.model.save_weights`` (random
     weights from ``seed`` otherwise; ``seed`` also seeds sampling). ``tiers=False`` leaves out
-    the host and disk tiers. Other keyword arguments go to ``Engine`` unchanged (they win
-    over the preset: ``scheduler_config=``, ``config=``, ``metrics=``, ``clock=``, ...).
+    the host and disk tiers. ``cache_options`` override keys of the preset's ``[cache]``
+    section (e.g. ``{"kv_quant": "int8"}``). Other keyword arguments go to ``Engine``
+    unchanged (they win over the preset: ``scheduler_config=``, ``config=``, ``metrics=``,
+    ``clock=``, ...).
     """
     sections = load_config(preset)
+    sections["cache"] = {**sections.get("cache", {}), **(cache_options or {})}
     for required in ("model", "cache"):
         if required not in sections:
             raise ValueError(f"preset {preset!r} has no [{required}] section")
@@ -61,17 +68,22 @@ def build_cache_config(model_cfg: ModelConfig, cache_section: dict, tier_section
     if unknown:
         raise ValueError(f"unknown [cache]/[tiers] keys {unknown}; expected some of "
                          f"{list(_CACHE_KEYS)} / {list(_TIER_KEYS)}")  # fmt: skip
-    options = {k: v for k, v in cache_section.items() if k not in ("page_size", "num_blocks")}
+    options = {k: v for k, v in cache_section.items() if k not in _POOL_KEYS}
     options.update({k: v for k, v in tier_section.items() if k != "disk_dir"})
     if not options.get("host_bytes"):
         options.pop("disk_bytes", None)
     elif tier_section.get("disk_dir"):
         options["disk_dir"] = tier_section["disk_dir"]
-    pool = pool_config(model_cfg, cache_section["page_size"], cache_section["num_blocks"])
+    pool = pool_config(model_cfg, cache_section["page_size"], cache_section["num_blocks"],
+                       kv_quant=cache_section.get("kv_quant"),
+                       kv_scale=cache_section.get("kv_scale", "token"))
     return KVCacheConfig(pool=pool, vocab_size=model_cfg.vocab_size, **options)
 
 
-def pool_config(model_cfg: ModelConfig, page_size: int, num_blocks: int) -> PoolConfig:
-    """The page pool that holds ``model_cfg``'s KV in ``num_blocks`` pages of ``page_size``."""
+def pool_config(model_cfg: ModelConfig, page_size: int, num_blocks: int, *,
+                kv_quant: str | None = None, kv_scale: str = "token") -> PoolConfig:
+    """The page pool that holds ``model_cfg``'s KV in ``num_blocks`` pages of ``page_size``,
+    stored in ``model_cfg.dtype`` or quantized (``kv_quant``, ``kv_scale``)."""
     return PoolConfig(num_blocks, model_cfg.num_layers, model_cfg.num_kv_heads, page_size,
-                      model_cfg.head_dim, model_cfg.dtype)  # fmt: skip
+                      model_cfg.head_dim, model_cfg.dtype, kv_quant=kv_quant,
+                      kv_scale=kv_scale)  # fmt: skip
