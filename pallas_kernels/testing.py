@@ -17,8 +17,11 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_format import KVFormat, QuantizedPages, quantize
+
 __all__ = ["Case", "make_case", "assert_matches_reference", "GRID", "TOLERANCES", "DECODE",
-           "PREFILL_EDGES"]
+           "PREFILL_EDGES", "quantize_case", "assert_quantized_matches", "QUANT_ERROR_BOUNDS",
+           "QUANT_FORMATS"]
 
 # Absolute/relative tolerance per dtype against the float32 reference.
 TOLERANCES = {
@@ -137,3 +140,54 @@ GRID = [
     (jnp.bfloat16, 16, 64, 4, 2),
     (jnp.bfloat16, 8, 128, 8, 2),
 ]
+
+
+# Every quantized format and granularity.
+QUANT_FORMATS = [KVFormat(q, g) for q in ("int8", "fp8_e4m3", "fp8_e5m2") for g in ("token", "page")]
+
+# Bound on ||out_quantized - out_float|| / ||out_float|| for attention over standard-normal K/V
+# (the float reference of the unquantized pool against the quantized kernel). Set from the
+# formats' precision, with room: int8 keeps ~8 bits, e4m3 3 mantissa bits, e5m2 2. Measured
+# on the test grid: about 0.6% / 2.8% / 5.6% (benchmarks/bench_kv_quant.py prints them).
+QUANT_ERROR_BOUNDS = {"int8": 0.02, "fp8_e4m3": 0.06, "fp8_e5m2": 0.12}
+
+
+def quantize_case(case: Case, fmt: KVFormat) -> Case:
+    """``case`` with its pool quantized to ``fmt``, stray reads still visible.
+
+    Scales of everything the float pool held as NaN (unowned pages, slots past ``seq_len``)
+    are NaN, so reading them poisons the output as before. With per-page scales a partly
+    filled page has a finite scale; its unused slots get NaN data in the fp8 formats and the
+    format's largest value in int8 (no NaN there), which a stray read turns into a large error.
+    """
+    pages = np.asarray(jnp.asarray(case.kv_pages, jnp.float32))
+    nan = np.isnan(pages)
+    data, scales = quantize(np.nan_to_num(pages), fmt)
+    if fmt.granularity == "token":
+        scales = np.where(nan.any(axis=-1), np.float32(np.nan), scales)
+    else:
+        scales = np.where(nan.all(axis=(-1, -2))[..., None], np.float32(np.nan), scales)
+        poison = np.nan if fmt.quant != "int8" else fmt.qmax
+        data = np.where(nan, np.asarray(poison, np.float32).astype(data.dtype), data)
+    pool = QuantizedPages(jnp.asarray(data), jnp.asarray(scales, jnp.float32))
+    return dataclasses.replace(case, kv_pages=pool)
+
+
+def assert_quantized_matches(float_case: Case, quant_case: Case, out, **attn_kwargs) -> float:
+    """Checks a quantized kernel's ``out`` two ways and returns its relative error.
+
+    * against the reference on the dequantized pool, at the float32 tolerance (the kernel
+      computes exactly what the format stores);
+    * against the reference on the original float pool, within the format's
+      :data:`QUANT_ERROR_BOUNDS` (the quantization error is what the format promises).
+    """
+    from pallas_kernels import paged_attention_reference
+    from pallas_kernels.kv_format import relative_error
+
+    assert_matches_reference(quant_case, out, **attn_kwargs)
+    exact = paged_attention_reference(*float_case.args(), layer=float_case.layer, **attn_kwargs)
+    live = int(np.asarray(float_case.cu_q_lens)[int(float_case.num_seqs[0])])
+    err = relative_error(out[:live], exact[:live])
+    bound = QUANT_ERROR_BOUNDS[quant_case.kv_pages.format.quant]
+    assert err <= bound, f"relative error {err:.4f} > {bound} for {quant_case.kv_pages.format}"
+    return err
