@@ -40,10 +40,13 @@ def model(seed: int = 0) -> Transformer:
 
 
 def make_engine(*, scheduler: SchedulerConfig = SCHEDULER, host_bytes: int = 0, disk_dir=None,
-                disk_bytes: int = 0, seed: int = 0, **engine_kwargs) -> Engine:  # fmt: skip
-    """An engine over a KVCache (device only unless ``host_bytes``), on the shared shapes."""
+                disk_bytes: int = 0, seed: int = 0, kv_quant: str | None = None, kv_scale: str = "token",
+                **engine_kwargs) -> Engine:  # fmt: skip
+    """An engine over a KVCache (device only unless ``host_bytes``), on the shared shapes;
+    ``kv_quant`` / ``kv_scale`` pick the pool's page format."""
     metrics = Metrics()
-    config = KVCacheConfig(pool=pool_config(MODEL, PAGE, BLOCKS), host_bytes=host_bytes, disk_dir=disk_dir,
+    pool = pool_config(MODEL, PAGE, BLOCKS, kv_quant=kv_quant, kv_scale=kv_scale)
+    config = KVCacheConfig(pool=pool, host_bytes=host_bytes, disk_dir=disk_dir,
                            disk_bytes=disk_bytes, vocab_size=MODEL.vocab_size, cost_model=FETCH_ALWAYS)  # fmt: skip
     cache = KVCache(config, metrics=CacheMetricsView(metrics))
     engine_config = engine_kwargs.pop("config", EngineConfig(max_model_len=MAX_LEN, token_buckets=BUCKETS))
