@@ -17,6 +17,7 @@ from kvjax.sampling import SamplingParams
 from kvjax.scheduler import Scheduler, SchedulerConfig
 from kvjax.tokenizer import ByteTokenizer, as_tokenizer
 from kvjax.workload import WorkloadSpec, build_workload, drive
+from pallas_kernels.kv_format import KVFormat, QuantizedPages
 
 __all__ = [
     "ByteTokenizer",
@@ -28,12 +29,14 @@ __all__ = [
     "FinishEvent",
     "KVCache",
     "KVCacheConfig",
+    "KVFormat",
     "Metrics",
     "ModelConfig",
     "Namespace",
     "PagePool",
     "PoolConfig",
     "PrefixCache",
+    "QuantizedPages",
     "Request",
     "RunSummary",
     "SamplingParams",

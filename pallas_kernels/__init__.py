@@ -2,6 +2,7 @@
 
 from pallas_kernels.backend import IMPLS, resolve_impl
 from pallas_kernels.block_copy import gather_blocks, scatter_blocks
+from pallas_kernels.kv_format import FORMATS, KVFormat, QuantizedPages
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.reference import (
@@ -14,6 +15,9 @@ from pallas_kernels.validation import check_paged_attention_metadata, check_slot
 from pallas_kernels.validation import check_block_ids
 
 __all__ = [
+    "FORMATS",
+    "KVFormat",
+    "QuantizedPages",
     "IMPLS",
     "resolve_impl",
     "paged_attention",
