@@ -27,6 +27,7 @@ from kvjax.demo_kernels import kernel_checks
 from kvjax.demo_report import ProgressLine, headline, plot_ttft
 from kvjax.engine import Engine
 from kvjax.workload import Session, WorkloadResult, WorkloadSpec, build_workload, drive
+from pallas_kernels.kv_format import FORMATS, GRANULARITIES
 
 __all__ = ["DemoResult", "add_subcommand", "run_demo"]
 
@@ -68,6 +69,10 @@ def run_demo(out=sys.stdout, *, preset: str = "tiny", spec: WorkloadSpec | None 
     engines = {name: Engine.from_preset(preset, tiers=tiers, **engine_overrides) for name in ("cached", "uncached")}
     start = time.perf_counter()
     compiled = sum(engine.runner.warmup() for engine in engines.values())
+    pool_cfg = engines["cached"].pool.config
+    print(f"page pool: {pool_cfg.num_blocks} blocks of {pool_cfg.page_size} tokens, pages stored as "
+          f"{pool_cfg.kv_format.name() if pool_cfg.kv_quant else pool_cfg.dtype}, "
+          f"{pool_cfg.bytes_per_block} bytes per block", file=out)  # fmt: skip
     print(f"warm-up: {compiled} compilations of the model step (token buckets "
           f"{engines['cached'].runner.token_buckets}) in {time.perf_counter() - start:.1f}s", file=out)
     num_requests = sum(len(s.turns) for s in sessions)
@@ -100,6 +105,10 @@ def add_subcommand(subparsers) -> None:
                         help="first check the kernels against their references (adds ~10-20s on CPU)")
     parser.add_argument("--tiers", action="store_true",
                         help="keep the preset's host/disk tiers below the device pool")
+    parser.add_argument("--kv-quant", default=None, choices=["none", *FORMATS],
+                        help="store pages quantized in both runs (default: the preset's [cache] kv_quant)")
+    parser.add_argument("--kv-scale", default=None, choices=list(GRANULARITIES),
+                        help="quantization scales per token or per page (default: the preset's)")
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="do not keep compiled steps in ~/.cache/kvjax/jax between runs")  # fmt: skip
     parser.set_defaults(func=_main)
@@ -108,8 +117,11 @@ def add_subcommand(subparsers) -> None:
 def _main(args: argparse.Namespace) -> int:
     if not args.no_compile_cache:
         _enable_compile_cache()
+    cache_options = {key: value for key, value in (("kv_quant", args.kv_quant), ("kv_scale", args.kv_scale))
+                     if value is not None}  # fmt: skip
     result = run_demo(preset=args.preset, plot_path=None if args.no_plot else args.plot,
-                      with_kernel_checks=args.kernel_checks, tiers=args.tiers)  # fmt: skip
+                      with_kernel_checks=args.kernel_checks, tiers=args.tiers,
+                      cache_options=cache_options or None)  # fmt: skip
     return 0 if result.ok else 1
 
 

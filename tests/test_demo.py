@@ -53,8 +53,25 @@ def test_demo_command_lists_its_options(capsys):
         main(["demo", "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    for option in ("--plot", "--no-plot", "--tiers", "--kernel-checks", "--no-compile-cache"):
+    for option in ("--plot", "--no-plot", "--tiers", "--kernel-checks", "--no-compile-cache", "--kv-quant",
+                   "--kv-scale"):
         assert option in help_text
+
+
+def test_demo_with_quantized_pages_still_matches_itself(small_preset):
+    out = io.StringIO()
+    result = run_demo(out, preset=small_preset, spec=SPEC, plot_path=None, progress=None,
+                      cache_options={"kv_quant": "int8", "kv_scale": "page"})
+    text = out.getvalue()
+    assert "pages stored as int8/page" in text
+    assert result.identical and result.ok, text
+
+
+def test_demo_rejects_an_unknown_page_format(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--kv-quant", "int4"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
 
 
 def test_kernel_checks_pass_and_are_reported():
