@@ -29,6 +29,22 @@ NaN safety: unowned pages, slots past ``seq_len`` and table entries past a seque
 may hold anything. Table entries past the last page are replaced by block 0 before any load,
 logits of invisible keys become ``-inf`` (so NaN keys drop out) and V rows at or past
 ``seq_len`` are zeroed (``0 * NaN`` would still poison the sum).
+
+Quantized pools (:class:`~pallas_kernels.kv_format.QuantizedPages`, int8 / fp8 data with
+float32 scales per token or per page): the kernel loads the quantized tiles (the bytes decode
+is bound by) and the step's scales, ``[pages, page_size or 1]`` per page id. The tiles are
+converted to the query's dtype *without* their scales and the dots run on the tensor cores
+as for a bfloat16 pool: every int8 and fp8 value is exactly a bfloat16 (and float16 and
+float32) value, so the conversion loses nothing, while a float32 dot of dequantized tiles
+would run on the FMA units (or as TF32 at half the bfloat16 rate, with tiles twice as large in
+registers) and make the small decode dots, not the bytes, the bound. The scales are applied
+outside the dots, in float32: a K scale multiplies its logit column (folded with
+``sm_scale``, so no more multiplies than the float path) and a V scale its probability column
+before the ``p . v`` dot; a per-page scale is broadcast over the page's tokens. NaN safety as
+above, plus: V scales past ``seq_len`` are replaced by 0 (a NaN scale times ``p = 0`` is
+NaN), and int8 V tiles skip the zeroing (an int8 value is never NaN). With a float16 query
+``p * v_scale`` could fall below float16's normal range (fp8_e5m2 scales are ~1e-5), so that
+case runs the ``p . v`` dot in float32.
 """
 
 from __future__ import annotations
@@ -41,6 +57,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.kv_format import is_quantized
 
 __all__ = ["paged_attention_gpu"]
 
@@ -74,7 +92,7 @@ _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "Trit
                      "num_stages"))
 def paged_attention_gpu(
     q,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]
+    kv_pages,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim] or QuantizedPages
     block_tables,  # i32[max_num_seqs, pages_per_seq]
     seq_lens,  # i32[max_num_seqs]
     cu_q_lens,  # i32[max_num_seqs + 1]
@@ -272,6 +290,8 @@ def _call_kernel(work, tables, q_rows, kv_pages, plan: _Plan, *, layer, sm_scale
     num_kv_heads, num_rows, head_dim = q_rows.shape
     num_blocks, page_size = kv_pages.shape[0], kv_pages.shape[4]
     splits = plan.num_splits
+    quantized = is_quantized(kv_pages)
+    data = kv_pages.data if quantized else kv_pages
     full = lambda shape: pl.BlockSpec(shape, lambda w, h, k: (0,) * len(shape))
     # The pool goes in twice, as K and as V of one layer and KV head: each ref is then a
     # [num_blocks, page_size, head_dim] stack of contiguous tiles that a page id gathers from.
@@ -285,6 +305,14 @@ def _call_kernel(work, tables, q_rows, kv_pages, plan: _Plan, *, layer, sm_scale
         pages_spec(0),
         pages_spec(1),
     ]
+    operands = [work, tables, q_rows, data, data]
+    if quantized:
+        # Likewise the scales: K's and V's [num_blocks, page_size or 1] of the layer and head.
+        scales_spec = lambda kv: pl.BlockSpec(
+            (num_blocks, None, None, None, kv_pages.scales.shape[-1]),
+            lambda w, h, k: (0, layer, kv, h, 0))
+        in_specs += [scales_spec(0), scales_spec(1)]
+        operands += [kv_pages.scales, kv_pages.scales]
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)]
         out_specs = [pl.BlockSpec((None, num_rows, head_dim), lambda w, h, k: (h, 0, 0))]
@@ -297,7 +325,8 @@ def _call_kernel(work, tables, q_rows, kv_pages, plan: _Plan, *, layer, sm_scale
                      pl.BlockSpec((None, None, num_rows), lambda w, h, k: (k, h, 0)),
                      pl.BlockSpec((None, None, num_rows), lambda w, h, k: (k, h, 0))]
     kernel = functools.partial(
-        _kernel, plan=plan, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        _kernel, plan=plan, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        quantized=quantized)
     return pl.pallas_call(
         kernel,
         grid=(plan.num_work, num_kv_heads, splits),
@@ -307,7 +336,7 @@ def _call_kernel(work, tables, q_rows, kv_pages, plan: _Plan, *, layer, sm_scale
         interpret=interpret,
         compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="kvjax_ragged_paged_attention",
-    )(work, tables, q_rows, kv_pages, kv_pages)
+    )(*operands)
 
 
 def _kernel(
@@ -316,12 +345,15 @@ def _kernel(
     q_ref,  # [num_tokens * group_pad, head_dim] of this KV head
     k_ref,  # [num_blocks, page_size, head_dim] of this layer and KV head
     v_ref,  # [num_blocks, page_size, head_dim]
-    *out_refs,  # out [rows, d], or partial acc [rows, d], m [rows], l [rows]
+    *refs,  # [quantized: K, V scales f32[num_blocks, page_size or 1]], then the outputs:
+    #        out [rows, d], or partial acc [rows, d], m [rows], l [rows]
     plan: _Plan,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    quantized: bool,
 ):
+    scale_refs, out_refs = (refs[:2], refs[2:]) if quantized else ((), refs)
     w, split = pl.program_id(0), pl.program_id(2)
     seq, first_row, n_tokens = work_ref[w, 0], work_ref[w, 1], work_ref[w, 2]
     first_pos, kv_len = work_ref[w, 3], work_ref[w, 4]
@@ -348,7 +380,8 @@ def _kernel(
 
     step = functools.partial(
         _attend_step, q=q, row_pos=row_pos, seq=seq, kv_len=kv_len, page_lo=page_lo,
-        tables_ref=tables_ref, k_ref=k_ref, v_ref=v_ref, plan=plan, sm_scale=sm_scale,
+        tables_ref=tables_ref, k_ref=k_ref, v_ref=v_ref, scale_refs=scale_refs, plan=plan,
+        sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap)
     init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
@@ -366,7 +399,7 @@ def _kernel(
 
 
 def _attend_step(i, carry, *, q, row_pos, seq, kv_len, page_lo, tables_ref, k_ref, v_ref,
-                 plan: _Plan, sm_scale, sliding_window, soft_cap):
+                 scale_refs, plan: _Plan, sm_scale, sliding_window, soft_cap):
     """One online-softmax step over ``pages_per_block`` pages starting at step ``i``."""
     m, l, acc = carry
     ps, pps = plan.page_size, plan.pages_per_block
@@ -380,10 +413,18 @@ def _attend_step(i, carry, *, q, row_pos, seq, kv_len, page_lo, tables_ref, k_re
     k = k_ref[page_ids].reshape(block_k, head_dim)
     v = v_ref[page_ids].reshape(block_k, head_dim)
     key_pos = first_page * ps + lax.iota(jnp.int32, block_k)
+    in_seq = key_pos < kv_len
 
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32) * sm_scale
+    column_scale, v_scale, pv_dtype = sm_scale, None, v.dtype
+    zero_v = True
+    if scale_refs:  # quantized tiles: see the module docstring for the dtypes and scales
+        k_scale, v_scale = (_key_scales(ref, page_ids, plan) for ref in scale_refs)
+        zero_v = not jnp.issubdtype(v.dtype, jnp.integer)  # fp8 slots may hold NaN
+        pv_dtype = jnp.float32 if q.dtype == jnp.float16 else q.dtype
+        k, v = k.astype(q.dtype), v.astype(pv_dtype)  # exact, unscaled
+        column_scale = (k_scale * sm_scale)[None, :]
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype),
+                             preferred_element_type=jnp.float32) * column_scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     visible = key_pos[None, :] <= row_pos[:, None]
@@ -397,10 +438,26 @@ def _attend_step(i, carry, *, q, row_pos, seq, kv_len, page_lo, tables_ref, k_re
     p = jnp.exp(logits - shift[:, None])
     alpha = jnp.exp(m - shift)
     l = l * alpha + p.sum(axis=1)
-    v = jnp.where((key_pos < kv_len)[:, None], v, jnp.zeros_like(v))
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
+    if zero_v:
+        v = jnp.where(in_seq[:, None], v, jnp.zeros_like(v))
+    p_v = p
+    if v_scale is not None:  # where, not a product: a NaN scale past kv_len times 0 is NaN
+        p_v = p * jnp.where(in_seq, v_scale, 0.0)[None, :]
+    pv = lax.dot_general(p_v.astype(pv_dtype), v, (((1,), (0,)), ((), ())),
+                         precision=_precision(pv_dtype), preferred_element_type=jnp.float32)
     return m_new, l, acc * alpha[:, None] + pv
+
+
+def _key_scales(scale_ref, page_ids, plan: _Plan):
+    """float32[block_k]: each key's scale; a per-page scale is broadcast over its page."""
+    scales = scale_ref[page_ids]  # [pages_per_block, page_size or 1]
+    full = jnp.broadcast_to(scales, (plan.pages_per_block, plan.page_size))
+    return full.reshape(plan.pages_per_block * plan.page_size)
+
+
+def _precision(dtype):
+    # float32 operands get IEEE dots; TF32 would round them to 10 mantissa bits.
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def _is_pow2(n: int) -> bool:
