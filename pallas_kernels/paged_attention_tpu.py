@@ -23,9 +23,24 @@ How the work is laid out:
   unowned pages, tail slots or stale buffer contents never reaches the output. Rows of padding
   tokens keep a zero denominator and come out as exactly 0.
 
-TPU constraints (checked at trace time): ``head_dim`` a multiple of 128 (lanes), ``page_size``
-a multiple of the dtype's sublane tile (8 for float32, 16 for bfloat16), float32 or bfloat16
-(TPU vector units have no float16 arithmetic).
+Quantized pages (:class:`~pallas_kernels.kv_format.QuantizedPages`: int8 / float8 data, float32
+scales) cross HBM as stored: a page's tile and its ``[2, num_kv_heads, page_size or 1]`` scales
+are two DMAs into their own double-buffered VMEM slots and semaphores. In VMEM the tiles become
+q's dtype (exactly: int8 and fp8 values are all bfloat16 values) and the scales go where they
+cost least: K's onto the columns of the ``[rows, cols]`` logits, V's onto the probabilities.
+A NaN K scale (unwritten slot, unowned page) only reaches a logit the mask drops; V scales
+past the last visible position are zeroed before they meet the probabilities, and so are
+float8 V rows (int8 holds no NaN).
+
+TPU constraints (:func:`check_tpu_layout`, at trace time): ``head_dim`` a multiple of 128
+(lanes); q float32 or bfloat16 (no float16 VPU arithmetic); ``page_size`` a multiple of the
+pages' sublane tile: 8 rows for float32, 16 for bfloat16, 32 for int8 and fp8 (a tile row is
+32 bits, so 8-bit tiles are (32, 128)), which keeps a head's page whole tiles and makes the
+``[pages, page_size, head_dim] -> [cols, head_dim]`` merge free. Scales need no alignment of
+their own: each DMA and load takes a page's whole ``[2, num_kv_heads, page_size or 1]``
+(padded to (8, 128) tiles in VMEM); a head's row is picked by a sublane select (a dynamic
+sublane offset would have to be tile-aligned) and a run's per-token rows are concatenated
+along lanes (unaligned below 128-token pages, which Mosaic's concatenate handles by masking).
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.copy_common import tpu_interpret_mode
+from pallas_kernels.kv_format import FORMATS, is_quantized
 
 __all__ = ["paged_attention_tpu", "check_tpu_layout"]
 
@@ -56,7 +72,7 @@ _DEFAULT_VMEM_LIMIT = 16 * 1024 * 1024
 
 def paged_attention_tpu(
     q,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]
+    kv_pages,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim], or QuantizedPages
     block_tables,  # i32[max_num_seqs, pages_per_seq]
     seq_lens,  # i32[max_num_seqs]
     cu_q_lens,  # i32[max_num_seqs + 1]
@@ -84,8 +100,10 @@ def paged_attention_tpu(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // kv_pages.shape[3]
+    scales_dim = kv_pages.scales.shape[-1] if is_quantized(kv_pages) else None
     check_tpu_layout(q.dtype, page_size=kv_pages.shape[4], head_dim=head_dim, group=group,
-                     block_q=block_q, pages_per_block=pages_per_block)
+                     block_q=block_q, pages_per_block=pages_per_block,
+                     pages_dtype=kv_pages.dtype, scales_dim=scales_dim)
     if num_tokens == 0:
         return jnp.zeros_like(q)
     if block_q is None:
@@ -103,26 +121,48 @@ def paged_attention_tpu(
 
 
 def check_tpu_layout(dtype, *, page_size: int, head_dim: int, group: int,
-                     block_q: int | None = None, pages_per_block: int | None = None) -> None:
-    """Raises ``ValueError`` for shapes or dtypes the TPU kernel's VMEM tiling cannot take."""
+                     block_q: int | None = None, pages_per_block: int | None = None,
+                     pages_dtype=None, scales_dim: int | None = None) -> None:
+    """Raises ``ValueError`` for shapes or dtypes the TPU kernel's VMEM tiling cannot take.
+
+    ``dtype`` is q's; ``pages_dtype`` the pool's (default: q's), and for a quantized pool
+    ``scales_dim`` is the last dim of its scales (``page_size`` or 1).
+    """
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(
             f"dtype={dtype} is not supported by the TPU kernel: expected float32 or bfloat16 "
             "(Mosaic lacks float16 on most TPU generations); use impl='xla' for float16")
-    tile = _sublane_tile(dtype)
+    pages_dtype = dtype if pages_dtype is None else jnp.dtype(pages_dtype)
+    if scales_dim is not None:
+        _check_quantized_layout(pages_dtype, page_size=page_size, scales_dim=scales_dim)
+    elif pages_dtype != dtype:
+        raise ValueError(f"pages dtype={pages_dtype} must equal q dtype={dtype} (a quantized "
+                         "pool is passed as QuantizedPages(data, scales))")
+    tile = _sublane_tile(pages_dtype)
     if page_size % tile:
         raise ValueError(
-            f"{page_size=} must be a multiple of {tile} for {dtype} on TPU (one page is a "
-            "[page_size, head_dim] VMEM tile of sublanes x lanes)")
+            f"{page_size=} must be a multiple of {tile} for {pages_dtype} pages on TPU (one "
+            f"page of a head is whole [{tile}, 128] VMEM tiles of sublanes x lanes)")
     if head_dim % _LANES:
         raise ValueError(f"{head_dim=} must be a multiple of {_LANES} (TPU lanes) on TPU")
-    if block_q is not None and (block_q < 1 or (block_q * group) % tile):
+    q_tile = _sublane_tile(dtype)
+    if block_q is not None and (block_q < 1 or (block_q * group) % q_tile):
         raise ValueError(
-            f"{block_q=} must be positive with block_q * group ({group=}) a multiple of {tile} "
-            f"for {dtype}")
+            f"{block_q=} must be positive with block_q * group ({group=}) a multiple of "
+            f"{q_tile} for {dtype}")
     if pages_per_block is not None and pages_per_block < 1:
         raise ValueError(f"{pages_per_block=} must be a positive number of pages")
+
+
+def _check_quantized_layout(pages_dtype, *, page_size: int, scales_dim: int) -> None:
+    if pages_dtype not in [spec.dtype for spec in FORMATS.values()]:
+        raise ValueError(
+            f"quantized pages of dtype={pages_dtype} are not supported by the TPU kernel: "
+            f"expected one of {[str(spec.dtype) for spec in FORMATS.values()]}")
+    if scales_dim not in (page_size, 1):
+        raise ValueError(
+            f"scales last dim={scales_dim} must be {page_size=} (per token) or 1 (per page)")
 
 
 @functools.partial(
@@ -146,21 +186,24 @@ def _paged_attention_tpu(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seq
         _attention_kernel, layer=layer, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, block_q=block_q, group=group, pages_per_seq=block_tables.shape[1])
     q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
-    kv_buf_shape = (2, pages_per_block, 2, num_kv_heads, page_size, head_dim)
+    # The pool's arrays: the pages, and for a quantized pool their scales beside them. Each
+    # gets two VMEM slots of pages_per_block pages and a DMA semaphore per slot.
+    pool = (kv_pages.data, kv_pages.scales) if is_quantized(kv_pages) else (kv_pages,)
+    bufs = tuple(pltpu.VMEM((2, pages_per_block) + leaf.shape[2:], leaf.dtype) for leaf in pool)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(num_q_blocks,),
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[q_spec, tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in pool)],
         out_specs=q_spec,
         scratch_shapes=[
-            pltpu.VMEM(kv_buf_shape, kv_pages.dtype),  # two slots of pages_per_block pages
-            pltpu.SemaphoreType.DMA((2,)),  # one per slot
+            bufs,
+            tuple(pltpu.SemaphoreType.DMA((2,)) for _ in pool),
             pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # running max, lane-copied
             pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # running denominator
             pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # accumulator
         ])
     if vmem_limit_bytes is None:
-        vmem_limit_bytes = _vmem_limit(q.dtype, kv_buf_shape, num_kv_heads, rows, head_dim)
+        vmem_limit_bytes = _vmem_limit(q.dtype, bufs, num_kv_heads, rows, head_dim)
     out_rows = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -168,7 +211,7 @@ def _paged_attention_tpu(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seq
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
-    )(seq_bounds, block_tables.reshape(-1), seq_lens, cu_q_lens, q_rows, kv_pages)
+    )(seq_bounds, block_tables.reshape(-1), seq_lens, cu_q_lens, q_rows, pool)
     out = out_rows.reshape(num_kv_heads, num_q_blocks * block_q, group, head_dim)
     return out.transpose(1, 0, 2, 3)[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
 
@@ -191,10 +234,12 @@ def _attention_kernel(
     lens_ref,  # i32[max_num_seqs] (SMEM)
     cu_ref,  # i32[max_num_seqs + 1] (SMEM)
     q_ref,  # [num_kv_heads, rows, head_dim] (VMEM), rows = block_q * group
-    kv_hbm_ref,  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim] (HBM)
+    pool_refs,  # (pages[, scales]) (HBM):
+    #   pages  [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]
+    #   scales f32[num_blocks, num_layers, 2, num_kv_heads, page_size or 1] (quantized pools)
     out_ref,  # [num_kv_heads, rows, head_dim] (VMEM)
-    kv_buf,  # [2, pages_per_block, 2, num_kv_heads, page_size, head_dim] (VMEM)
-    sems,  # DMA[2]
+    bufs,  # (pages[, scales]) (VMEM), each [2 slots, pages_per_block] + a page's shape
+    sems,  # (DMA[2][, DMA[2]]): one per slot and pool array
     m_ref,  # f32[num_kv_heads, rows, 128]
     l_ref,  # f32[num_kv_heads, rows, 128]
     acc_ref,  # f32[num_kv_heads, rows, head_dim]
@@ -204,13 +249,13 @@ def _attention_kernel(
     flight while the current one is computed, then writes every KV head's rows."""
     block = pl.program_id(0)
     first_token = block * block_q
-    page_size, pages_per_block = kv_buf.shape[4], kv_buf.shape[1]
+    page_size, pages_per_block = bufs[0].shape[4], bufs[0].shape[1]
     span_of = functools.partial(
         _span, cu_ref, lens_ref, first_token=first_token, block_q=block_q, page_size=page_size,
         sliding_window=sliding_window)
 
     each_page_copy = functools.partial(
-        _each_page_copy, tables_ref, kv_hbm_ref, kv_buf, sems, layer=layer,
+        _each_page_copy, tables_ref, pool_refs, bufs, sems, layer=layer,
         pages_per_seq=pages_per_seq)
 
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
@@ -239,7 +284,7 @@ def _attention_kernel(
 
         @pl.when(span.active)
         def _():
-            _attend(q_ref, kv_buf.at[slot], m_ref, l_ref, acc_ref, span, page0,
+            _attend(q_ref, [buf.at[slot] for buf in bufs], m_ref, l_ref, acc_ref, span, page0,
                     first_token=first_token, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
                     sliding_window=sliding_window)
 
@@ -253,9 +298,10 @@ def _attention_kernel(
         out_ref.dtype)
 
 
-def _each_page_copy(tables_ref, kv_hbm_ref, kv_buf, sems, span: _Span, page0, slot, action,
+def _each_page_copy(tables_ref, pool_refs, bufs, sems, span: _Span, page0, slot, action,
                     *, layer, pages_per_seq):
-    """Starts (or waits for) the DMA of each page of one item into page slot ``slot``.
+    """Starts (or waits for) the DMAs of each page of one item (its tile, and its scales in a
+    quantized pool) into page slot ``slot``.
 
     Only pages the block can see are fetched; the other positions of the slot keep stale data
     that the masks in :func:`_attend` never let through.
@@ -267,14 +313,15 @@ def _each_page_copy(tables_ref, kv_hbm_ref, kv_buf, sems, span: _Span, page0, sl
         def _():
             col = span.seq * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)
             # Clamped so a bad table entry cannot send a DMA outside the pool.
-            block_id = jnp.clip(tables_ref[col], 0, kv_hbm_ref.shape[0] - 1)
-            copy = pltpu.make_async_copy(
-                kv_hbm_ref.at[block_id, layer], kv_buf.at[slot, j], sems.at[slot])
-            getattr(copy, action)()
+            block_id = jnp.clip(tables_ref[col], 0, pool_refs[0].shape[0] - 1)
+            for hbm, buf, sem in zip(pool_refs, bufs, sems):
+                copy = pltpu.make_async_copy(hbm.at[block_id, layer], buf.at[slot, j],
+                                             sem.at[slot])
+                getattr(copy, action)()
 
         return carry
 
-    lax.fori_loop(0, kv_buf.shape[1], page_copy, None)
+    lax.fori_loop(0, bufs[0].shape[1], page_copy, None)
 
 
 def _span(cu_ref, lens_ref, seq, *, first_token, block_q, page_size, sliding_window) -> _Span:
@@ -293,10 +340,12 @@ def _span(cu_ref, lens_ref, seq, *, first_token, block_q, page_size, sliding_win
     return _Span(seq, q_start, q_end, offset, active, pos_hi, page_lo, page_hi)
 
 
-def _attend(q_ref, kv_slot, m_ref, l_ref, acc_ref, span: _Span, page0, *, first_token, group,
+def _attend(q_ref, slot_refs, m_ref, l_ref, acc_ref, span: _Span, page0, *, first_token, group,
             sm_scale, soft_cap, sliding_window):
     """Folds one item (a sequence, a run of its pages) into every KV head's running softmax."""
     num_kv_heads, rows, head_dim = q_ref.shape
+    kv_slot = slot_refs[0]  # [pages_per_block, 2, num_kv_heads, page_size, head_dim]
+    scale_slot = slot_refs[1] if len(slot_refs) > 1 else None  # [.., num_kv_heads, page or 1]
     pages_per_block, page_size = kv_slot.shape[0], kv_slot.shape[3]
     cols = pages_per_block * page_size
     row_ids = lax.broadcasted_iota(jnp.int32, (rows, cols), 0)
@@ -309,25 +358,39 @@ def _attend(q_ref, kv_slot, m_ref, l_ref, acc_ref, span: _Span, page0, *, first_
     # V rows no token here can see are zeroed: 0 * NaN would otherwise poison the sum.
     v_pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (cols, head_dim), 0)
     v_valid = v_pos <= span.pos_hi
+    col_valid = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, cols), 1) <= span.pos_hi
+    compute = q_ref.dtype
 
     def head(h, carry):
-        k = kv_slot[:, 0, h].reshape(cols, head_dim)
+        k = _converted(kv_slot[:, 0, h].reshape(cols, head_dim), compute)
         v = kv_slot[:, 1, h].reshape(cols, head_dim)
-        # Select in float32: older TPUs have no bfloat16 VPU ops.
-        v = jnp.where(v_valid, v.astype(jnp.float32), 0.0).astype(v.dtype)
+        if jnp.issubdtype(v.dtype, jnp.floating):
+            # Select in float32: older TPUs have no bfloat16 VPU ops.
+            v = jnp.where(v_valid, v.astype(jnp.float32), 0.0)
+        v = _converted(v, compute)  # int8 holds no NaN: its zero V scales are enough
+        k_cols = v_cols = None
+        if scale_slot is not None:
+            k_cols = _column_scales(scale_slot, 0, h, page_size)
+            v_cols = jnp.where(col_valid, _column_scales(scale_slot, 1, h, page_size), 0.0)
         _online_softmax_step(q_ref[h], k, v, visible, m_ref.at[h], l_ref.at[h], acc_ref.at[h],
-                             sm_scale=sm_scale, soft_cap=soft_cap)
+                             sm_scale=sm_scale, soft_cap=soft_cap, k_cols=k_cols, v_cols=v_cols)
         return carry
 
     lax.fori_loop(0, num_kv_heads, head, None)
 
 
-def _online_softmax_step(q, k, v, visible, m_ref, l_ref, acc_ref, *, sm_scale, soft_cap):
-    """One flash-attention update of ``[rows, cols]`` logits; statistics stay in float32."""
+def _online_softmax_step(q, k, v, visible, m_ref, l_ref, acc_ref, *, sm_scale, soft_cap,
+                         k_cols=None, v_cols=None):
+    """One flash-attention update of ``[rows, cols]`` logits; statistics stay in float32.
+
+    ``k_cols`` / ``v_cols`` (f32[1, cols]) are the dequantization scales of K's and V's
+    columns, applied to the logits and to the probabilities.
+    """
     # float32 inputs would otherwise be rounded to bfloat16 passes on the MXU.
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32) * sm_scale
+                             preferred_element_type=jnp.float32)
+    logits = logits * (sm_scale if k_cols is None else sm_scale * k_cols)
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     logits = jnp.where(visible, logits, -jnp.inf)  # also drops NaN read from unowned slots
@@ -340,10 +403,32 @@ def _online_softmax_step(q, k, v, visible, m_ref, l_ref, acc_ref, *, sm_scale, s
     beta = jnp.exp(m_block - shift)  # rescales this block's p, taken relative to m_block
     m_ref[...] = m_new
     l_ref[...] = alpha * l_ref[...] + beta * p.sum(axis=1, keepdims=True)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+    p_v = p if v_cols is None else p * v_cols
+    pv = lax.dot_general(p_v.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
     head_dim = acc_ref.shape[1]
     acc_ref[...] = _lanes(alpha, head_dim) * acc_ref[...] + _lanes(beta, head_dim) * pv
+
+
+def _converted(x, dtype):
+    """``x`` in ``dtype``; 8-bit pages go through float32, which every TPU converts from."""
+    if x.dtype == dtype:
+        return x
+    return x.astype(jnp.float32).astype(dtype)
+
+
+def _column_scales(scale_slot, kv: int, h, page_size: int):
+    """f32[1, pages * page_size]: the scale of each column (KV slot) of head ``h``'s K or V.
+
+    ``scale_slot`` is ``[pages, 2, num_kv_heads, page_size or 1]`` with the heads on sublanes:
+    a head is picked by a select and a sublane sum (a dynamic sublane index would need a
+    tile-aligned offset), then each page's lanes are laid side by side.
+    """
+    scales = scale_slot[:, kv]  # [pages, num_kv_heads, page_size or 1]
+    heads = lax.broadcasted_iota(jnp.int32, scales.shape, 1)
+    scales = jnp.sum(jnp.where(heads == h, scales, 0.0), axis=1, keepdims=True)
+    pieces = [jnp.broadcast_to(scales[j], (1, page_size)) for j in range(scales.shape[0])]
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
 
 
 def _finite_or_zero(x):
@@ -375,11 +460,20 @@ def _default_block_q(num_tokens: int, group: int, tile: int) -> int:
     return min(block_q, -(-num_tokens // align) * align)
 
 
-def _vmem_limit(dtype, kv_buf_shape, num_kv_heads, rows, head_dim) -> int | None:
+def _vmem_limit(dtype, bufs, num_kv_heads, rows, head_dim) -> int | None:
     """A scoped VMEM limit when the default would be too small, else None (keep the default)."""
     itemsize = jnp.dtype(dtype).itemsize
-    need = (math.prod(kv_buf_shape) * itemsize  # both page slots
+    cols = bufs[0].shape[1] * bufs[0].shape[4]
+    need = (sum(_padded_bytes(buf.shape, buf.dtype) for buf in bufs)  # page (and scale) slots
             + 4 * num_kv_heads * rows * head_dim * itemsize  # q and out blocks, double-buffered
             + num_kv_heads * rows * (2 * _LANES + head_dim) * 4  # m, l, acc
-            + 4 * rows * kv_buf_shape[1] * kv_buf_shape[4] * 4)  # logits-sized temporaries
+            + 4 * rows * cols * 4  # logits-sized temporaries
+            + 2 * cols * head_dim * 4 * (len(bufs) - 1))  # dequantized K and V tiles
     return None if need * 5 // 4 <= _DEFAULT_VMEM_LIMIT else need * 3 // 2
+
+
+def _padded_bytes(shape, dtype) -> int:
+    """VMEM bytes of an array whose last two dims are padded to whole (tile, 128) tiles."""
+    tile = _sublane_tile(dtype)
+    rows, lanes = -(-shape[-2] // tile) * tile, -(-shape[-1] // _LANES) * _LANES
+    return math.prod(shape[:-2]) * rows * lanes * jnp.dtype(dtype).itemsize
