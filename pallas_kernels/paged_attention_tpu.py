@@ -35,8 +35,9 @@ float8 V rows (int8 holds no NaN).
 TPU constraints (:func:`check_tpu_layout`, at trace time): ``head_dim`` a multiple of 128
 (lanes); q float32 or bfloat16 (no float16 VPU arithmetic); ``page_size`` a multiple of the
 pages' sublane tile: 8 rows for float32, 16 for bfloat16, 32 for int8 and fp8 (a sublane
-holds 32-bit words, so four 8-bit rows pack into one: 8-bit tiles are (32, 128)), which keeps a head's page whole tiles and makes the
-``[pages, page_size, head_dim] -> [cols, head_dim]`` merge free. Scales need no alignment of
+holds 32-bit words, so four 8-bit rows pack into one: 8-bit tiles are (32, 128)). Then a
+head's page is whole tiles and the ``[pages, page_size, head_dim] -> [cols, head_dim]`` merge
+is free. Scales need no alignment of
 their own: each DMA and load takes a page's whole ``[2, num_kv_heads, page_size or 1]``
 (padded to (8, 128) tiles in VMEM); a head's row is picked by a sublane select (a dynamic
 sublane offset would have to be tile-aligned) and a run's per-token rows are concatenated
