@@ -12,6 +12,15 @@ Timing: compile and two warm-up calls, then ``--rounds`` rounds of ``n`` back-to
 (``n`` sized to ~20 ms), each round ended by ``block_until_ready``; the median per-call time is
 reported. Back-to-back dispatch hides Python overhead only when a call takes longer than its
 dispatch, so the smallest cases overstate kernel time.
+
+Quantized decode (``--quant`` adds it first, ``--quant-only`` runs only it): at the same shapes,
+the paged kernel on the ``--dtype`` pool against int8 / fp8_e4m3 pools (per-token and per-page
+scales, made from that pool): time, bytes read per second (quantized pages plus their scales),
+decode tokens per second (one layer), the speed-up over ``--dtype`` and the relative error
+norm of the output against the ``--dtype`` kernel's (the quantization error; a broken kernel
+shows as ~100%). The issue's goal: >= 1.6x the bfloat16 decode throughput at ctx >= 4k.
+
+    python benchmarks/bench_paged_attention.py --quant-only --out gpu_results/bench_quant.json
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from pallas_kernels import paged_attention  # noqa: E402
+from pallas_kernels.kv_format import KVFormat, quantize_pool, relative_error  # noqa: E402
 
 DECODE_BATCHES = (8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (512, 2048, 4096, 8192, 32768)
@@ -47,6 +57,15 @@ _PREFILL_VARIANTS = ({}, dict(block_q=32), dict(block_q=32, num_warps=8), dict(n
 SWEEPS = {(64, 8192, 1): _DECODE_VARIANTS, (8, 32768, 1): _DECODE_VARIANTS,
           (4, 2048, 512): _PREFILL_VARIANTS}
 QUICK_SWEEPS = {(8, 1024, 1): _DECODE_VARIANTS[:3], (2, 256, 64): _PREFILL_VARIANTS[:2]}
+# Quantized decode: (batch, context) in order of importance (all in the goal's region), and
+# the pool formats set against the --dtype pool.
+QUANT_CASES = ((64, 4096), (32, 8192), (128, 8192), (32, 32768), (256, 4096))
+QUICK_QUANT_CASES = ((8, 1024), (2, 256))
+QUANT_FORMATS = "int8/token,int8/page,fp8_e4m3/token,fp8_e4m3/page"
+# Tuning probe, first quantized case only, GPU kernel only: the default step holds as many
+# tokens as for bfloat16 (the converted tiles live in registers), i.e. half the bytes in
+# flight; twice the pages with two stages keeps the staged shared memory about the same.
+QUANT_PROBE = dict(pages_per_compute_block=16, num_stages=2)
 
 
 def main() -> None:
@@ -58,33 +77,44 @@ def main() -> None:
         args.max_kv_gib = min(args.max_kv_gib, 0.0625)
         args.dtype = "float32"  # XLA:CPU has no bfloat16 x bfloat16 -> float32 dot
         args.sweeps = QUICK_SWEEPS
+        args.quant_cases = QUICK_QUANT_CASES
     impl = args.impl = args.impl or ("pallas_gpu" if on_gpu else "xla")
     started = time.perf_counter()
     copy_bw = copy_bandwidth(args.copy_mib * 2**20)
-    rows, prefill_rows, sweep_rows, notes, skipped = [], [], [], [], []
-    for kind, case in _jobs(args):
-        if time.perf_counter() - started > args.budget_s:
-            skipped.append(f"{kind} {case}")
-        elif kind == "decode":
-            rows.append(bench_decode(*case, args, impl, on_gpu, copy_bw, notes))
-        elif kind == "sweep":
-            sweep_rows.append(bench_variant(*case, args, impl, copy_bw))
-        else:
-            prefill_rows.append(bench_prefill(*case, args, impl))
-    if skipped:
-        notes.append(f"{len(skipped)} jobs not started, past --budget-s={args.budget_s:g}: "
-                     + "; ".join(skipped))
     report = dict(command=" ".join([pathlib.Path(sys.executable).name] + sys.argv),
                   backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, impl=impl, dtype=args.dtype, copy_gb_s=copy_bw / 1e9,
-                  decode=rows, prefill=prefill_rows, sweep=sweep_rows, notes=notes)
+                  decode=[], prefill=[], sweep=[], quant=[], notes=[])
+    skipped = []
+    for kind, case in _jobs(args):
+        if time.perf_counter() - started > args.budget_s:
+            skipped.append(f"{kind} {case}")
+            continue
+        if kind == "quant":
+            report["quant"] += bench_quant_decode(*case, args, impl, copy_bw)
+        elif kind == "decode":
+            report["decode"].append(bench_decode(*case, args, impl, on_gpu, copy_bw,
+                                                 report["notes"]))
+        elif kind == "sweep":
+            report["sweep"].append(bench_variant(*case, args, impl, copy_bw))
+        else:
+            report["prefill"].append(bench_prefill(*case, args, impl))
+        _write(report, args.out)  # after every job: a step killed by its time limit keeps these
+    if skipped:
+        report["notes"].append(f"{len(skipped)} jobs not started, past --budget-s="
+                               f"{args.budget_s:g}: " + "; ".join(skipped))
+    print(_write(report, args.out))
+
+
+def _write(report, out) -> str:
+    """Writes the JSON report to ``out`` and its markdown beside it; returns the markdown."""
     text = render_markdown(report)
-    print(text)
-    if args.out:
-        out = pathlib.Path(args.out)
+    if out:
+        out = pathlib.Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
         out.with_suffix(".md").write_text(text)
+    return text
 
 
 def _parse_args():
@@ -104,6 +134,12 @@ def _parse_args():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new cases")
     p.add_argument("--sweep", action="store_true", help="also time GPU tuning variants")
+    p.add_argument("--quant", action="store_true", help="quantized decode comparison first")
+    p.add_argument("--quant-only", action="store_true", help="only the quantized comparison")
+    p.add_argument("--quant-formats", type=_formats, default=QUANT_FORMATS,
+                   help="pool formats QUANT/GRANULARITY, comma-separated")
+    p.add_argument("--quant-cases", type=_cases, default=QUANT_CASES,
+                   help="decode shapes BATCHxCTX, comma-separated")
     args = p.parse_args()
     args.prefill = [(4, 512, 2048), (1, 2048, 2048)]  # (chunks, tokens per chunk, context)
     args.sweeps = SWEEPS
@@ -116,15 +152,32 @@ def _ints(text: str):
     return tuple(int(x) for x in text.split(","))
 
 
+def _formats(text: str):
+    try:
+        return tuple(KVFormat(*name.split("/")) for name in text.split(","))
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+
+
+def _cases(text: str):
+    return tuple(tuple(int(n) for n in case.split("x")) for case in text.split(","))
+
+
 def _jobs(args):
-    """In order of importance, so a --budget-s cut drops the least useful: decode cases in the
-    target region (batch >= 32, context >= 4k), prefill, the tuning sweep, other decode cases."""
+    """In order of importance, so a --budget-s cut drops the least useful: the quantized
+    comparison when asked for, decode cases in the target region (batch >= 32, context >= 4k),
+    prefill, the tuning sweep, other decode cases."""
     cases = [(b, c) for b in args.batches for c in args.contexts]
     target = [bc for bc in cases if bc[0] >= 32 and bc[1] >= 4096]
     # The variants are the GPU kernel's knobs; other implementations would ignore them.
     sweep = [("sweep", (*case, v)) for case, variants in args.sweeps.items() for v in variants
              if args.sweep and args.impl == "pallas_gpu"]
-    return ([("decode", bc) for bc in target] + [("prefill", p) for p in args.prefill] + sweep
+    probe = [QUANT_PROBE] if args.impl == "pallas_gpu" else []
+    quant = [("quant", (*bc, [{}] + probe * (i == 0))) for i, bc in enumerate(args.quant_cases)]
+    if args.quant_only:
+        return quant
+    return ((quant if args.quant else []) + [("decode", bc) for bc in target]
+            + [("prefill", p) for p in args.prefill] + sweep
             + [("decode", bc) for bc in cases if bc not in target])
 
 
@@ -296,6 +349,45 @@ def bench_variant(batch, ctx, q_len, variant, args, impl, copy_bw):
     return row | dict(us=seconds * 1e6, copy_frac=kv_bytes / seconds / copy_bw)
 
 
+def bench_quant_decode(batch, ctx, variants, args, impl, copy_bw):
+    """Rows for one decode shape: the ``--dtype`` pool, then each quantized format made from
+    it (with each tuning ``variant``); speed-up and error are against the ``--dtype`` row."""
+    inputs = make_paged_batch(np.random.default_rng(batch * 7 + ctx), batch=batch, ctx=ctx,
+                              q_len=1, args=args)
+    meta = tuple(inputs.values())[2:]
+    base_fn = _paged_fn(impl, max_q_len=1)
+    base_s = time_call(base_fn, *inputs.values(), rounds=args.rounds)
+    base_out = base_fn(*inputs.values())
+    elements = batch * ctx * 2 * args.num_kv_heads * args.head_dim
+    base_bytes = elements * jnp.dtype(args.dtype).itemsize
+    head = dict(batch=batch, ctx=ctx)
+    rows = [head | dict(format=args.dtype, variant={}, **_rates(base_s, base_bytes, batch, copy_bw),
+                        speedup=1.0, rel_err=0.0)]
+    for fmt in args.quant_formats:
+        name = fmt.name()
+        pool = quantize_pool(inputs["kv_pages"], fmt)
+        nbytes = elements * fmt.bytes_per_element(args.head_dim, args.page_size)
+        for variant in variants:
+            row = head | dict(format=name, variant=variant)
+            try:
+                fn = _paged_fn(impl, max_q_len=1, **variant)
+                seconds = time_call(fn, inputs["q"], pool, *meta, rounds=args.rounds)
+                err = relative_error(fn(inputs["q"], pool, *meta), base_out)
+            except Exception as error:  # a format or variant Triton cannot compile is a result
+                text = " ".join(str(error).split()).replace("|", "/")  # one table cell
+                rows.append(row | dict(error=f"{type(error).__name__}: {text[:200]}"))
+                continue
+            rows.append(row | _rates(seconds, nbytes, batch, copy_bw)
+                        | dict(speedup=base_s / seconds, rel_err=err))
+        del pool
+    return rows
+
+
+def _rates(seconds, nbytes, batch, copy_bw):
+    return dict(us=seconds * 1e6, gb_s=nbytes / seconds / 1e9, copy_frac=nbytes / seconds / copy_bw,
+                tokens_s=batch / seconds)
+
+
 def _kernel_only(inputs, *, interpret, **tuning):
     """The GPU kernel's ``pallas_call`` alone on prepared inputs (default tuning, no split
     combine): the gap to the full call is what the jnp steps around it cost."""
@@ -323,18 +415,28 @@ def _paged_fn(impl, **tuning):
 
 
 def render_markdown(report) -> str:
+    """The report as markdown: one section per kind of job that ran."""
     lines = [f"# Paged attention benchmark ({report['device']}, jax {report['jax']})", "",
              f"Command: `{report['command']}`", "",
              f"Paged implementation: `{report['impl']}`. Copy bandwidth (x + 1, read + write): "
-             f"**{report['copy_gb_s']:.0f} GB/s**.", "",
-             f"## Decode (one query token per sequence), {report['dtype']}", "",
+             f"**{report['copy_gb_s']:.0f} GB/s**."]
+    lines += _render_quant(report)
+    lines += _render_decode(report) + _render_prefill(report) + _render_sweep(report)
+    if report["notes"]:
+        lines += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _render_decode(report) -> list[str]:
+    rows = [r for r in report["decode"] if "skipped" not in r]
+    if not rows:
+        return []
+    lines = ["", f"## Decode (one query token per sequence), {report['dtype']}", "",
              "| batch | ctx | K/V MiB | paged us | kernel-only us | paged GB/s | % copy "
              "| dense us | dense GB/s | shipped us | shipped GB/s | paged vs shipped "
              "| max diff (paged, shipped) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(report["decode"], key=lambda r: (r["batch"], r["ctx"])):
-        if "skipped" in r:
-            continue
+    for r in sorted(rows, key=lambda r: (r["batch"], r["ctx"])):
         p, d, s = r["paged"], r["dense"], r.get("jax_shipped")
         kernel = f"{r['kernel_only']['us']:.1f}" if "kernel_only" in r else "n/a"
         shipped = "n/a | n/a | n/a"
@@ -345,32 +447,70 @@ def render_markdown(report) -> str:
             f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | {p['us']:.1f} | {kernel} | "
             f"{p['gb_s']:.3g} | {100 * p['copy_frac']:.0f}% | {d['us']:.1f} | {d['gb_s']:.3g} | "
             f"{shipped} | {diffs} |")
-    lines += _headline(report["decode"])
-    lines += ["", f"## Chunked prefill, {report['dtype']}", "",
-              "| chunks x tokens | ctx | paged us | paged tokens/s | paged TFLOP/s | dense us "
-              "| dense tokens/s | max diff |", "|---|---|---|---|---|---|---|---|"]
+    return lines + _headline(rows)
+
+
+def _render_prefill(report) -> list[str]:
+    if not report["prefill"]:
+        return []
+    lines = ["", f"## Chunked prefill, {report['dtype']}", "",
+             "| chunks x tokens | ctx | paged us | paged tokens/s | paged TFLOP/s | dense us "
+             "| dense tokens/s | max diff |", "|---|---|---|---|---|---|---|---|"]
     for r in report["prefill"]:
         p, d = r["paged"], r["dense"]
         lines.append(f"| {r['chunks']} x {r['q_len']} | {r['ctx']} | {p['us']:.1f} | "
                      f"{p['tokens_s']:.3g} | {p['tflop_s']:.3g} | {d['us']:.1f} | "
                      f"{d['tokens_s']:.3g} | {p['max_diff']:.1e} |")
-    if report["sweep"]:
-        lines += ["", "## Tuning sweep", "", "| batch x q tokens | ctx | variant | us | vs default "
-                  "| K/V bytes / time, % copy |", "|---|---|---|---|---|---|"]
-        default_us = {}
-        for r in report["sweep"]:
-            case = (r["batch"], r["ctx"], r["q_len"])
-            if "us" not in r:
-                lines.append(f"| {case[0]} x {case[2]} | {case[1]} | {r['variant']} | "
-                             f"{r['error']} | | |")
-                continue
-            default_us.setdefault(case, r["us"])
-            lines.append(f"| {case[0]} x {case[2]} | {case[1]} | {r['variant'] or 'default'} | "
-                         f"{r['us']:.1f} | {default_us[case] / r['us']:.2f}x | "
-                         f"{100 * r['copy_frac']:.0f}% |")
-    if report["notes"]:
-        lines += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _render_sweep(report) -> list[str]:
+    if not report["sweep"]:
+        return []
+    lines = ["", "## Tuning sweep", "", "| batch x q tokens | ctx | variant | us | vs default "
+             "| K/V bytes / time, % copy |", "|---|---|---|---|---|---|"]
+    default_us = {}
+    for r in report["sweep"]:
+        case = (r["batch"], r["ctx"], r["q_len"])
+        if "us" not in r:
+            lines.append(f"| {case[0]} x {case[2]} | {case[1]} | {r['variant']} | "
+                         f"{r['error']} | | |")
+            continue
+        default_us.setdefault(case, r["us"])
+        lines.append(f"| {case[0]} x {case[2]} | {case[1]} | {r['variant'] or 'default'} | "
+                     f"{r['us']:.1f} | {default_us[case] / r['us']:.2f}x | "
+                     f"{100 * r['copy_frac']:.0f}% |")
+    return lines
+
+
+def _render_quant(report) -> list[str]:
+    """The quantized decode table and, per format, the speed-up range in the goal's region."""
+    rows = report.get("quant") or []
+    if not rows:
+        return []
+    lines = ["", f"## Quantized decode against the {report['dtype']} pool (same shapes)", "",
+             "Bytes read: quantized pages plus their scales; tokens/s: one decode token per "
+             "sequence per call (one layer's attention).", "",
+             "| batch | ctx | pool | variant | us | GB/s read | % copy | tokens/s | speed-up "
+             f"vs {report['dtype']} | rel. error vs {report['dtype']} |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        case = f"| {r['batch']} | {r['ctx']} | {r['format']} | {r['variant'] or 'default'} |"
+        if "error" in r:
+            lines.append(f"{case} {r['error']} | | | | | |")
+            continue
+        lines.append(f"{case} {r['us']:.1f} | {r['gb_s']:.3g} | {100 * r['copy_frac']:.0f}% | "
+                     f"{r['tokens_s']:.3g} | {r['speedup']:.2f}x | {100 * r['rel_err']:.2f}% |")
+    goal = [r for r in rows if "us" in r and not r["variant"] and r["batch"] >= 32
+            and r["ctx"] >= 4096 and r["format"] != report["dtype"]]
+    lines.append("")
+    for name in dict.fromkeys(r["format"] for r in goal):
+        ups = [r["speedup"] for r in goal if r["format"] == name]
+        met = sum(u >= 1.6 for u in ups)
+        lines.append(f"- {name} (default tuning): {min(ups):.2f}-{max(ups):.2f}x the "
+                     f"{report['dtype']} decode throughput at batch >= 32, ctx >= 4k; goal "
+                     f">= 1.6x met in {met} of {len(ups)} shapes.")
+    return lines
 
 
 def _headline(decode_rows) -> list[str]:
