@@ -13,7 +13,8 @@ page-major pool a block is one contiguous region, so each block moves as one cop
 Any dtype moves bit-exactly (these are byte copies: int8 and float8 pools included). A
 quantized pool (:class:`~pallas_kernels.kv_format.QuantizedPages`) moves its pages and their
 scales together: ``gather_blocks`` returns ``QuantizedPages`` blocks and ``scatter_blocks``
-takes them; the scales ride the same kernel as a pool whose ``head_dim`` is 1.
+takes them; the scales go through the same kernel as the pages (the kernels copy whole
+blocks whatever their rank, so the scales are never reshaped).
 
 >>> import jax.numpy as jnp
 >>> from pallas_kernels import gather_blocks, scatter_blocks
@@ -54,16 +55,9 @@ def gather_blocks(
     impl = _resolve(impl)
     interpret = resolve_interpret(impl, interpret)
     if is_quantized(kv_pages):
-        return _on_leaves(lambda leaf: gather_blocks(
-            leaf, block_ids, impl=impl, interpret=interpret, **tuning), kv_pages)
-    if block_ids.shape[0] == 0:
-        return jnp.zeros((0,) + tuple(kv_pages.shape[1:]), kv_pages.dtype)
-    if impl == "xla":
-        return gather_blocks_xla(kv_pages, block_ids, **tuning)
-    from pallas_kernels import block_copy_pallas as kernels
-
-    fn = kernels.gather_blocks_gpu if impl == "pallas_gpu" else kernels.gather_blocks_tpu
-    return fn(kv_pages, block_ids, interpret=interpret, **tuning)
+        return QuantizedPages(*(_gather(leaf, block_ids, impl, interpret, tuning)
+                                for leaf in (kv_pages.data, kv_pages.scales)))
+    return _gather(kv_pages, block_ids, impl, interpret, tuning)
 
 
 def scatter_blocks(
@@ -82,14 +76,32 @@ def scatter_blocks(
     if block_ids.shape[0] == 0:
         return kv_pages
     if is_quantized(kv_pages):
-        return _on_leaves(lambda leaf, src: scatter_blocks(
-            leaf, block_ids, src, impl=impl, interpret=interpret, **tuning), kv_pages, blocks)
+        return QuantizedPages(*(_scatter(leaf, block_ids, src, impl, interpret, tuning)
+                                for leaf, src in ((kv_pages.data, blocks.data),
+                                                  (kv_pages.scales, blocks.scales))))
+    return _scatter(kv_pages, block_ids, blocks, impl, interpret, tuning)
+
+
+def _gather(pages, block_ids, impl, interpret, tuning):
+    """One array's gather (any rank: the kernels copy whole blocks as flat bytes)."""
+    if block_ids.shape[0] == 0:
+        return jnp.zeros((0,) + tuple(pages.shape[1:]), pages.dtype)
     if impl == "xla":
-        return scatter_blocks_xla(kv_pages, block_ids, blocks, **tuning)
+        return gather_blocks_xla(pages, block_ids, **tuning)
+    from pallas_kernels import block_copy_pallas as kernels
+
+    fn = kernels.gather_blocks_gpu if impl == "pallas_gpu" else kernels.gather_blocks_tpu
+    return fn(pages, block_ids, interpret=interpret, **tuning)
+
+
+def _scatter(pages, block_ids, blocks, impl, interpret, tuning):
+    """One array's scatter into the donated ``pages`` (any rank)."""
+    if impl == "xla":
+        return scatter_blocks_xla(pages, block_ids, blocks, **tuning)
     from pallas_kernels import block_copy_pallas as kernels
 
     fn = kernels.scatter_blocks_gpu if impl == "pallas_gpu" else kernels.scatter_blocks_tpu
-    return fn(kv_pages, block_ids, blocks, interpret=interpret, **tuning)
+    return fn(pages, block_ids, blocks, interpret=interpret, **tuning)
 
 
 @jax.jit
@@ -105,17 +117,6 @@ def gather_blocks_xla(kv_pages, block_ids):
 def scatter_blocks_xla(kv_pages, block_ids, blocks):
     """One XLA scatter into the donated pool; padding ids land out of bounds and are dropped."""
     return kv_pages.at[_padding_past_end(block_ids, kv_pages.shape[0])].set(blocks, mode="drop")
-
-
-def _on_leaves(fn, pages: QuantizedPages, *others: QuantizedPages) -> QuantizedPages:
-    """Runs a block copy on the data and on the scales (viewed as ``head_dim = 1``).
-
-    Each leaf goes through the public function, so it is donated and copied in place like a
-    plain pool (eagerly, a reshape of the scales is a view-like copy of a small array).
-    """
-    data = fn(pages.data, *(o.data for o in others))
-    scales = fn(pages.scales[..., None], *(o.scales[..., None] for o in others))[..., 0]
-    return QuantizedPages(data, scales)
 
 
 def _resolve(impl: str | None) -> str:

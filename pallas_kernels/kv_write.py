@@ -17,8 +17,8 @@ the one passed in, whose buffer now belongs to the result.
 
 A quantized pool (:class:`~pallas_kernels.kv_format.QuantizedPages`) takes float K/V and
 quantizes them on the way in, scales included. With per-token scales the new rows are
-quantized in jnp (fused by XLA into their producer) and the chosen implementation's write
-kernel moves the quantized rows and their scales; per-page scales need a read-modify-write of
+quantized in jnp (fused by XLA into their producer), the chosen implementation's write
+kernel moves the quantized rows and an XLA scatter their scales; per-page scales need a read-modify-write of
 each touched page (see :mod:`pallas_kernels.kv_format`), done by XLA on every backend.
 """
 
@@ -103,12 +103,11 @@ def _write_quantized_rows_jit(kv_pages, k, v, slot_mapping, *, layer, impl, inte
 
     fn = kv_write_pallas.write_kv_gpu if impl == "pallas_gpu" else kv_write_pallas.write_kv_tpu
     data, scale = _quantize_rows(k, v, kv_pages.format)
-    kwargs = dict(layer=layer, interpret=interpret, **dict(tuning))
-    new_data = fn(kv_pages.data, data[:, 0], data[:, 1], slot_mapping, **kwargs)
-    # Scales ride the same kernel as a pool whose head_dim is 1.
-    new_scales = fn(kv_pages.scales[..., None], scale[:, 0, :, None], scale[:, 1, :, None],
-                    slot_mapping, **kwargs)[..., 0]
-    return QuantizedPages(new_data, new_scales)
+    new_data = fn(kv_pages.data, data[:, 0], data[:, 1], slot_mapping, layer=layer,
+                  interpret=interpret, **dict(tuning))
+    # The scales are 1/head_dim of the bytes: an XLA scatter in this donating jit writes them
+    # in place (a head_dim-1 view for the kernel would relayout the whole array on TPU).
+    return QuantizedPages(new_data, _set_scales(kv_pages.scales, slot_mapping, layer, scale))
 
 
 def _write_quantized_rows(kv_pages, k, v, slot_mapping, *, layer, impl, interpret, **tuning):
@@ -127,8 +126,7 @@ def write_kv_quantized_xla(kv_pages, k, v, slot_mapping, *, layer: int):
     if fmt.granularity == "token":
         rows, row_scale = _quantize_rows(k, v, fmt)
         data = _set_rows(data, block, layer, offset, rows)
-        scales = scales.at[block, layer, :, :, offset].set(row_scale, mode="drop")
-        return QuantizedPages(data, scales)
+        return QuantizedPages(data, _set_scales(scales, slot_mapping, layer, row_scale))
 
     kv = jnp.stack([k, v], axis=1).astype(jnp.float32)  # [T, 2, h, d]
     live = slot_mapping >= 0
@@ -149,6 +147,13 @@ def write_kv_quantized_xla(kv_pages, k, v, slot_mapping, *, layer: int):
     data = _set_rows(data, block, layer, offset, encode(kv, new[..., None], fmt))
     scales = scales.at[block, layer, :, :, 0].set(new, mode="drop")
     return QuantizedPages(data, scales)
+
+
+def _set_scales(scales, slot_mapping, layer, row_scale):
+    """Per-token scales ``[T, 2, h]`` into their slots; padding slots are dropped."""
+    num_blocks, page_size = scales.shape[0], scales.shape[4]
+    block = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_blocks)
+    return scales.at[block, layer, :, :, slot_mapping % page_size].set(row_scale, mode="drop")
 
 
 @on_bits(0, 4)
