@@ -121,7 +121,8 @@ def paged_attention_gpu(
       reach 16. Default: 16 rows when the batch looks like decode (``max_q_len == 1`` or
       ``num_tokens <= max_num_seqs``), 64 rows otherwise.
     * ``pages_per_compute_block``: pages per inner step (power of two); default 32 KiB of K
-      (128 tokens of bfloat16 at head_dim 128).
+      (128 tokens of bfloat16 at head_dim 128); as many tokens for a quantized pool of the
+      same query dtype, since its tiles are converted to that dtype in registers.
     * ``num_splits``: split-K factor; default fills about 4 programs per SM (1 in interpret).
     * ``num_warps`` / ``num_stages``: Triton launch and software-pipelining depth.
     """

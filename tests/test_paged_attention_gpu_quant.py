@@ -129,19 +129,20 @@ def _step(data, fmt) -> np.ndarray:
 @pytest.mark.parametrize("fmt", [KVFormat("fp8_e5m2", "token"), KVFormat("int8", "page")],
                          ids=KVFormat.name)
 def test_quantized_block_copies_are_bit_exact(fmt):
-    """Gather and scatter move data (any bit pattern, NaN payloads included) and scales
-    together; a padding id gives zero data and zero scales."""
+    """Gather and scatter move data and scales together, any bit pattern (NaN payloads
+    included) of either; a padding id gives zero data and zero scales."""
     rng = np.random.default_rng(24)
     shape = (6, 2, 2, 2, 8, 32)
     pool = QuantizedPages(jnp.asarray(random_bytes(rng, shape, fmt.storage_dtype)),
-                          jnp.asarray(rng.standard_normal(fmt.scales_shape(shape)), jnp.float32))
+                          jnp.asarray(random_bytes(rng, fmt.scales_shape(shape), jnp.float32)))
     ids = jnp.array([4, -1, 0, 5, 2], jnp.int32)
     kw = dict(impl="pallas_gpu", interpret=not ON_GPU)
     blocks = gather_blocks(pool, ids, **kw)
     expect = gather_blocks_reference(pool, ids)
     for got, want in zip(jax.tree.leaves(blocks), jax.tree.leaves(expect)):
         assert_same_bytes(got, want)
-    assert not np.asarray(blocks.scales[1]).any() and not np.asarray(blocks.data[1]).any()
+    assert not np.asarray(blocks.scales[1]).any()
+    assert not np.asarray(blocks.data[1]).view(np.uint8).any()
 
     src = QuantizedPages(jnp.asarray(random_bytes(rng, (5,) + shape[1:], fmt.storage_dtype)),
                          jnp.asarray(rng.random(fmt.scales_shape((5,) + shape[1:])), jnp.float32))
@@ -163,13 +164,12 @@ def test_quantized_pool_lowers_to_bfloat16_tensor_core_dots(fmt, monkeypatch):
     h200 = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0",
                             compute_capability=90)
     monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *a, **k: h200)
-    modules = []
+    results = []
     lower = lowering.lower_jaxpr_to_triton_module
 
     def spy(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        modules.append(result.module.operation.get_asm())
-        return result
+        results.append(lower(*args, **kwargs))
+        return results[-1]
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", spy)
     case = make_case(25, q_lens=[1] * 6, kv_lens=[40, 3, 17, 64, 1, 9], page_size=16,
@@ -181,7 +181,10 @@ def test_quantized_pool_lowers_to_bfloat16_tensor_core_dots(fmt, monkeypatch):
     text = fn.trace(*quant.args()).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "grid_x = 8 : i32, grid_y = 2 : i32, grid_z = 4 : i32" in text
-    [ttir] = modules
+    [result] = results
+    if not hasattr(getattr(result, "module", None), "operation"):
+        pytest.skip("this JAX's Triton lowering result has no MLIR module to read")
+    ttir = result.module.operation.get_asm()
     storage = {"int8": "xi8", "fp8_e4m3": "xf8E4M3FN", "fp8_e5m2": "xf8E5M2"}[fmt.quant]
     # K and V tiles: 8 pages of 16 tokens x 64, loaded quantized, each converted once.
     assert ttir.count(f"tensor<8x16x64{storage}>") >= 2
