@@ -47,7 +47,6 @@ along lanes (unaligned below 128-token pages, which Mosaic's concatenate handles
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -57,19 +56,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.copy_common import tpu_interpret_mode
-from pallas_kernels.kv_format import FORMATS, is_quantized
+from pallas_kernels.kv_format import is_quantized
+from pallas_kernels.tpu_layout import (
+    LANES,
+    TARGET_COLS,
+    check_tpu_layout,
+    default_block_q,
+    sublane_tile,
+    vmem_limit,
+)
 
 __all__ = ["paged_attention_tpu", "check_tpu_layout"]
-
-_LANES = 128
-# Target query rows (block_q * group) per matmul: big enough to feed the MXU in prefill, small
-# enough that decode blocks, which compute every row against each sequence, waste little.
-_TARGET_ROWS = 64
-# Target KV columns per step (pages_per_block * page_size).
-_TARGET_COLS = 128
-# Mosaic's default scoped VMEM limit on the smallest current chips.
-_DEFAULT_VMEM_LIMIT = 16 * 1024 * 1024
-
 
 def paged_attention_tpu(
     q,  # [num_tokens, num_q_heads, head_dim]
@@ -108,9 +105,9 @@ def paged_attention_tpu(
     if num_tokens == 0:
         return jnp.zeros_like(q)
     if block_q is None:
-        block_q = _default_block_q(num_tokens, group, _sublane_tile(q.dtype))
+        block_q = default_block_q(num_tokens, group, sublane_tile(q.dtype))
     if pages_per_block is None:
-        pages_per_block = max(1, _TARGET_COLS // kv_pages.shape[4])
+        pages_per_block = max(1, TARGET_COLS // kv_pages.shape[4])
     pages_per_block = max(1, min(pages_per_block, block_tables.shape[1]))
     if not isinstance(interpret, pltpu.InterpretParams):
         interpret = tpu_interpret_mode(interpret)
@@ -119,51 +116,6 @@ def paged_attention_tpu(
         sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         interpret=interpret, block_q=block_q, pages_per_block=pages_per_block,
         vmem_limit_bytes=vmem_limit_bytes)
-
-
-def check_tpu_layout(dtype, *, page_size: int, head_dim: int, group: int,
-                     block_q: int | None = None, pages_per_block: int | None = None,
-                     pages_dtype=None, scales_dim: int | None = None) -> None:
-    """Raises ``ValueError`` for shapes or dtypes the TPU kernel's VMEM tiling cannot take.
-
-    ``dtype`` is q's; ``pages_dtype`` the pool's (default: q's), and for a quantized pool
-    ``scales_dim`` is the last dim of its scales (``page_size`` or 1).
-    """
-    dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(
-            f"dtype={dtype} is not supported by the TPU kernel: expected float32 or bfloat16 "
-            "(Mosaic lacks float16 on most TPU generations); use impl='xla' for float16")
-    pages_dtype = dtype if pages_dtype is None else jnp.dtype(pages_dtype)
-    if scales_dim is not None:
-        _check_quantized_layout(pages_dtype, page_size=page_size, scales_dim=scales_dim)
-    elif pages_dtype != dtype:
-        raise ValueError(f"pages dtype={pages_dtype} must equal q dtype={dtype} (a quantized "
-                         "pool is passed as QuantizedPages(data, scales))")
-    tile = _sublane_tile(pages_dtype)
-    if page_size % tile:
-        raise ValueError(
-            f"{page_size=} must be a multiple of {tile} for {pages_dtype} pages on TPU (one "
-            f"page of a head is whole [{tile}, 128] VMEM tiles of sublanes x lanes)")
-    if head_dim % _LANES:
-        raise ValueError(f"{head_dim=} must be a multiple of {_LANES} (TPU lanes) on TPU")
-    q_tile = _sublane_tile(dtype)
-    if block_q is not None and (block_q < 1 or (block_q * group) % q_tile):
-        raise ValueError(
-            f"{block_q=} must be positive with block_q * group ({group=}) a multiple of "
-            f"{q_tile} for {dtype}")
-    if pages_per_block is not None and pages_per_block < 1:
-        raise ValueError(f"{pages_per_block=} must be a positive number of pages")
-
-
-def _check_quantized_layout(pages_dtype, *, page_size: int, scales_dim: int) -> None:
-    if pages_dtype not in [spec.dtype for spec in FORMATS.values()]:
-        raise ValueError(
-            f"quantized pages of dtype={pages_dtype} are not supported by the TPU kernel: "
-            f"expected one of {[str(spec.dtype) for spec in FORMATS.values()]}")
-    if scales_dim not in (page_size, 1):
-        raise ValueError(
-            f"scales last dim={scales_dim} must be {page_size=} (per token) or 1 (per page)")
 
 
 @functools.partial(
@@ -199,12 +151,12 @@ def _paged_attention_tpu(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seq
         scratch_shapes=[
             bufs,
             tuple(pltpu.SemaphoreType.DMA((2,)) for _ in pool),
-            pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # running max, lane-copied
-            pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # running denominator
+            pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),  # running max, lane-copied
+            pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),  # running denominator
             pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # accumulator
         ])
     if vmem_limit_bytes is None:
-        vmem_limit_bytes = _vmem_limit(q.dtype, bufs, num_kv_heads, rows, head_dim)
+        vmem_limit_bytes = vmem_limit(q.dtype, bufs, num_kv_heads, rows, head_dim)
     out_rows = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -448,33 +400,3 @@ def _block_seq_bounds(cu_q_lens, num_seqs, num_q_blocks: int, block_q: int):
     lo = jnp.sum(live & (cu_q_lens[None, 1:] <= first), axis=1, dtype=jnp.int32)
     hi = jnp.sum(live & (cu_q_lens[None, :-1] < first + block_q), axis=1, dtype=jnp.int32)
     return jnp.stack([lo, hi], axis=1).reshape(-1)
-
-
-def _sublane_tile(dtype) -> int:
-    """Rows of one VMEM tile: 8 for 32-bit types, 16 for 16-bit (two rows packed per sublane)."""
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
-
-
-def _default_block_q(num_tokens: int, group: int, tile: int) -> int:
-    align = tile // math.gcd(tile, group)  # smallest token count filling whole tiles
-    block_q = -(-max(align, _TARGET_ROWS // group) // align) * align
-    return min(block_q, -(-num_tokens // align) * align)
-
-
-def _vmem_limit(dtype, bufs, num_kv_heads, rows, head_dim) -> int | None:
-    """A scoped VMEM limit when the default would be too small, else None (keep the default)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    cols = bufs[0].shape[1] * bufs[0].shape[4]
-    need = (sum(_padded_bytes(buf.shape, buf.dtype) for buf in bufs)  # page (and scale) slots
-            + 4 * num_kv_heads * rows * head_dim * itemsize  # q and out blocks, double-buffered
-            + num_kv_heads * rows * (2 * _LANES + head_dim) * 4  # m, l, acc
-            + 4 * rows * cols * 4  # logits-sized temporaries
-            + 2 * cols * head_dim * 4 * (len(bufs) - 1))  # dequantized K and V tiles
-    return None if need * 5 // 4 <= _DEFAULT_VMEM_LIMIT else need * 3 // 2
-
-
-def _padded_bytes(shape, dtype) -> int:
-    """VMEM bytes of an array whose last two dims are padded to whole (tile, 128) tiles."""
-    tile = _sublane_tile(dtype)
-    rows, lanes = -(-shape[-2] // tile) * tile, -(-shape[-1] // _LANES) * _LANES
-    return math.prod(shape[:-2]) * rows * lanes * jnp.dtype(dtype).itemsize

@@ -23,7 +23,8 @@ from pallas_kernels import (gather_blocks, gather_blocks_reference, paged_attent
                             scatter_blocks, scatter_blocks_reference, write_kv,
                             write_kv_reference)
 from pallas_kernels.kv_format import KVFormat, QuantizedPages, dequantize, quantize
-from pallas_kernels.paged_attention_tpu import check_tpu_layout, paged_attention_tpu
+from pallas_kernels.paged_attention_tpu import paged_attention_tpu
+from pallas_kernels.tpu_layout import check_tpu_layout
 from pool_cases import assert_same_bytes, random_bytes
 
 _TPU = dict(impl="pallas_tpu", interpret=True)
