@@ -3,12 +3,12 @@ page pool. The Pallas GPU and TPU kernels have their own quantized test files.""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_kernels
+from pool_cases import check_quantized_block_copies
 from kvjax.page_pool import PagePool, PoolConfig
 from pallas_kernels import kv_format as kf
 from pallas_kernels.kv_format import KVFormat, QuantizedPages
@@ -262,23 +262,7 @@ def test_written_then_attended_equals_reference_on_what_was_stored():
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS, ids=_IDS)
 def test_gather_and_scatter_move_pages_and_scales_bit_exactly(fmt):
-    pool = kf.quantize_pool(jnp.asarray(_rng_kv(11, (6, 2, 2, 2, 8, 16))), fmt)
-    ids = jnp.array([4, -1, 1], jnp.int32)
-    got = pallas_kernels.gather_blocks(pool, ids, impl="xla")
-    want = pallas_kernels.gather_blocks_reference(pool, ids)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
-    dest = jnp.array([0, -1, 5], jnp.int32)
-    ref = pallas_kernels.scatter_blocks_reference(pool, dest, got)
-    out = pallas_kernels.scatter_blocks(pool, dest, got, impl="xla")
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
-    np.testing.assert_array_equal(_bits(out.data[0]), _bits(out.data[4]))
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({1: np.uint8, 4: np.uint32}[x.dtype.itemsize])
+    check_quantized_block_copies(fmt, (6, 2, 2, 2, 8, 16), [4, -1, 1, 0], seed=11, impl="xla")
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -18,12 +18,10 @@ import pytest
 
 from paged_attention_cases import (DECODE, PREFILL_EDGES, QUANT_FORMATS,
                                    assert_quantized_matches, make_case, quantize_case)
-from pallas_kernels import (gather_blocks, gather_blocks_reference, paged_attention,
-                            paged_attention_reference, scatter_blocks, scatter_blocks_reference,
-                            write_kv, write_kv_reference)
+from pallas_kernels import paged_attention, paged_attention_reference, write_kv, write_kv_reference
 from pallas_kernels.kv_format import (KVFormat, QuantizedPages, dequantize, quantize,
                                       relative_error)
-from pool_cases import assert_same_bytes, random_bytes
+from pool_cases import assert_same_bytes, check_quantized_block_copies
 import pallas_kernels.paged_attention_gpu as gpu_module
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -131,25 +129,8 @@ def _step(data, fmt) -> np.ndarray:
 def test_quantized_block_copies_are_bit_exact(fmt):
     """Gather and scatter move data and scales together, any bit pattern (NaN payloads
     included) of either; a padding id gives zero data and zero scales."""
-    rng = np.random.default_rng(24)
-    shape = (6, 2, 2, 2, 8, 32)
-    pool = QuantizedPages(jnp.asarray(random_bytes(rng, shape, fmt.storage_dtype)),
-                          jnp.asarray(random_bytes(rng, fmt.scales_shape(shape), jnp.float32)))
-    ids = jnp.array([4, -1, 0, 5, 2], jnp.int32)
-    kw = dict(impl="pallas_gpu", interpret=not ON_GPU)
-    blocks = gather_blocks(pool, ids, **kw)
-    expect = gather_blocks_reference(pool, ids)
-    for got, want in zip(jax.tree.leaves(blocks), jax.tree.leaves(expect)):
-        assert_same_bytes(got, want)
-    assert not np.asarray(blocks.scales[1]).any()
-    assert not np.asarray(blocks.data[1]).view(np.uint8).any()
-
-    src = QuantizedPages(jnp.asarray(random_bytes(rng, (5,) + shape[1:], fmt.storage_dtype)),
-                         jnp.asarray(rng.random(fmt.scales_shape((5,) + shape[1:])), jnp.float32))
-    expect = scatter_blocks_reference(pool, ids, src)
-    out = scatter_blocks(jax.tree.map(jnp.copy, pool), ids, src, **kw)
-    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(expect)):
-        assert_same_bytes(got, want)
+    check_quantized_block_copies(fmt, (6, 2, 2, 2, 8, 32), [4, -1, 0, 5, 2], seed=24,
+                                 impl="pallas_gpu", interpret=not ON_GPU)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests compile the kernel for real")

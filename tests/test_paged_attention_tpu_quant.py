@@ -19,13 +19,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from paged_attention_cases import (DECODE, PREFILL_EDGES, QUANT_FORMATS,
                                    assert_quantized_matches, make_case, quantize_case)
-from pallas_kernels import (gather_blocks, gather_blocks_reference, paged_attention,
-                            scatter_blocks, scatter_blocks_reference, write_kv,
-                            write_kv_reference)
+from pallas_kernels import paged_attention, write_kv, write_kv_reference
 from pallas_kernels.kv_format import KVFormat, QuantizedPages, dequantize, quantize
 from pallas_kernels.paged_attention_tpu import paged_attention_tpu
 from pallas_kernels.tpu_layout import check_tpu_layout
-from pool_cases import assert_same_bytes, random_bytes
+from pool_cases import assert_same_bytes, check_quantized_block_copies
 
 _TPU = dict(impl="pallas_tpu", interpret=True)
 
@@ -142,21 +140,5 @@ def test_block_copies_move_pages_and_scales_bit_exactly():
     """Any bit pattern of the data (e5m2 NaN payloads included) and of the scales moves, data
     and scales together; a padding id gathers zero data and zero scales, and scatter skips it.
     (Both granularities' scale shapes are exported for TPU in test_tpu_lowering.py.)"""
-    fmt, rng = KVFormat("fp8_e5m2", "token"), np.random.default_rng(9)
-    shape = (5, 2, 2, 2, 32, 128)
-    pool = QuantizedPages(jnp.asarray(random_bytes(rng, shape, fmt.storage_dtype)),
-                          jnp.asarray(random_bytes(rng, fmt.scales_shape(shape), jnp.float32)))
-    ids = jnp.array([3, -1, 0, 4], jnp.int32)
-    blocks = gather_blocks(pool, ids, **_TPU)
-    for got, want in zip(jax.tree.leaves(blocks), jax.tree.leaves(
-            gather_blocks_reference(pool, ids))):
-        assert_same_bytes(got, want)
-    assert not np.asarray(blocks.data[1]).view(np.uint8).any()
-    assert not np.asarray(blocks.scales[1]).any()
-
-    src = QuantizedPages(jnp.asarray(random_bytes(rng, (4,) + shape[1:], fmt.storage_dtype)),
-                         jnp.asarray(rng.random(fmt.scales_shape((4,) + shape[1:])), jnp.float32))
-    expect = scatter_blocks_reference(pool, ids, src)
-    out = scatter_blocks(jax.tree.map(jnp.copy, pool), ids, src, **_TPU)
-    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(expect)):
-        assert_same_bytes(got, want)
+    check_quantized_block_copies(KVFormat("fp8_e5m2", "token"), (5, 2, 2, 2, 32, 128),
+                                 [3, -1, 0, 4], seed=9, **_TPU)
