@@ -12,6 +12,7 @@ import pytest
 from paged_attention_cases import DECODE, GRID, PREFILL_EDGES, assert_matches_reference, make_case
 from pallas_kernels import paged_attention
 import pallas_kernels.paged_attention_gpu as gpu_module
+import pallas_kernels.paged_attention_gpu_plan as gpu_plan
 
 ON_GPU = jax.default_backend() == "gpu"
 # JAX 0.12 warns on every Triton lowering that the Pallas Triton backend is deprecated.
@@ -104,10 +105,10 @@ def test_work_items_cover_every_query_token_once():
     """The work list matches a direct enumeration of (sequence, query block)."""
     cu = np.array([0, 5, 5, 6, 15, 15], np.int32)  # q_lens 5, 0, 1, 9, (padding seq)
     seq_lens = np.array([7, 4, 30, 9, 0], np.int32)
-    plan = gpu_module._Plan(num_kv_heads=1, group=4, group_pad=4, block_q=4, page_size=8,
-                            pages_per_block=2, num_work=gpu_module._num_work_items(16, 5, 4, 16),
+    plan = gpu_plan.Plan(num_kv_heads=1, group=4, group_pad=4, block_q=4, page_size=8,
+                            pages_per_block=2, num_work=gpu_plan.num_work_items(16, 5, 4, 16),
                             num_splits=1)
-    work_items = jax.jit(gpu_module._work_items, static_argnums=3)  # one compile, not per op
+    work_items = jax.jit(gpu_plan.work_items, static_argnums=3)  # one compile, not per op
     work = np.asarray(work_items(jnp.asarray(cu), jnp.asarray(seq_lens),
                                  jnp.array([4], jnp.int32), plan))
     expected = []
@@ -130,10 +131,10 @@ def test_work_item_bound_holds_for_any_layout():
                                  np.ones(max_num_seqs) / max_num_seqs)
         max_q_len = max(1, int(q_lens.max()))
         needed = int(np.sum(-(-q_lens // block_q)))
-        assert needed <= gpu_module._num_work_items(num_tokens, max_num_seqs, block_q, max_q_len)
+        assert needed <= gpu_plan.num_work_items(num_tokens, max_num_seqs, block_q, max_q_len)
     # A decode batch (one token per sequence) gets exactly one item per token.
-    assert gpu_module._num_work_items(256, 256, 4, 1) == 256
-    assert gpu_module._num_work_items(256, 256, 4, 256) == 256
+    assert gpu_plan.num_work_items(256, 256, 4, 1) == 256
+    assert gpu_plan.num_work_items(256, 256, 4, 256) == 256
 
 
 @pytest.mark.parametrize("kw,case_kw,match", [
