@@ -4,8 +4,8 @@ Layout under the disk tier's directory:
 
     seg-000000000042/       orbax checkpoint {"payload": u8[num_blocks, block_nbytes]}, one
                             zarr3 chunk per block, uncompressed (KV does not compress)
-    seg-000000000042.json   manifest: block shape and dtype, each block's namespace, key and
-                            checksum; its presence is the segment's commit record
+    seg-000000000042.json   manifest: block shape, dtype and codec, each block's namespace,
+                            key and checksum; its presence is the segment's commit record
 
 Commit protocol: orbax writes into a temporary directory and renames it when complete
 (`AtomicRenameTemporaryPath`, checked in orbax 0.12.8); then the manifest is written to a
@@ -67,6 +67,7 @@ class SegmentManifest:
     keys: tuple[bytes, ...]
     checksums: tuple[str, ...]  # block_checksum of (namespace, key, payload row)
     bytes_on_disk: int  # checkpoint files plus manifest
+    codec: str = "raw"  # how a block's bytes encode pool KV (kvjax.block_codec); "raw" if absent
 
 
 def segment_name(seq: int) -> str:
@@ -146,7 +147,7 @@ def read_manifest(path: str) -> SegmentManifest:
             namespaces=tuple(bytes.fromhex(b["namespace"]) for b in blocks),
             keys=tuple(bytes.fromhex(b["key"]) for b in blocks),
             checksums=tuple(str(b["sha256_128"]) for b in blocks),
-            bytes_on_disk=int(raw["bytes_on_disk"]))
+            bytes_on_disk=int(raw["bytes_on_disk"]), codec=str(raw.get("codec", "raw")))
     except (OSError, KeyError, TypeError, ValueError) as err:  # JSONDecodeError is a ValueError
         raise ValueError(f"segment manifest {path} is unreadable: {err}") from err
     if os.path.basename(path) != manifest.name + ".json":
@@ -308,8 +309,8 @@ def _manifest_to_json(manifest: SegmentManifest, bytes_on_disk: int) -> bytes:
     return json.dumps({
         "format": MANIFEST_FORMAT, "name": manifest.name,
         "block_shape": list(manifest.block_shape), "dtype": manifest.dtype,
-        "block_nbytes": manifest.block_nbytes, "use_ocdbt": manifest.use_ocdbt,
-        "bytes_on_disk": bytes_on_disk, "blocks": blocks}).encode()
+        "block_nbytes": manifest.block_nbytes, "codec": manifest.codec,
+        "use_ocdbt": manifest.use_ocdbt, "bytes_on_disk": bytes_on_disk, "blocks": blocks}).encode()
 
 
 def _write_manifest(directory: str, name: str, content: bytes) -> None:

@@ -49,7 +49,8 @@ class DiskTierStats:
     blocks: int
     recovered_segments: int = 0  # committed segments found when opening
     orphans_removed: int = 0  # uncommitted leftovers of a crashed write, deleted on open
-    skipped_segments: int = 0  # unreadable manifest or another block shape/dtype
+    skipped_segments: int = 0  # unreadable manifest, another block shape/dtype or codec
+    codec_mismatch_segments: int = 0  # of those: written with another codec (kvjax.block_codec)
     put_blocks: int = 0
     duplicate_blocks: int = 0
     rejected_blocks: int = 0  # did not fit (everything else pinned) or their write failed
@@ -85,8 +86,11 @@ class DiskTier:
 
     def __init__(self, directory: str, block_shape: Sequence[int], dtype, capacity_bytes: int,
                  *, segment_bytes: int = 64 << 20, use_ocdbt: bool = True,
-                 sync_data: bool = False):
+                 sync_data: bool = False, codec: str = "raw"):
         """Opens (creating if needed) `directory` and indexes the segments already in it.
+
+        Segments of another block shape, dtype or codec are skipped (left on disk, counted in
+        `skipped_segments`): their bytes would not mean the same KV.
 
         segment_bytes: payload bytes per segment; a segment holds at least one block.
         use_ocdbt: orbax's OCDBT layout (a few files per segment) rather than one file per
@@ -95,6 +99,8 @@ class DiskTier:
         sync_data: fsync block data too, not only the manifest (see
           `disk_segments.make_checkpointer`; without it a power cut costs misses, never
           wrong blocks).
+        codec: name of the encoding of a block's bytes (`kvjax.block_codec`), recorded in
+          every manifest; "raw" for blocks stored as the pool holds them.
         """
         self.block_shape = tuple(int(d) for d in block_shape)
         if not self.block_shape or min(self.block_shape) <= 0:
@@ -102,6 +108,9 @@ class DiskTier:
         if capacity_bytes < 0 or segment_bytes <= 0:
             raise ValueError(f"{capacity_bytes=} must be >= 0 and {segment_bytes=} > 0")
         self.dtype = jnp.dtype(dtype)
+        if not isinstance(codec, str) or not codec:
+            raise ValueError(f"{codec=} must be a non-empty codec name")
+        self.codec = codec
         self.block_nbytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
         self.directory = os.path.abspath(directory)
         self.capacity_bytes = int(capacity_bytes)
@@ -261,7 +270,8 @@ class DiskTier:
         manifest = seg.SegmentManifest(
             name=name, block_shape=self.block_shape, dtype=self.dtype.name,
             block_nbytes=self.block_nbytes, use_ocdbt=self.use_ocdbt,
-            namespaces=tuple(namespaces), keys=tuple(keys), checksums=(), bytes_on_disk=0)
+            namespaces=tuple(namespaces), keys=tuple(keys), checksums=(), bytes_on_disk=0,
+            codec=self.codec)
         try:
             with self._write_lock:
                 manifest = seg.write_segment(self._checkpointer, self.directory, manifest,
@@ -331,6 +341,12 @@ class DiskTier:
                              path, manifest.block_shape, manifest.dtype, self.block_shape,
                              self.dtype.name)
                 self._stats.skipped_segments += 1
+                continue
+            if manifest.codec != self.codec:
+                _log.warning("disk tier: skipping %s: written with codec %r, this tier reads %r",
+                             path, manifest.codec, self.codec)
+                self._stats.skipped_segments += 1
+                self._stats.codec_mismatch_segments += 1
                 continue
             self._add_segment(manifest)
             self._stats.recovered_segments += 1
