@@ -25,8 +25,9 @@ def check_trie(trie: PrefixTrie) -> np.ndarray:
     """Structure, counters and queue of ``trie``; returns every device block it indexes.
 
     Checks per node: linked under its first page, label length, page offsets, DEVICE bits vs
-    block ids, no page without a copy, device-children count, device pages only below device
-    pages, locked/pinned nodes still on device, locks and pins never above the parent's.
+    block ids, no page without a copy, a lossy flag per page (every page off device lossy
+    when the trie's lower-tier copies are), device-children count, device pages only below
+    device pages, locked/pinned nodes still on device, locks and pins never above the parent's.
     Then: node count, ``num_evictable`` equal to the unlocked unpinned device pages, every
     evictable leaf findable in the eviction queue, no block backing two pages.
     """
@@ -95,6 +96,10 @@ def _check_node(trie: PrefixTrie, node: Node) -> None:
         raise RuntimeError(f"{where}: blocks and DEVICE bits disagree with {node.on_device=}")
     if not node.on_device and (tiers == 0).any():
         raise RuntimeError(f"{where} keeps a page with no copy in any tier")
+    if node.lossy is not None and (node.lossy.dtype != bool or len(node.lossy) != len(node.blocks)):
+        raise RuntimeError(f"{where} has {len(node.lossy)} lossy flags for {len(node.blocks)} pages")
+    if trie.lossy_offload and not node.on_device and not node.page_lossy().all():
+        raise RuntimeError(f"{where} is off device, where every copy is lossy, but a page is marked exact")
     if node.num_device_children != sum(c.on_device for c in node.children.values()):
         raise RuntimeError(f"{where} miscounts its device children")
     if node.on_device and not parent.on_device:

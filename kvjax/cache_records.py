@@ -21,6 +21,8 @@ class MatchResult:
     hit_tokens: int  # num_hit_blocks * page_size
     num_hit_blocks: int
     num_device_blocks: int  # leading pages with a device copy (what admit can map)
+    lossy: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+    # bool [num_hit_blocks]: a hit on the page gets KV that went through a lossy codec
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,6 +70,8 @@ class KVCacheStats:
     fetch_failures: int = 0  # jobs that delivered fewer pages than planned
     disk_errors: int = 0  # write errors, corrupt blocks, unreadable segments
     lost_host_blocks: int = 0  # evicted from host with no disk copy
+    lossy_hit_blocks: int = 0  # hit pages whose KV went through a lossy offload codec
+    refused_lossy_blocks: int = 0  # lossy pages an admission refused (recomputed instead)
     prefetches: int = 0  # prefetch calls that started a transfer
 
 

@@ -86,6 +86,7 @@ class PrefixCache:
         """The MatchResult of a trie walk (``PrefixTrie.walk`` from a namespace's root)."""
         blocks = [node.blocks[:k] for node, k in path]
         tiers = [node.page_tiers()[:k] for node, k in path]
+        lossy = [node.page_lossy()[:k] for node, k in path]
         num_device = sum(k for node, k in itertools.takewhile(lambda p: p[0].on_device, path))
         num_hit = sum(k for _, k in path)
         return MatchResult(
@@ -94,6 +95,7 @@ class PrefixCache:
             hit_tokens=num_hit * self.page_size,
             num_hit_blocks=num_hit,
             num_device_blocks=num_device,
+            lossy=np.concatenate(lossy) if lossy else np.zeros(0, bool),
         )
 
     # --- the request path ------------------------------------------------------------------
@@ -170,12 +172,13 @@ class PrefixCache:
         handle.num_tokens = num_tokens
         return True
 
-    def commit(self, handle: SeqHandle, tokens: TokensLike) -> int:
+    def commit(self, handle: SeqHandle, tokens: TokensLike, *, lossy: bool = False) -> int:
         """Insert the sequence's new full pages into the trie; return how many entered.
 
         ``tokens`` is the sequence so far (prompt + decoded), at most ``handle.num_tokens``
         long and consistent with every token given before. Incremental: pages already
-        committed are skipped; the partial last page never enters.
+        committed are skipped; the partial last page never enters. ``lossy``: the new pages'
+        blocks hold KV fetched from a lossy copy (the trie marks them).
         """
         self._require_alive(handle)
         buf, num_tokens = self._commit_bytes(handle, tokens)
@@ -184,7 +187,7 @@ class PrefixCache:
         start = handle._committed * self.trie.page_bytes
         if end <= start:
             return 0
-        self._insert_pages(handle, buf, start, end, self.clock())
+        self._insert_pages(handle, buf, start, end, self.clock(), lossy)
         return (end - start) // self.trie.page_bytes
 
     def release(self, handle: SeqHandle) -> None:
@@ -328,7 +331,8 @@ class PrefixCache:
         stats.hit_tokens += handle.num_hit_tokens
         stats.lower_tier_hit_tokens += num_lower_tier_pages * self.page_size
 
-    def _insert_pages(self, handle: SeqHandle, buf: bytes, start: int, end: int, now: float) -> None:
+    def _insert_pages(self, handle: SeqHandle, buf: bytes, start: int, end: int, now: float,
+                      lossy: bool) -> None:  # fmt: skip
         trie, page_bytes = self.trie, self.trie.page_bytes
         node = handle._tail
         for child, num_pages in trie.walk(node, buf, start, end):
@@ -342,7 +346,7 @@ class PrefixCache:
                 handle._dup_trie.append(child.blocks)
                 self._stats.duplicate_blocks += num_pages
             else:  # only a host/disk copy was indexed: our fresh blocks become its device copy
-                trie.attach(child, handle.block_ids[first : first + num_pages], now)
+                trie.attach(child, handle.block_ids[first : first + num_pages], now, lossy=lossy)
                 self._stats.inserted_blocks += num_pages
             node = child
             start += num_pages * page_bytes
@@ -350,9 +354,9 @@ class PrefixCache:
             own = handle.block_ids[start // page_bytes : end // page_bytes]
             label = memoryview(buf)[start:end]  # zero-copy: the trie keeps a view of buf
             if trie.can_extend(node):
-                trie.extend(node, label, own, now)
+                trie.extend(node, label, own, now, lossy=lossy)
             else:
-                node = trie.insert(node, label, own, now)
+                node = trie.insert(node, label, own, now, lossy=lossy)
             self._stats.inserted_blocks += len(own)
         handle._tail = node
         handle._committed = end // page_bytes

@@ -17,6 +17,9 @@ Invariants (``check_invariants`` verifies them all):
 - split(node, k) keeps the original object as the DEEPER part, so whoever remembers the
   deepest node of its path (a sequence handle, a pin) still reaches the whole path by
   walking parents.
+- lossy pages (``Node.lossy``): a device page is lossy when its KV was fetched from a lossy
+  copy; with ``lossy_offload`` (the tiers' codec is lossy) every page off device is lossy,
+  since each of its copies is. Splits, extensions and truncations keep each page's flag.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class PrefixTrie:
         # record host copies (write-back) so those pages stay indexed, off device.
         self.before_evict: Callable[[Node, int], None] | None = None
         self.on_split: Callable[[Node], None] | None = None  # sees each new head with host/disk copies
+        self.lossy_offload = False  # lower-tier copies are lossy: pages leaving the device become lossy
         self._roots: dict[Namespace, Node] = {}
         self._soft: list[tuple[float, int, Node]] = []  # heap of soft-pin expiries
         self._order = itertools.count()
@@ -108,6 +112,8 @@ class PrefixTrie:
         node.blocks = node.blocks[num_head_pages:]
         if node.tiers is not None:
             head.tiers, node.tiers = node.tiers[:num_head_pages], node.tiers[num_head_pages:]
+        if node.lossy is not None:
+            head.lossy, node.lossy = node.lossy[:num_head_pages], node.lossy[num_head_pages:]
         node.first_page += num_head_pages
         if node.keys is not None:
             head.keys, node.keys = node.keys[:num_head_pages], node.keys[num_head_pages:] or None
@@ -122,13 +128,16 @@ class PrefixTrie:
             self.on_split(head)
         return head
 
-    def insert(self, parent: Node, label: memoryview, blocks: np.ndarray, now: float) -> Node:
+    def insert(self, parent: Node, label: memoryview, blocks: np.ndarray, now: float, *,
+               lossy: bool = False) -> Node:  # fmt: skip
         """Add a device node under ``parent``, locked once (by the sequence that holds ``parent``).
 
         ``label`` may be a view of the caller's token bytes: slicing it later costs nothing.
+        ``lossy``: the blocks hold KV fetched from a lossy copy.
         """
         node = Node(parent, bytes(label[: self.page_bytes]), label, blocks, None,
                     parent.first_page + parent.num_pages, True, now)  # fmt: skip
+        node.lossy = np.ones(len(blocks), bool) if lossy else None
         node.lock = 1
         parent.children[node.key] = node
         parent.num_device_children += 1
@@ -141,6 +150,7 @@ class PrefixTrie:
         node = Node(parent, bytes(label[: self.page_bytes]), memoryview(label),
                     np.full(len(tiers), -1, BLOCK_DTYPE), np.array(tiers, np.uint8),
                     parent.first_page + parent.num_pages, False, now)  # fmt: skip
+        node.lossy = np.ones(len(tiers), bool) if self.lossy_offload else None
         parent.children[node.key] = node
         self.num_nodes += 1
         return node
@@ -150,16 +160,21 @@ class PrefixTrie:
         return (node.parent is not None and node.lock == 1 and not node.children
                 and node.hard_pins == 0 and not node.soft_pinned)  # fmt: skip
 
-    def extend(self, node: Node, label: memoryview, blocks: np.ndarray, now: float) -> None:
+    def extend(self, node: Node, label: memoryview, blocks: np.ndarray, now: float, *,
+               lossy: bool = False) -> None:  # fmt: skip
+        if node.lossy is not None or lossy:
+            node.lossy = np.concatenate((node.page_lossy(), np.full(len(blocks), lossy)))
         node.label = memoryview(bytes(node.label) + label)
         node.blocks = np.concatenate((node.blocks, blocks))
         if node.tiers is not None:
             node.tiers = np.concatenate((node.tiers, np.full(len(blocks), Tier.DEVICE, np.uint8)))
         node.last_access = now
 
-    def attach(self, node: Node, blocks: np.ndarray, now: float) -> None:
-        """Give an off-device node device blocks again, locked once by the attaching sequence."""
+    def attach(self, node: Node, blocks: np.ndarray, now: float, *, lossy: bool = False) -> None:
+        """Give an off-device node device blocks again, locked once by the attaching sequence;
+        its pages are as lossy as the KV the blocks hold (``lossy``)."""
         node.blocks = np.array(blocks, BLOCK_DTYPE)
+        node.lossy = np.ones(len(blocks), bool) if lossy else None
         node.tiers = node.tiers | np.uint8(Tier.DEVICE)
         node.on_device = True
         node.lock = 1
@@ -378,11 +393,15 @@ class PrefixTrie:
         node.blocks = node.blocks[:num_pages]
         if node.keys is not None:
             node.keys = node.keys[:num_pages]
+        if node.lossy is not None:
+            node.lossy = node.lossy[:num_pages]
 
     def _offload(self, node: Node) -> None:
         node.on_device = False
         node.blocks = np.full(len(node.blocks), -1, BLOCK_DTYPE)
         node.tiers = node.tiers & np.uint8(LOWER_TIERS)
+        if self.lossy_offload:  # only lossy copies remain
+            node.lossy = np.ones(len(node.blocks), bool)
         node.parent.num_device_children -= 1
         self.offloaded_pages += len(node.blocks)
 

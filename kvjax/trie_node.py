@@ -3,8 +3,10 @@
 Per node: ``label`` (the pages' token ids as little-endian int32 bytes), ``blocks`` (device
 block id of each page, -1 where the page is not on device), ``tiers`` (Tier bits of each
 page; None while the node is on device only, the common case, so the hot path keeps no
-array for it), ``lock`` (running sequences holding the node), ``hits`` (admissions that used
-it), ``last_access`` (clock seconds), ``hard_pins`` and a soft pin that expires at
+array for it), ``lossy`` (per page: the KV a hit on it gets is not the KV that was computed,
+because it came through a lossy offload codec; None while no page is, the common case),
+``lock`` (running sequences holding the node), ``hits`` (admissions that used it),
+``last_access`` (clock seconds), ``hard_pins`` and a soft pin that expires at
 ``soft_until``. ``recompute_seconds()`` estimates what recomputing the node's pages costs.
 """
 
@@ -38,7 +40,7 @@ class Node:
     __slots__ = (
         "parent", "key", "label", "blocks", "tiers", "first_page", "children", "lock",
         "hard_pins", "soft_until", "soft_pinned", "hits", "last_access", "on_device",
-        "num_device_children", "heap_version", "namespace", "keys",
+        "num_device_children", "heap_version", "namespace", "keys", "lossy",
     )  # fmt: skip
 
     def __init__(self, parent, key, label, blocks, tiers, first_page, on_device, now):
@@ -60,6 +62,7 @@ class Node:
         self.heap_version = -1  # version of this node's live eviction-queue entry, -1: none
         self.namespace: Namespace | None = None  # set on roots only
         self.keys: list[bytes] | None = None  # lazily computed stable keys of a prefix of pages
+        self.lossy: np.ndarray | None = None  # bool [num_pages]; None: every page exact
 
     @property
     def num_pages(self) -> int:
@@ -73,6 +76,12 @@ class Node:
         """Estimated seconds to recompute all of this node's pages (deep pages cost more)."""
         model = cost_model or CostModel()
         return model.recompute_seconds(self.first_page, page_size, len(self.blocks))
+
+    def page_lossy(self) -> np.ndarray:
+        """Lossy flag of every page, bool ``[num_pages]`` (a fresh array when lossy is None)."""
+        if self.lossy is None:
+            return np.zeros(len(self.blocks), bool)
+        return self.lossy
 
     def page_tiers(self) -> np.ndarray:
         """Tier bits of every page, uint8 ``[num_pages]`` (a fresh array when tiers is None)."""
