@@ -17,6 +17,12 @@ page from the device keeps it indexed when a host or disk copy exists; the write
 to disk above the host watermark; a disk directory reopened by a new process is found again
 by key (a lookup that runs past the trie probes the disk for the next pages' chained keys).
 
+Codec. Blocks cross the device <-> host boundary through a ``kvjax.block_codec`` codec: as
+they are (float pool), packed with their scales (quantized pool; bit-exact), or quantized on
+offload (``KVCacheConfig.offload_quant``; lossy). Pages whose KV went through a lossy codec
+are marked lossy in the trie; ``admit(..., accept_lossy=False)`` stops the match before the
+first one and recomputes from there, and ``lossy_hit_pages`` says which hits are lossy.
+
 Fetches. ``admit`` maps device hits at once; lower-tier pages are fetched into the sequence's
 own blocks only when the cost model (``KVCacheConfig.cost_model``) says fetching beats
 recomputing. ``handle.num_hit_tokens`` counts the tokens whose KV will be valid once the
@@ -40,6 +46,7 @@ from collections.abc import Callable
 import numpy as np
 
 import pallas_kernels
+from kvjax.block_codec import make_codec
 from kvjax.block_keys import Namespace, as_namespace, token_bytes
 from kvjax.cache_records import KVCacheStats, MatchResult, SeqHandle
 from kvjax.disk_tier import DiskTier
@@ -48,6 +55,7 @@ from kvjax.kv_cache_config import KVCacheConfig
 from kvjax.kv_cache_fetch import Waiter
 from kvjax.kv_cache_metrics import record_admission, record_occupancy
 from kvjax.kv_cache_moves import TierMover
+from kvjax.kv_cache_plan import FetchPlan, HitSources, plan_fetch
 from kvjax.kv_cache_tiers import TierIndex
 from kvjax.metrics import Metrics
 from kvjax.page_pool import PagePool
@@ -66,15 +74,18 @@ class KVCache:
     ``impl`` picks the pool's kernels (see ``pallas_kernels.backend``); ``clock`` (seconds)
     drives eviction heat; ``metrics`` records hits per tier, misses, spills, fetch latency,
     fetch failures and disk errors. ``disk_tier`` / ``transfer_factory`` replace the tiers'
-    defaults (tests inject fakes).
+    defaults (tests inject fakes); the factory is called like ``TransferEngine(host_tier,
+    disk_tier, gather_blocks=...)``, with a gather that returns encoded blocks (see
+    ``codec``), and a given disk tier must store the codec's blocks.
     """
 
     def __init__(self, config: KVCacheConfig, *, impl: str | None = None,
                  clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None,
                  disk_tier: DiskTier | None = None,
-                 transfer_factory: Callable[[HostTier, DiskTier | None], TransferEngine] | None = None):  # fmt: skip
+                 transfer_factory: Callable[..., TransferEngine] | None = None):  # fmt: skip
         pool = config.pool
         self.config = config
+        self.codec = make_codec(pool, config.offload_quant, config.offload_scale)
         self.metrics = metrics
         self.pool = PagePool(pool, impl=impl)
         self.prefix = PrefixCache(pool.num_blocks, pool.page_size, policy=config.policy,
@@ -86,9 +97,8 @@ class KVCache:
         self.transfer: TransferEngine | None = None
         self._index: TierIndex | None = None
         self._mover: TierMover | None = None
-        self._recompute_chosen = 0
-        self._prefetches = 0
-        self._hit_sources: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (device pages, from_disk)
+        self._recompute_chosen = self._prefetches = self._lossy_device_hits = self._refused_lossy = 0
+        self._hit_sources = HitSources(pool.page_size)
         if config.tiered:
             self._open_tiers(impl, transfer_factory)
 
@@ -141,11 +151,15 @@ class KVCache:
 
     # --- the request path ------------------------------------------------------------------
 
-    def admit(self, tokens: TokensLike, namespace: NamespaceLike = None) -> SeqHandle | None:
+    def admit(self, tokens: TokensLike, namespace: NamespaceLike = None, *,
+              accept_lossy: bool | None = None) -> SeqHandle | None:  # fmt: skip
         """Map device hits, start fetches of host/disk hits worth fetching, allocate the rest.
 
         Returns None (nothing changed) when the blocks do not fit even after eviction. The
         handle is ready at once unless it fetches (``is_ready`` / ``wait_ready``).
+        ``accept_lossy`` (default ``config.accept_lossy``): whether lossy pages may hit; if
+        not, the match stops before the first one (it and what follows are recomputed and
+        count as "evicted" misses, and in ``stats.refused_lossy_blocks``).
         """
         if self._index is None:
             handle = self.prefix.admit(tokens, namespace)
@@ -157,23 +171,25 @@ class KVCache:
         self.prefix.check_fits(len(buf) // 4)
         now = self.clock()
         self.trie.expire_soft_pins(now)
-        matched = self._lookup(ns, buf, self.prefix.admit_limit(len(buf)))
-        first, lower, on_disk, num_fetch = self._plan_fetch(matched)
-        pages = [self.trie.page_keys(node)[i] for node, i in lower[:num_fetch]]
+        plan = self._plan(self._lookup(ns, buf, self.prefix.admit_limit(len(buf))), accept_lossy)
+        first = plan.first
+        pages = [self.trie.page_keys(node)[i] for node, i in plan.lower[: plan.num_fetch]]
         held = self._mover.hold(pages)  # allocating may evict host copies: not these
-        handle = self.prefix.admit_matched(ns, buf, matched, now)
-        fetched = 0
+        handle = self.prefix.admit_matched(ns, buf, plan.matched, now)
+        fetched, from_disk = 0, plan.on_disk[:0]
         if handle is not None and pages:
-            waiter = Waiter(handle, first, on_disk[:num_fetch], prefetch=False)
+            waiter = Waiter(handle, first, plan.on_disk[: plan.num_fetch], prefetch=False)
             fetched = self._mover.start_fetch(waiter, pages, ns.digest(), Priority.DEMAND)
             handle.num_hit_tokens = (first + fetched) * self.page_size
-            if fetched:
-                self._hit_sources[handle.seq_id] = (first, waiter.from_disk)
+            from_disk = waiter.from_disk
         self._mover.unhold(held)
         if handle is None:
             return None
-        self._recompute_chosen += len(lower) - num_fetch
-        record_admission(self.metrics, handle, self.page_size, first, len(lower) - fetched)
+        self._hit_sources.record(handle.seq_id, first, from_disk, plan.device_lossy)
+        self._lossy_device_hits += 0 if plan.device_lossy is None else int(plan.device_lossy.sum())
+        self._recompute_chosen += len(plan.lower) - plan.num_fetch
+        self._refused_lossy += plan.refused
+        record_admission(self.metrics, handle, self.page_size, first, len(plan.lower) - fetched + plan.refused)
         if self.config.write_policy == "selective":
             self._copy_hot_path(handle)
         return handle
@@ -181,13 +197,12 @@ class KVCache:
     def hit_tokens_by_tier(self, handle: SeqHandle) -> dict[str, int]:
         """``handle.num_hit_tokens`` split by the tier each hit page came from ("device",
         "host", "disk"); final once the handle is ready (a failed fetch lowers it)."""
-        page_size = self.page_size
-        num_hit = handle.num_hit_tokens // page_size
-        first, from_disk = self._hit_sources.get(handle.seq_id, (num_hit, ()))
-        device = min(first, num_hit)
-        disk = int(np.count_nonzero(from_disk[: num_hit - device]))
-        return {"device": device * page_size, "host": (num_hit - device - disk) * page_size,
-                "disk": disk * page_size}  # fmt: skip
+        return self._hit_sources.by_tier(handle.seq_id, handle.num_hit_tokens)
+
+    def lossy_hit_pages(self, handle: SeqHandle) -> np.ndarray:
+        """bool ``[handle.num_hit_tokens // page_size]``: which hit pages hold KV that went
+        through a lossy offload codec (final once the handle is ready)."""
+        return self._hit_sources.lossy_pages(handle.seq_id, handle.num_hit_tokens, self.codec.lossy)
 
     def is_ready(self, handle: SeqHandle) -> bool:
         """Whether every fetch of ``handle`` finished (its hit KV is in the pool)."""
@@ -238,7 +253,7 @@ class KVCache:
     def release(self, handle: SeqHandle) -> None:
         """Drop the sequence's references (fetches in flight for it are discarded)."""
         self.prefix.release(handle)
-        self._hit_sources.pop(handle.seq_id, None)
+        self._hit_sources.forget(handle.seq_id)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` cached device blocks; with write_back, pages without a
@@ -270,22 +285,24 @@ class KVCache:
             raise ValueError("set_tier is for a KVCache without host_bytes; this one tracks its own tier copies")
         self.prefix.set_tier(tokens, namespace, page, tier)
 
-    def prefetch(self, tokens: TokensLike, namespace: NamespaceLike = None) -> None:
+    def prefetch(self, tokens: TokensLike, namespace: NamespaceLike = None, *,
+                 accept_lossy: bool | None = None) -> None:  # fmt: skip
         """Start moving the host/disk pages of ``tokens``' cached prefix up (PREFETCH priority).
 
         Pages go to the device when free blocks allow (no eviction for a guess) and the cost
         model favours fetching; otherwise disk pages are restored to host. A later ``admit``
-        of the same prefix maps them, or joins the transfer still in flight.
+        of the same prefix maps them, or joins the transfer still in flight. Lossy pages are
+        left where they are unless ``accept_lossy`` (as in ``admit``).
         """
         if self._index is None:
             return
         ns = as_namespace(namespace)
         buf = token_bytes(tokens, self.vocab_size)
         page_bytes = self.trie.page_bytes
-        matched = self._lookup(ns, buf, len(buf) - len(buf) % page_bytes)
-        first, lower, on_disk, num_fetch = self._plan_fetch(matched)
+        plan = self._plan(self._lookup(ns, buf, len(buf) - len(buf) % page_bytes), accept_lossy)
+        first, on_disk = plan.first, plan.on_disk
         pages = []
-        for node, i in lower[:num_fetch]:  # up to the first page already on its way
+        for node, i in plan.lower[: plan.num_fetch]:  # up to the first page already on its way
             key = self.trie.page_keys(node)[i]
             if self._mover.device_job(key) is not None:
                 break
@@ -297,7 +314,7 @@ class KVCache:
             self._mover.restore_only([key for key, disk in zip(pages, on_disk) if disk], ns.digest())
             return
         held = self._mover.hold(pages)
-        hold = self.prefix.admit_matched(ns, buf[: (first + len(pages)) * page_bytes], matched,
+        hold = self.prefix.admit_matched(ns, buf[: (first + len(pages)) * page_bytes], plan.matched,
                                          self.clock(), count=False)  # fmt: skip
         if hold is not None:
             waiter = Waiter(hold, first, on_disk[: len(pages)], prefetch=True)
@@ -327,7 +344,8 @@ class KVCache:
     @property
     def stats(self) -> KVCacheStats:
         stats = KVCacheStats(self.prefix.stats, recompute_chosen_blocks=self._recompute_chosen,
-                             prefetches=self._prefetches)  # fmt: skip
+                             prefetches=self._prefetches, lossy_hit_blocks=self._lossy_device_hits,
+                             refused_lossy_blocks=self._refused_lossy)  # fmt: skip
         if self._mover is not None:
             counts = self._mover.counts
             stats.host_blocks = self._index.host_used
@@ -337,6 +355,7 @@ class KVCache:
             stats.fetched_disk_blocks = counts["fetched_disk"]
             stats.fetch_failures, stats.disk_errors = counts["fetch_failures"], counts["disk_errors"]
             stats.lost_host_blocks = self._index.lost_blocks
+            stats.lossy_hit_blocks += counts["fetched_lossy"]
         return stats
 
     def check_invariants(self) -> None:
@@ -359,18 +378,19 @@ class KVCache:
     # --- helpers ---------------------------------------------------------------------------
 
     def _open_tiers(self, impl: str | None, transfer_factory) -> None:
-        pool, config = self.pool.config, self.config
-        self.host_tier = HostTier(pool.block_shape, pool.dtype, config.host_bytes)
+        config, codec = self.config, self.codec
+        self.host_tier = HostTier(codec.block_shape, codec.dtype, config.host_bytes)
         if self.disk_tier is None and config.disk_dir is not None:
-            self.disk_tier = DiskTier(config.disk_dir, pool.block_shape, pool.dtype, config.disk_bytes,
-                                      segment_bytes=config.disk_segment_bytes)  # fmt: skip
-        if transfer_factory is None:
-            gather = functools.partial(pallas_kernels.gather_blocks, impl=impl)
-            transfer_factory = functools.partial(TransferEngine, gather_blocks=gather)
-        self.transfer = transfer_factory(self.host_tier, self.disk_tier)
+            self.disk_tier = DiskTier(config.disk_dir, codec.block_shape, codec.dtype, config.disk_bytes,
+                                      segment_bytes=config.disk_segment_bytes, codec=codec.name)  # fmt: skip
+        elif self.disk_tier is not None:
+            codec.check_stored_by(self.disk_tier, "disk_tier")
+        gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
+        self.transfer = (transfer_factory or TransferEngine)(self.host_tier, self.disk_tier, gather_blocks=gather)
+        self.trie.lossy_offload = codec.lossy
         self._index = TierIndex(self.trie, self.host_tier, self.disk_tier)
         self._mover = TierMover(self.prefix, self.pool, self._index, self.transfer, self.metrics,
-                                config.high_watermark, config.low_watermark)  # fmt: skip
+                                config.high_watermark, config.low_watermark, codec)  # fmt: skip
         if config.write_policy == "write_back":
             self.trie.before_evict = self._mover.before_evict
 
@@ -382,14 +402,11 @@ class KVCache:
             matched = self._index.probe_disk(ns, buf, end, matched, self.clock())
         return matched
 
-    def _plan_fetch(self, matched: list[tuple[Node, int]]):
-        """(device pages, [(node, index)] of the lower-tier pages after them, which of those
-        are on disk only, how many of them the cost model says to fetch)."""
-        first, lower = _split_device(matched)
-        on_disk = np.array([not int(node.tiers[i]) & _HOST for node, i in lower], bool)
-        num_fetch = self.config.cost_model.pages_to_fetch(first, self.page_size, on_disk,
-                                                          self.pool.config.bytes_per_block)  # fmt: skip
-        return first, lower, on_disk, num_fetch
+    def _plan(self, matched: list[tuple[Node, int]], accept_lossy: bool | None) -> FetchPlan:
+        accept = self.config.accept_lossy if accept_lossy is None else accept_lossy
+        return plan_fetch(matched, cost_model=self.config.cost_model, page_size=self.page_size,
+                          block_nbytes=self.codec.block_nbytes, lossy_codec=self.codec.lossy,
+                          accept_lossy=accept)  # fmt: skip
 
     def _copy_path(self, node: Node, first_page: int, min_hits: int) -> None:
         """Host copies of the pages from ``first_page`` on, on the path ending at ``node``,
@@ -406,15 +423,3 @@ class KVCache:
     def _copy_hot_path(self, handle: SeqHandle) -> None:
         if handle._committed:
             self._copy_path(handle._tail, 0, self.config.selective_min_hits)
-
-
-def _split_device(matched: list[tuple[Node, int]]) -> tuple[int, list[tuple[Node, int]]]:
-    """(device pages at the start of ``matched``, [(node, index)] of the lower-tier pages after)."""
-    first = 0
-    lower = []
-    for node, k in matched:
-        if node.on_device and not lower:
-            first += k
-        else:
-            lower.extend((node, i) for i in range(k))
-    return first, lower

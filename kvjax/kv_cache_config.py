@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from kvjax.block_codec import make_codec
 from kvjax.eviction import POLICIES
 from kvjax.eviction_adaptive import DEFAULT_POLICY
 from kvjax.fetch_cost import FetchCostModel
@@ -33,6 +34,13 @@ class KVCacheConfig:
     needs a host tier (disk blocks are staged through host memory). Watermarks are fractions
     of the device pool (see ``BlockAllocator``) and, for host memory, of ``host_bytes``: above
     the high one, host pages without a disk copy are spilled down to the low one.
+
+    ``offload_quant`` (None, "int8", "fp8_e4m3", "fp8_e5m2"; float pools only): quantize a
+    block when it leaves the device, with ``offload_scale`` ("token" or "page") scales, so the
+    same host and disk bytes hold 2-4x the blocks; lossy, so off by default. Pages whose KV
+    went through it are marked lossy in the trie; ``accept_lossy=False`` makes admissions
+    stop their match before the first lossy page (recomputing it) unless ``admit`` says
+    otherwise. A quantized pool's blocks always travel bit-exact (``kvjax.block_codec``).
     """
 
     pool: PoolConfig
@@ -47,6 +55,9 @@ class KVCacheConfig:
     vocab_size: int | None = None
     cost_model: FetchCostModel = FetchCostModel()
     disk_segment_bytes: int = 64 << 20
+    offload_quant: str | None = None
+    offload_scale: str = "token"
+    accept_lossy: bool = True
 
     def __post_init__(self):
         if not isinstance(self.pool, PoolConfig):
@@ -69,6 +80,11 @@ class KVCacheConfig:
                              f"<= high_watermark={self.high_watermark} <= 1")
         if not isinstance(self.cost_model, FetchCostModel):
             raise ValueError(f"cost_model={self.cost_model!r} must be a FetchCostModel")
+        if self.offload_quant in ("", "none"):
+            object.__setattr__(self, "offload_quant", None)
+        make_codec(self.pool, self.offload_quant, self.offload_scale)  # raises naming a bad value
+        if not isinstance(self.accept_lossy, bool):
+            raise ValueError(f"accept_lossy={self.accept_lossy!r} must be a bool")
 
     @classmethod
     def from_dict(cls, values: Mapping) -> KVCacheConfig:

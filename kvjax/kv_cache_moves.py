@@ -12,6 +12,9 @@ Down (device -> host -> disk):
 Up (disk -> host -> device): ``start_fetch`` builds ``FetchJob``s for a ``Waiter`` (see
 ``kv_cache_fetch``), joining jobs already in flight for the same pages.
 
+Blocks travel encoded by the cache's codec (``kvjax.block_codec``): the transfer engine's
+gather encodes them, and a fetch's blocks are decoded here before they are scattered.
+
 Completions are handled only in ``poll`` (the caller's thread): transfer workers resolve
 futures, never touch the trie or the pool.
 """
@@ -24,6 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvjax.block_codec import BlockCodec
 from kvjax.kv_cache_fetch import FetchJob, Waiter, pow2_runs, resolved_future
 from kvjax.kv_cache_tiers import TierIndex
 from kvjax.metrics import Metrics
@@ -41,10 +45,12 @@ class TierMover:
     """Submits transfers and applies their results; see the module docstring."""
 
     def __init__(self, prefix: PrefixCache, pool: PagePool, index: TierIndex, transfer,
-                 metrics: Metrics | None, high_watermark: float, low_watermark: float):  # fmt: skip
+                 metrics: Metrics | None, high_watermark: float, low_watermark: float,
+                 codec: BlockCodec):  # fmt: skip
         self.prefix, self.pool, self.index, self.transfer = prefix, pool, index, transfer
         self.metrics = metrics
-        self.block_nbytes = pool.config.bytes_per_block
+        self.codec = codec
+        self.block_nbytes = codec.block_nbytes  # bytes a block moves and takes below the device
         self.spill_high = int(high_watermark * index.host_capacity)
         self.spill_low = int(low_watermark * index.host_capacity)
         self.waiters: dict[int, Waiter] = {}  # seq_id -> waiter
@@ -53,7 +59,7 @@ class TierMover:
         self.live_jobs: dict[int, FetchJob] = {}  # id -> every job not finished
         self.spills: dict[int, list[bytes]] = {}  # id -> host keys of a host -> disk copy in flight
         self.counts = dict(offloaded=0, spilled=0, fetched_host=0, fetched_disk=0,
-                           fetch_failures=0, disk_errors=0)  # fmt: skip
+                           fetch_failures=0, disk_errors=0, fetched_lossy=0)  # fmt: skip
         self._callbacks: list[tuple[concurrent.futures.Future, Callable]] = []
         self._disk_errors_seen = 0
 
@@ -203,17 +209,17 @@ class TierMover:
                  to_device: bool) -> FetchJob:  # fmt: skip
         """A job for ``pages`` (none in flight); it may cover only a leading part of them."""
         index = self.index
-        keys, disk_rows, disk_pages = [], [], []
+        keys, disk_rows = [], []
         for key in pages:  # up to a page that is in no tier (it left the trie meanwhile)
             if index.host_state(key) is None:
-                ref = index.disk_entries.get((namespace, key))
-                located = None if ref is None else ref.resolve()
-                if located is None:
+                if self._disk_page(namespace, key) is None:
                     break
                 disk_rows.append(len(keys))
-                disk_pages.append(located)
             keys.append(key)
         fit = index.make_host_room(len(disk_rows), exclude=keys) if disk_rows else 0
+        # Making room may have split trie nodes (or dropped pages): locate the pages only now.
+        disk_pages = [self._disk_page(namespace, keys[row]) for row in disk_rows[:fit]]
+        fit = next((i for i, located in enumerate(disk_pages) if located is None), fit)
         if fit < len(disk_rows):  # pages past the first one without host room are not fetched
             keys = keys[: disk_rows[fit]]
             disk_rows = disk_rows[:fit]
@@ -243,6 +249,11 @@ class TierMover:
             self.copies[key] = future
         self._on_done(future, lambda result: self._restored(keys, job.namespace, result))
 
+    def _disk_page(self, namespace: bytes, key: bytes) -> tuple[Node, int] | None:
+        """(node, index) of the trie page of ``key``'s disk copy now, or None."""
+        ref = self.index.disk_entries.get((namespace, key))
+        return None if ref is None else ref.resolve()
+
     def device_job(self, key: bytes) -> tuple[FetchJob, int] | None:
         """The job bringing ``key`` to the device now, with its row, or None."""
         joined = self.jobs.get(key)
@@ -269,7 +280,7 @@ class TierMover:
             self._on_done(future, lambda result, start=start: self._fetched(job, start, result))
 
     def _fetched(self, job: FetchJob, start: int, result: TransferResult) -> None:
-        job.chunks[start] = result.blocks if result.ok else None
+        job.chunks[start] = self.codec.decode(result.blocks) if result.ok else None
         job.pending -= 1
         if job.pending:
             return
@@ -279,7 +290,7 @@ class TierMover:
         for start in sorted(job.chunks):  # leading chunks that arrived
             if job.chunks[start] is None:
                 break
-            valid += len(job.chunks[start])
+            valid += job.chunks[start].shape[0]
         self._finish(job, valid)
 
     def _finish(self, job: FetchJob, valid: int) -> None:
@@ -306,7 +317,7 @@ class TierMover:
         for start, blocks in job.chunks.items():
             if blocks is None or start >= job.valid:
                 continue
-            end = start + len(blocks)
+            end = start + blocks.shape[0]
             for waiter, offset, row, count in job.consumers:
                 low, high = max(row, start), min(row + count, end)
                 if low >= high or not waiter.handle.alive:
@@ -325,12 +336,14 @@ class TierMover:
         handle.num_hit_tokens = (waiter.first + valid) * page_size
         if valid:
             tokens = np.frombuffer(handle._tokens, "<i4", (waiter.first + valid) * page_size)
-            self.prefix.commit(handle, tokens)
+            self.prefix.commit(handle, tokens, lossy=self.codec.lossy)
         from_disk = int(waiter.from_disk[:valid].sum())
         self.counts["fetched_disk"] += from_disk
         self.counts["fetched_host"] += valid - from_disk
-        if self.metrics is not None and not waiter.prefetch:
-            self._record_fetch_hits(waiter, valid, from_disk)
+        if not waiter.prefetch:
+            self.counts["fetched_lossy"] += valid if self.codec.lossy else 0
+            if self.metrics is not None:
+                self._record_fetch_hits(waiter, valid, from_disk)
         if waiter.prefetch:
             self.prefix.release(handle)
 

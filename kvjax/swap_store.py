@@ -2,7 +2,9 @@
 
 The scheduler decides which device blocks go to which host slot (``StepPlan.swap_out``) and
 back (``StepPlan.swap_in``); this store moves the bytes: ``PagePool.gather`` + an async
-``HostTier.put`` out, ``HostTier.get`` + ``PagePool.scatter`` in. Both are bit-exact, so a
+``HostTier.put`` out, ``HostTier.get`` + ``PagePool.scatter`` in, through the pool's lossless
+codec (``kvjax.block_codec.exact_codec``: a quantized pool's blocks travel packed with their
+scales, never re-quantized, and no offload compression applies). Both are bit-exact, so a
 swapped and resumed sequence continues with exactly the KV it had.
 
 Slot ``s`` is stored under a fixed key, so the tier never holds more than ``num_slots``
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvjax.block_codec import exact_codec
 from kvjax.host_tier import HostTier
 from kvjax.page_pool import PagePool
 
@@ -31,8 +34,8 @@ class SwapStore:
             raise ValueError(f"{num_slots=} must be >= 1 (no swap space: preempt by recompute)")
         self.pool = pool
         self.num_slots = num_slots
-        config = pool.config
-        self.tier = HostTier(config.block_shape, config.dtype, num_slots * config.bytes_per_block)
+        self.codec = codec = exact_codec(pool.config)
+        self.tier = HostTier(codec.block_shape, codec.dtype, num_slots * codec.block_nbytes)
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy each ``(device block, host slot)``; runs before anything writes those blocks."""
@@ -41,7 +44,8 @@ class SwapStore:
         block_ids, slots = zip(*pairs)
         keys = self._keys(slots)
         self.tier.discard(keys)  # a reused slot: put() would keep the stale copy otherwise
-        stored = self.tier.put(keys, self.pool.gather(list(block_ids)), namespace=_NAMESPACE)
+        blocks = self.codec.encode(self.pool.gather(list(block_ids)))
+        stored = self.tier.put(keys, blocks, namespace=_NAMESPACE)
         if len(stored) != len(keys):
             raise RuntimeError(f"swap store kept {len(stored)} of {len(keys)} blocks; its "
                                f"{self.num_slots} slots should always fit")
@@ -56,7 +60,7 @@ class SwapStore:
         if blocks is None:
             missing = [slot for slot, key in zip(slots, keys) if not self.tier.contains(key)]
             raise RuntimeError(f"swap slots {missing} hold no swapped-out KV")
-        self.pool.scatter(list(block_ids), blocks)
+        self.pool.scatter(list(block_ids), self.codec.decode(blocks))
         self.tier.discard(keys)
 
     def _keys(self, slots: Sequence[int]) -> list[bytes]:

@@ -44,13 +44,14 @@ class PendingTransfer:
 class ManualTransfer:
     """A transfer engine whose transfers run only when the test says (see module docstring)."""
 
-    def __init__(self, host, disk=None):
+    def __init__(self, host, disk=None, gather_blocks=pallas_kernels.gather_blocks):
         self.host, self.disk = host, disk
+        self.gather_blocks = gather_blocks  # the cache's: it encodes blocks for the host tier
         self.pending: list[PendingTransfer] = []
         self.closed = False
 
     def offload(self, kv_pages, block_ids, keys, *, namespace, priority):
-        blocks = pallas_kernels.gather_blocks(kv_pages, jnp.asarray(block_ids, jnp.int32))
+        blocks = self.gather_blocks(kv_pages, jnp.asarray(block_ids, jnp.int32))
         keys = tuple(keys)
         run = lambda: self._done(Link.DEVICE_TO_HOST, keys, self.host.put(keys, blocks, namespace=namespace))
         return self._queue(Link.DEVICE_TO_HOST, keys, run, lambda: None)

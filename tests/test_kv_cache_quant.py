@@ -1,0 +1,297 @@
+"""KVCache with quantized pools and lossy offload: the block codecs at the device <-> host edge.
+
+Quantized pools (int8 with token and page scales, fp8 e4m3 and e5m2): blocks go device ->
+host -> disk and back bit-exact, data and scales; a warm restart serves them; a directory
+written with one codec is not read with another. Lossy offload of a float pool: values come
+back within the format's error bound, the trie marks them lossy, ``accept_lossy=False``
+recomputes them, and the default stays lossless. Capacities count the codec's bytes. The swap
+store moves quantized blocks bit-exact. Bad configurations get a message naming the value.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kv_cache_cases import MemoryDisk
+from tier_cases import random_blocks, same_bits
+
+from kvjax.block_codec import IdentityCodec, make_codec
+from kvjax.fetch_cost import FetchCostModel
+from kvjax.kv_cache import KVCache, KVCacheConfig
+from kvjax.page_pool import PagePool, PoolConfig
+from kvjax.swap_store import SwapStore
+from kvjax.trie_node import Tier
+from pallas_kernels.kv_format import FORMATS, QuantizedPages, relative_error
+from pallas_kernels.testing import QUANT_ERROR_BOUNDS
+
+SHAPE = dict(num_blocks=8, num_layers=2, num_kv_heads=2, page_size=4, head_dim=8)
+FLOAT_POOL = PoolConfig(**SHAPE, dtype="float32")
+ALWAYS_FETCH = FetchCostModel(seconds_per_token=1.0)
+TIMEOUT = 30.0
+TOKENS = np.arange(9, dtype=np.int32)  # two full pages and one token (always computed)
+
+
+def quant_pool(quant, scale="token"):
+    return PoolConfig(**SHAPE, dtype="bfloat16", kv_quant=quant, kv_scale=scale)
+
+
+def make(pool, *, host_blocks=8, disk_dir=None, **options):
+    """A KVCache whose host holds ``host_blocks`` blocks as its codec stores them."""
+    codec = make_codec(pool, options.get("offload_quant"), options.get("offload_scale", "token"))
+    cache_keys = {"metrics", "disk_tier", "transfer_factory"}
+    config = KVCacheConfig(pool=pool, host_bytes=host_blocks * codec.block_nbytes, cost_model=ALWAYS_FETCH,
+                           disk_dir=None if disk_dir is None else str(disk_dir),
+                           disk_bytes=0 if disk_dir is None else 1 << 26,
+                           **{k: v for k, v in options.items() if k not in cache_keys})  # fmt: skip
+    return KVCache(config, **{k: v for k, v in options.items() if k in cache_keys})
+
+
+def random_quantized(pool, n, seed=0):
+    """``[n]`` blocks of ``pool``'s format: random data bits (NaN patterns included) and
+    random positive scales, so only a bit-exact path reproduces them."""
+    fmt = pool.kv_format
+    data = random_blocks(n, pool.block_shape, fmt.storage_dtype.name, seed)
+    rng = np.random.default_rng(seed + 1)
+    scales = rng.uniform(1e-3, 2.0, (n, *fmt.scales_shape(pool.block_shape))).astype(np.float32)
+    return QuantizedPages(data, scales)
+
+
+def compute(cache, tokens, blocks, *, accept_lossy=None):
+    """Admit, wait, write ``blocks`` into the pages that did not hit, commit, release; returns
+    (hit pages, lossy flags of the hits)."""
+    handle = cache.admit(tokens, accept_lossy=accept_lossy)
+    assert handle is not None and cache.wait_ready(handle, TIMEOUT)
+    first = handle.num_hit_tokens // cache.page_size
+    if first < len(handle.block_ids):
+        cache.pool.scatter(handle.block_ids[first:], jax.tree.map(lambda x: x[first : len(handle.block_ids)], blocks))
+    cache.commit(handle, tokens)
+    lossy = cache.lossy_hit_pages(handle)
+    cache.release(handle)
+    return first, lossy
+
+
+def hit_kv(cache, tokens, **admit_options):
+    """(hit pages, their KV as numpy leaves, lossy flags) of a fresh admission (released)."""
+    handle = cache.admit(tokens, **admit_options)
+    assert cache.wait_ready(handle, TIMEOUT)
+    num_hit = handle.num_hit_tokens // cache.page_size
+    kv = jax.tree.map(np.asarray, cache.pool.gather(handle.block_ids[:num_hit])) if num_hit else None
+    lossy = cache.lossy_hit_pages(handle)
+    cache.release(handle)
+    return num_hit, kv, lossy
+
+
+def same_leaves(a, b) -> bool:
+    return all(same_bits(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+QUANT_CASES = [("int8", "token", "write_back"), ("int8", "page", "write_through"),
+               ("fp8_e4m3", "token", "selective"), ("fp8_e5m2", "token", "write_back"),
+               ("fp8_e5m2", "page", "write_through")]  # fmt: skip
+
+
+# --- quantized pools: bit-exact through every tier ----------------------------------------------
+
+
+@pytest.mark.parametrize("quant, scale, write_policy", QUANT_CASES)
+def test_quantized_blocks_round_trip_device_host_disk_bit_exact(tmp_path, quant, scale, write_policy):
+    pool = quant_pool(quant, scale)
+    blocks = random_quantized(pool, 3, seed=len(quant))
+    with make(pool, disk_dir=tmp_path, write_policy=write_policy, selective_min_hits=1) as cache:
+        assert cache.host_tier.block_nbytes == pool.bytes_per_block  # data + scales, nothing more
+        compute(cache, TOKENS, blocks)
+        served = {"device": hit_kv(cache, TOKENS)}
+        cache.evict(8)  # every policy has a host copy by now (selective: after one hit)
+        assert cache.match(TOKENS).tiers.tolist() == [Tier.HOST] * 2
+        served["host"] = hit_kv(cache, TOKENS)
+        cache.evict(8)
+        assert cache.flush(TIMEOUT) and cache.evict_host(8) == 2
+        assert cache.match(TOKENS).tiers.tolist() == [Tier.DISK] * 2
+        served["disk"] = hit_kv(cache, TOKENS)
+        cache.check_invariants()
+    for tier, (num_hit, kv, lossy) in served.items():
+        assert num_hit == 2 and same_leaves(kv, blocks[:2]), tier
+        assert not lossy.any(), tier
+
+
+def test_quantized_pool_warm_restart_serves_the_disk_directory(tmp_path):
+    pool = quant_pool("int8", "page")
+    blocks = random_quantized(pool, 3, seed=7)
+    with make(pool, disk_dir=tmp_path, write_policy="write_through") as cache:
+        compute(cache, TOKENS, blocks)
+        assert cache.flush(TIMEOUT)
+    with make(pool, disk_dir=tmp_path) as reopened:
+        assert reopened.disk_tier.stats().recovered_segments >= 1
+        assert reopened.match(TOKENS).tiers.tolist() == [Tier.DISK] * 2  # found by key
+        num_hit, kv, lossy = hit_kv(reopened, TOKENS)
+        assert num_hit == 2 and same_leaves(kv, blocks[:2]) and not lossy.any()
+        reopened.check_invariants()
+
+
+@pytest.mark.parametrize("reader", [
+    dict(pool=quant_pool("fp8_e4m3")),  # same bytes per block, other bits: must never be read
+    dict(pool=PoolConfig(**SHAPE, dtype="bfloat16"), offload_quant="int8"),  # same layout, lossy
+])  # fmt: skip
+def test_a_directory_written_with_one_codec_is_a_miss_for_another(tmp_path, reader):
+    writer = quant_pool("int8")
+    with make(writer, disk_dir=tmp_path, write_policy="write_through") as cache:
+        compute(cache, TOKENS, random_quantized(writer, 3))
+        assert cache.flush(TIMEOUT)
+    with make(disk_dir=tmp_path, **reader) as other:
+        stats = other.disk_tier.stats()
+        assert stats.codec_mismatch_segments == stats.skipped_segments >= 1 and len(other.disk_tier) == 0
+        assert other.match(TOKENS).num_hit_blocks == 0
+        assert other.admit(TOKENS).num_hit_tokens == 0
+    with make(writer, disk_dir=tmp_path) as same:  # the files were left alone
+        assert same.match(TOKENS).num_hit_blocks == 2
+
+
+def test_swap_store_moves_quantized_blocks_bit_exact():
+    pool_config = quant_pool("fp8_e5m2", "page")
+    pool = PagePool(pool_config)
+    blocks = random_quantized(pool_config, 3, seed=3)
+    pool.scatter([1, 4, 6], blocks)
+    swap = SwapStore(pool, num_slots=3)
+    assert swap.tier.capacity_bytes == 3 * pool_config.bytes_per_block
+    swap.swap_out([(1, 0), (4, 2), (6, 1)])
+    pool.scatter([1, 4, 6], random_quantized(pool_config, 3, seed=9))  # the blocks are reused
+    swap.swap_in([(0, 7), (2, 0), (1, 3)])
+    assert same_leaves(jax.tree.map(np.asarray, pool.gather([7, 0, 3])), blocks)
+
+
+# --- lossy offload of a float pool -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quant", list(FORMATS))
+def test_lossy_offload_comes_back_within_the_format_bound_and_marked_lossy(quant):
+    blocks = np.random.default_rng(1).normal(size=(3, *FLOAT_POOL.block_shape)).astype(np.float32)
+    with make(FLOAT_POOL, offload_quant=quant) as cache:
+        assert cache.codec.lossy and cache.host_tier.block_nbytes < FLOAT_POOL.bytes_per_block
+        compute(cache, TOKENS, blocks)
+        num_hit, kv, lossy = hit_kv(cache, TOKENS)
+        assert num_hit == 2 and same_bits(kv, blocks[:2]) and not lossy.any()  # device: exact
+        cache.evict(8)
+        assert cache.match(TOKENS).lossy.tolist() == [True, True]
+        num_hit, kv, lossy = hit_kv(cache, TOKENS)
+        assert num_hit == 2 and lossy.tolist() == [True, True]
+        assert 0 < relative_error(kv, blocks[:2]) <= QUANT_ERROR_BOUNDS[quant]
+        match = cache.match(TOKENS)  # fetched into the device: still lossy there
+        assert match.num_device_blocks == 2 and match.lossy.tolist() == [True, True]
+        assert cache.stats.lossy_hit_blocks == 2
+        cache.check_invariants()
+
+
+def test_accept_lossy_false_recomputes_lossy_pages_and_the_exact_copy_takes_over():
+    blocks = np.random.default_rng(2).normal(size=(3, *FLOAT_POOL.block_shape)).astype(np.float32)
+    with make(FLOAT_POOL, offload_quant="fp8_e4m3", accept_lossy=False) as cache:
+        compute(cache, TOKENS, blocks)
+        cache.evict(8)
+        assert cache.match(TOKENS).lossy.all()
+        cache.prefetch(TOKENS)  # lossy pages are not worth moving for this caller
+        assert cache.match(TOKENS).num_device_blocks == 0
+        hits, lossy = compute(cache, TOKENS, blocks)  # refused: recomputed, written exact
+        assert hits == 0 and cache.stats.refused_lossy_blocks == 2 and cache.stats.fetched_host_blocks == 0
+        match = cache.match(TOKENS)
+        assert match.num_device_blocks == 2 and not match.lossy.any()
+        num_hit, kv, lossy = hit_kv(cache, TOKENS)  # the recomputed copy serves exact hits
+        assert num_hit == 2 and same_bits(kv, blocks[:2]) and not lossy.any()
+        cache.check_invariants()
+
+
+def test_accept_lossy_per_admission_and_a_cut_inside_the_prefix():
+    tokens = np.arange(13, dtype=np.int32)  # three full pages and one token
+    blocks = np.random.default_rng(3).normal(size=(4, *FLOAT_POOL.block_shape)).astype(np.float32)
+    with make(FLOAT_POOL, offload_quant="int8") as cache:  # config default: accept
+        compute(cache, tokens[:9], blocks)  # pages 0, 1
+        cache.evict(8)
+        hits, lossy = compute(cache, tokens, blocks)  # pages 0, 1 fetched (lossy), page 2 computed
+        assert hits == 2 and lossy.tolist() == [True, True]
+        assert cache.match(tokens).lossy.tolist() == [True, True, False]
+        num_hit, _, lossy = hit_kv(cache, tokens)
+        assert num_hit == 3 and lossy.tolist() == [True, True, False]
+        num_hit, _, _ = hit_kv(cache, tokens, accept_lossy=False)  # stops before page 0
+        assert num_hit == 0 and cache.stats.refused_lossy_blocks == 3
+        cache.check_invariants()
+
+
+def test_default_config_is_lossless():
+    config = KVCacheConfig(pool=FLOAT_POOL, host_bytes=1 << 20)
+    assert config.offload_quant is None and config.accept_lossy
+    blocks = random_blocks(3, FLOAT_POOL.block_shape, seed=4)  # NaN and inf patterns included
+    with make(FLOAT_POOL) as cache:
+        assert isinstance(cache.codec, IdentityCodec) and not cache.trie.lossy_offload
+        assert cache.host_tier.block_shape == FLOAT_POOL.block_shape
+        compute(cache, TOKENS, blocks)
+        cache.evict(8)
+        assert not cache.match(TOKENS).lossy.any()
+        num_hit, kv, lossy = hit_kv(cache, TOKENS, accept_lossy=False)
+        assert num_hit == 2 and same_bits(kv, blocks[:2]) and not lossy.any()
+
+
+# --- capacities ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [dict(offload_quant="int8"), dict(offload_quant="fp8_e5m2", offload_scale="page")])
+def test_host_holds_more_blocks_for_the_same_bytes_by_the_compression_ratio(options):
+    pool = PoolConfig(num_blocks=16, num_layers=1, num_kv_heads=1, page_size=4, head_dim=32, dtype="float32")
+    elements = math.prod(pool.block_shape)  # K and V of one page: 256 float32 = 1 KiB
+    scales = 2 * 4 if options.get("offload_scale", "token") == "token" else 2  # per token/page, K and V
+    stored = elements * 1 + 4 * scales  # one byte per element plus float32 scales
+    budget = 4 * pool.bytes_per_block  # four float32 blocks
+    tokens = np.arange(4 * 15 + 1, dtype=np.int32)  # 15 full pages
+    blocks = np.ones((16, *pool.block_shape), np.float32)
+    results = {}
+    for name, extra in (("raw", {}), ("compressed", options)):
+        config = KVCacheConfig(pool=pool, host_bytes=budget, cost_model=ALWAYS_FETCH, write_policy="write_through", **extra)
+        with KVCache(config) as cache:
+            compute(cache, tokens, blocks)
+            assert cache.flush(TIMEOUT)
+            results[name] = cache.stats.host_blocks
+    assert results["raw"] == 4
+    assert results["compressed"] == budget // stored  # 14 (token scales) or 15 (page scales)
+    assert results["compressed"] >= 3.5 * results["raw"]
+
+
+# --- bad configuration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool, values, message", [
+    (FLOAT_POOL, dict(offload_quant="int4"), r"offload_quant='int4' is not a known format; expected None or one of \('int8'"),
+    (FLOAT_POOL, dict(offload_quant="int8", offload_scale="block"), r"offload_scale='block' must be one of \('token', 'page'\)"),
+    (quant_pool("int8"), dict(offload_quant="fp8_e4m3"), r"offload_quant='fp8_e4m3' needs a float pool; this pool is quantized already \(kv_quant='int8'\)"),
+    (FLOAT_POOL, dict(accept_lossy="yes"), r"accept_lossy='yes' must be a bool"),
+])  # fmt: skip
+def test_bad_offload_config_is_rejected_with_a_message(pool, values, message):
+    with pytest.raises(ValueError, match=message):
+        KVCacheConfig(pool=pool, host_bytes=1 << 20, **values)
+
+
+def test_offload_quant_none_spellings_and_from_dict():
+    config = KVCacheConfig.from_dict({"pool": FLOAT_POOL, "host_bytes": 1024, "offload_quant": "none"})
+    assert config.offload_quant is None
+    config = KVCacheConfig.from_dict({"pool": FLOAT_POOL, "host_bytes": 1024, "offload_quant": "fp8_e5m2",
+                                      "offload_scale": "page"})  # fmt: skip
+    assert make_codec(config.pool, config.offload_quant, config.offload_scale).name == "lossy:fp8_e5m2/page"
+
+
+def test_a_given_disk_tier_must_store_the_codec_blocks():
+    pool = quant_pool("int8")
+    disk = MemoryDisk(pool.block_shape, "int8", capacity_blocks=4)  # the pool's shape, not the codec's
+    with pytest.raises(ValueError, match=r"disk_tier stores blocks .* this cache's codec stores \(\(\d+,\), dtype\('uint8'\), 'packed:int8/token'\)"):
+        make(pool, disk_tier=disk)
+    codec = make_codec(pool)
+    with make(pool, disk_tier=MemoryDisk(codec.block_shape, codec.dtype, capacity_blocks=4)) as cache:
+        cache.check_invariants()
+
+
+def test_codec_rows_are_the_pool_bytes_per_block_and_pack_data_then_scales():
+    pool = quant_pool("fp8_e4m3", "page")
+    codec = make_codec(pool)
+    blocks = random_quantized(pool, 2, seed=5)
+    rows = np.asarray(codec.encode(jax.tree.map(jnp.asarray, blocks)))
+    assert rows.shape == (2, pool.bytes_per_block) and rows.dtype == np.uint8
+    data_nbytes = math.prod(pool.block_shape)
+    assert same_bits(rows[:, :data_nbytes], np.asarray(blocks.data).view(np.uint8).reshape(2, -1))
+    assert same_bits(rows[:, data_nbytes:], np.asarray(blocks.scales).view(np.uint8).reshape(2, -1))
