@@ -8,10 +8,17 @@ every tier (device pool, host, disk) must hold exactly what an uncached run woul
 written for its prefix and tenant, and every hit a sequence is handed must too. Transfers
 run only when a rule completes them (``ManualTransfer``), so fetches, copies and spills
 stay in flight across evictions, releases and other admissions.
+
+Variants (``Variant``): a float pool (blocks stored as they are), quantized pools (the model
+writes quantized pages; every tier must hold them bit-exact, data and scales) and a float
+pool with lossy offload (a page marked exact must hold exactly its KV, one marked lossy
+within the format's bound; a sequence that refuses lossy hits never gets one).
 """
 
 import dataclasses
+import functools
 
+import jax
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -19,11 +26,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kv_cache_cases import ManualTransfer, MemoryDisk, page_content
 from scheduler_cases import Clock
 
+from kvjax.block_codec import make_codec
 from kvjax.fetch_cost import FetchCostModel
 from kvjax.kv_cache import KVCache, KVCacheConfig
 from kvjax.kv_cache_config import WRITE_POLICIES
 from kvjax.page_pool import PoolConfig
 from kvjax.trie_node import Tier
+from pallas_kernels.kv_format import QuantizedPages, quantize, relative_error
+from pallas_kernels.testing import QUANT_ERROR_BOUNDS
 
 PAGE = 2
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=PAGE, head_dim=2, dtype="float32")
@@ -36,25 +46,83 @@ index_st = st.integers(0, 1000)
 COST_MODELS = (FetchCostModel(seconds_per_token=1.0), FetchCostModel(fetch_latency=1.0))  # always / never
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What the pool stores (``pool``) and how its blocks go below the device (the codec)."""
+
+    pool: PoolConfig = POOL
+    offload_quant: str | None = None
+    offload_scale: str = "token"
+
+    @functools.cached_property
+    def codec(self):
+        return make_codec(self.pool, self.offload_quant, self.offload_scale)
+
+    def content(self, namespace, tokens):
+        """The block the model writes for the last page of ``tokens`` (quantized by the pool)."""
+        values = page_content(namespace, tokens, self.pool.block_shape)
+        fmt = self.pool.kv_format
+        return QuantizedPages(*quantize(values, fmt)) if fmt.quantized else values
+
+    def stack(self, blocks: list):
+        """``blocks`` as rows of one ``[num_blocks, ...]`` batch (zero rows after them)."""
+        zeros = jax.tree.map(np.zeros_like, self.content("", [0] * PAGE))
+        rows = blocks + [zeros] * (self.pool.num_blocks - len(blocks))
+        return jax.tree.map(lambda *leaves: np.stack(leaves), *rows)
+
+    def assert_holds(self, got, expected, lossy: bool, what: str):
+        """``got`` is ``expected`` bit for bit, or (``lossy``) within the offload format's bound."""
+        if lossy:
+            assert self.codec.lossy, f"{what} is marked lossy without a lossy codec"
+            error = relative_error(got, expected)
+            assert error <= QUANT_ERROR_BOUNDS[self.offload_quant], f"{what}: relative error {error}"
+            return
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=what)
+
+    def decode(self, stored: list[np.ndarray]) -> list:
+        """Stored (encoded) blocks as pool blocks, decoded in padded batches (one compile)."""
+        if self.codec.name == "raw":
+            return stored
+        size = self.pool.num_blocks
+        out = []
+        for start in range(0, len(stored), size):
+            batch = np.zeros((size, *self.codec.block_shape), self.codec.dtype)
+            batch[: len(stored[start : start + size])] = stored[start : start + size]
+            decoded = jax.tree.map(np.asarray, self.codec.decode(batch))
+            out += [jax.tree.map(lambda leaf: leaf[i], decoded) for i in range(len(stored[start : start + size]))]
+        return out
+
+
 @dataclasses.dataclass
 class ModelSeq:
     handle: object
     namespace: str
     tokens: list
     computed: bool = False
+    accept_lossy: bool | None = None
 
 
 class KVCacheMachine(RuleBasedStateMachine):
-    @initialize(write_policy=st.sampled_from(WRITE_POLICIES), cost=st.sampled_from(COST_MODELS),
-                host_blocks=st.sampled_from([2, 4]))  # fmt: skip
-    def setup(self, write_policy, cost, host_blocks):
+    VARIANTS = (Variant(),)
+    COST_MODELS = COST_MODELS
+
+    @initialize(write_policy=st.sampled_from(WRITE_POLICIES), cost=index_st,
+                host_blocks=st.sampled_from([2, 4]), variant=index_st)  # fmt: skip
+    def setup(self, write_policy, cost, host_blocks, variant):
+        self.variant = self.VARIANTS[variant % len(self.VARIANTS)]
+        cost = self.COST_MODELS[cost % len(self.COST_MODELS)]
+        codec = self.variant.codec
         self.clock = Clock()
-        self.disk = MemoryDisk(POOL.block_shape, POOL.dtype, capacity_blocks=5)
-        config = KVCacheConfig(pool=POOL, host_bytes=host_blocks * POOL.bytes_per_block, vocab_size=3,
-                               write_policy=write_policy, selective_min_hits=1, cost_model=cost)  # fmt: skip
+        self.disk = MemoryDisk(codec.block_shape, codec.dtype, capacity_blocks=5)
+        config = KVCacheConfig(pool=self.variant.pool, host_bytes=host_blocks * codec.block_nbytes, vocab_size=3,
+                               write_policy=write_policy, selective_min_hits=1, cost_model=cost,
+                               offload_quant=self.variant.offload_quant,
+                               offload_scale=self.variant.offload_scale)  # fmt: skip
         self.cache = KVCache(config, clock=self.clock, disk_tier=self.disk, transfer_factory=ManualTransfer)
         self.transfer = self.cache.transfer
         self.seqs: list[ModelSeq] = []
+        self.served: list[tuple[list, str]] = []  # requests served whole, for serve_again
 
     def teardown(self):
         if hasattr(self, "cache"):
@@ -62,21 +130,23 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     # --- requests --------------------------------------------------------------------------
 
-    @rule(tokens=tokens_st, namespace=namespace_st)
-    def admit(self, tokens, namespace):
+    @rule(tokens=tokens_st, namespace=namespace_st, accept_lossy=st.sampled_from([None, None, False]))
+    def admit(self, tokens, namespace, accept_lossy=None):
         self.clock.now += 1.0
-        handle = self.cache.admit(tokens, namespace)
+        handle = self.cache.admit(tokens, namespace, accept_lossy=accept_lossy)
         self.cache.poll()  # as an engine does every step
         if handle is not None:
             assert len(handle.block_ids) == -(-len(tokens) // PAGE)
-            self.seqs.append(ModelSeq(handle, namespace, list(tokens)))
+            self.seqs.append(ModelSeq(handle, namespace, list(tokens), accept_lossy=accept_lossy))
 
-    @rule(tokens=tokens_st, namespace=namespace_st, evict=st.integers(0, 8))
-    def serve(self, tokens, namespace, evict):
+    @rule(tokens=tokens_st, namespace=namespace_st, evict=st.integers(0, 8),
+          accept_lossy=st.sampled_from([None, None, False]))  # fmt: skip
+    def serve(self, tokens, namespace, evict, accept_lossy):
         """A whole request, as an engine runs it: evict a little, admit, wait for its fetches
         (completing every transfer in flight), prefill, release."""
         self.evict(evict)
-        self.admit(tokens, namespace)
+        self.served.append((list(tokens), namespace))
+        self.admit(tokens, namespace, accept_lossy)
         seq = self.seqs[-1] if self.seqs and self.seqs[-1].tokens == list(tokens) else None
         if seq is None or seq.computed:
             return
@@ -87,6 +157,21 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.seqs.remove(seq)
         self.cache.release(seq.handle)
 
+    @precondition(lambda self: self.served)
+    @rule(i=index_st, to_disk=st.booleans(), accept_lossy=st.sampled_from([None, None, False]))
+    def serve_again(self, i, to_disk, accept_lossy):
+        """An earlier request comes back after its pages went down to host (or disk)."""
+        tokens, namespace = self.served[i % len(self.served)]
+        self.evict(8)
+        if to_disk:
+            self.transfer.complete_all()
+            self.cache.poll()
+            self.spill_everything()
+            self.transfer.complete_all()
+            self.cache.poll()
+            self.evict_host(4)
+        self.serve(tokens, namespace, 0, accept_lossy)
+
     @precondition(lambda self: self._waiting_to_compute())
     @rule(i=index_st)
     def prefill(self, i):
@@ -96,9 +181,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_hit = handle.num_hit_tokens // PAGE
         assert handle.num_hit_tokens % PAGE == 0 and handle.num_hit_tokens < max(len(seq.tokens), 1)
         got = self._gather(handle.block_ids[:num_hit])
+        lossy = self.cache.lossy_hit_pages(handle)
+        assert len(lossy) == num_hit and not (seq.accept_lossy is False and lossy.any())
         for page in range(num_hit):
-            expected = page_content(seq.namespace, seq.tokens[: (page + 1) * PAGE], POOL.block_shape)
-            np.testing.assert_array_equal(got[page], expected, err_msg=f"hit page {page} holds wrong KV")
+            expected = self.variant.content(seq.namespace, seq.tokens[: (page + 1) * PAGE])
+            self.variant.assert_holds(got[page], expected, lossy[page], f"hit page {page}")
         self._write(seq, num_hit)
         self.cache.commit(handle, seq.tokens)
         seq.computed = True
@@ -172,50 +259,80 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _waiting_to_compute(self):
         return [s for s in self.seqs if not s.computed and self.cache.is_ready(s.handle)]
 
-    def _gather(self, block_ids) -> np.ndarray:
+    def _gather(self, block_ids) -> list:
         padded = np.full(POOL.num_blocks, -1, np.int32)  # one shape: one compile
         padded[: len(block_ids)] = block_ids
-        return np.asarray(self.cache.pool.gather(padded))[: len(block_ids)]
+        got = jax.tree.map(np.asarray, self.cache.pool.gather(padded))
+        return [jax.tree.map(lambda leaf: leaf[i], got) for i in range(len(block_ids))]
 
     def _write(self, seq, first_page):
         """Write the model's KV for pages ``first_page ..`` of ``seq`` (its private blocks)."""
         ids = np.full(POOL.num_blocks, -1, np.int32)
-        blocks = np.zeros((POOL.num_blocks, *POOL.block_shape), np.float32)
         pages = range(first_page, -(-len(seq.tokens) // PAGE))
-        for row, page in enumerate(pages):
-            ids[row] = seq.handle.block_ids[page]
-            blocks[row] = page_content(seq.namespace, seq.tokens[: (page + 1) * PAGE], POOL.block_shape)
-        self.cache.pool.scatter(ids, blocks)
+        ids[: len(pages)] = seq.handle.block_ids[first_page : first_page + len(pages)]
+        blocks = [self.variant.content(seq.namespace, seq.tokens[: (page + 1) * PAGE]) for page in pages]
+        self.cache.pool.scatter(ids, self.variant.stack(blocks))
 
     def _check_cached_content(self):
-        """Every page with a copy in any tier holds its prefix's KV, in its namespace."""
-        cache, trie = self.cache, self.cache.trie
+        """Every page with a copy in any tier holds its prefix's KV, in its namespace: bit for
+        bit, but for lossy copies (a device page marked lossy; every copy below the device
+        when the codec is lossy), which must lie within the format's bound."""
+        cache, trie, variant = self.cache, self.cache.trie, self.variant
         prefixes = {}
-        device_pages, device_blocks = [], []
+        device, stored = ([], [], []), ([], [], [])  # (blocks or stored rows, expected, lossy)
         for node in trie.nodes():  # parents first
             parent_tokens = prefixes.get(id(node.parent), [])
             tokens = parent_tokens + np.frombuffer(node.label, "<i4").tolist()
             prefixes[id(node)] = tokens
-            namespace = trie.namespace_of(node).tenant
+            namespace, digest = trie.namespace_of(node).tenant, trie.namespace_of(node).digest()
             keys = trie.page_keys(node)
+            lossy = node.page_lossy()
+            assert not lossy.any() or variant.codec.lossy, "a page is lossy without a lossy codec"
             for i, bits in enumerate(node.page_tiers().tolist()):
-                page_tokens = tokens[: len(parent_tokens) + (i + 1) * PAGE]
-                expected = page_content(namespace, page_tokens, POOL.block_shape)
+                expected = variant.content(namespace, tokens[: len(parent_tokens) + (i + 1) * PAGE])
+                copies = []
                 if bits & Tier.DEVICE:
-                    device_pages.append(expected)
-                    device_blocks.append(node.blocks[i])
+                    copies.append((device, node.blocks[i], lossy[i]))
                 entry = cache._index.host_state(keys[i])
                 if bits & Tier.HOST and entry.ready:
-                    np.testing.assert_array_equal(cache.host_tier.get_host([keys[i]])[0], expected)
-                digest = trie.namespace_of(node).digest()
+                    copies.append((stored, cache.host_tier.get_host([keys[i]])[0], variant.codec.lossy))
                 if bits & Tier.DISK and self.disk.contains(keys[i], digest):
-                    np.testing.assert_array_equal(self.disk._blocks[(digest, keys[i])], expected)
-        if device_blocks:
-            got = self._gather(device_blocks)
-            for row, expected in enumerate(device_pages):
-                np.testing.assert_array_equal(got[row], expected, err_msg="a cached device page holds wrong KV")
+                    copies.append((stored, self.disk._blocks[(digest, keys[i])], variant.codec.lossy))
+                for where, copy, is_lossy in copies:
+                    for column, value in zip(where, (copy, expected, is_lossy)):
+                        column.append(value)
+        gathered = self._gather(device[0]) if device[0] else []
+        for got, (blocks, expected, lossy) in ((gathered, device), (variant.decode(stored[0]), stored)):
+            for row, expected_block in enumerate(expected):
+                variant.assert_holds(got[row], expected_block, lossy[row], "a cached page")
 
 
-KVCacheMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+class QuantizedPoolMachine(KVCacheMachine):
+    """Quantized pools: the model writes quantized pages; every copy is bit-exact."""
+
+    COST_MODELS = COST_MODELS[:1]  # always fetch: what the codec changes is the fetch path
+
+    VARIANTS = tuple(Variant(dataclasses.replace(POOL, kv_quant=quant, kv_scale=scale))
+                     for quant, scale in (("int8", "token"), ("int8", "page"), ("fp8_e4m3", "token"),
+                                          ("fp8_e5m2", "page")))  # fmt: skip
+
+
+class LossyOffloadMachine(KVCacheMachine):
+    """A float pool whose blocks are quantized when they leave the device."""
+
+    COST_MODELS = COST_MODELS[:1]
+
+    VARIANTS = (Variant(offload_quant="int8"), Variant(offload_quant="fp8_e4m3", offload_scale="page"))
+
+
+def _settings(max_examples: int):
+    return settings(max_examples=max_examples, stateful_step_count=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+
+
+KVCacheMachine.TestCase.settings = _settings(60)
+QuantizedPoolMachine.TestCase.settings = _settings(20)
+LossyOffloadMachine.TestCase.settings = _settings(30)
 TestKVCacheMachine = KVCacheMachine.TestCase
+TestQuantizedPoolMachine = QuantizedPoolMachine.TestCase
+TestLossyOffloadMachine = LossyOffloadMachine.TestCase
