@@ -34,7 +34,7 @@ a request still waiting in the queue.
 Invariants (``check_invariants``): those of ``PrefixCache``, plus: every HOST/DISK bit in
 the trie matches a block the tier holds (or a copy in flight) in the page's namespace and
 vice versa; no transfer reads a block that can be evicted; a waiting sequence's fetch
-targets are its own private blocks.
+targets are its own private blocks; no page is lossy unless the codec is.
 """
 
 from __future__ import annotations

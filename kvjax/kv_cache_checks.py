@@ -28,6 +28,10 @@ def check_kv_cache(cache: KVCache) -> None:
     cache.host_tier.check_invariants()
     if cache.disk_tier is not None:
         cache.disk_tier.check_invariants()
+    if cache.trie.lossy_offload != cache.codec.lossy:
+        raise RuntimeError(f"trie.lossy_offload={cache.trie.lossy_offload} but codec {cache.codec.name}")
+    if not cache.codec.lossy and any(node.lossy is not None and node.lossy.any() for node in cache.trie.nodes()):
+        raise RuntimeError(f"a page is marked lossy but codec {cache.codec.name} is lossless")
     host_pages, disk_pages = _check_page_tiers(cache)
     live = {key for key, entry in index.host_entries.items() if not entry.dropped}
     if host_pages != live:

@@ -295,3 +295,25 @@ def test_codec_rows_are_the_pool_bytes_per_block_and_pack_data_then_scales():
     data_nbytes = math.prod(pool.block_shape)
     assert same_bits(rows[:, :data_nbytes], np.asarray(blocks.data).view(np.uint8).reshape(2, -1))
     assert same_bits(rows[:, data_nbytes:], np.asarray(blocks.scales).view(np.uint8).reshape(2, -1))
+
+
+def test_fetch_from_disk_survives_making_host_room_that_splits_the_pages_node():
+    """Regression: the job located its disk page, then made host room; evicting the host-only
+    page after it split their node, and the job recorded its host copy on the dropped half."""
+    pool = quant_pool("int8")
+    codec = make_codec(pool)
+    tokens = np.arange(13, dtype=np.int32)  # pages 0, 1, 2 and one token
+    blocks = random_quantized(pool, 4, seed=11)
+    disk = MemoryDisk(codec.block_shape, codec.dtype, capacity_blocks=8)
+    with make(pool, host_blocks=2, disk_tier=disk, write_policy="write_through", high_watermark=1.0) as cache:
+        compute(cache, tokens[:5], blocks)  # page 0, with a host copy
+        assert cache.flush(TIMEOUT)  # ... and a disk copy
+        compute(cache, tokens, blocks)  # pages 1, 2 extend page 0's node; their host copies push page 0's out
+        assert cache.transfer.wait_idle(TIMEOUT)
+        cache.poll()  # the copies are ready (no spill: the host is not above its high watermark)
+        assert cache.match(tokens).tiers.tolist() == [Tier.DEVICE | Tier.DISK] + [Tier.DEVICE | Tier.HOST] * 2
+        cache.evict(8)
+        num_hit, kv, _ = hit_kv(cache, tokens[:5])  # page 0 from disk: host room evicts page 1
+        assert num_hit == 1 and same_leaves(kv, blocks[:1])
+        assert cache.match(tokens).num_hit_blocks == 1  # pages 1 and 2 left with their last copy
+        cache.check_invariants()
