@@ -47,6 +47,7 @@ import optax
 from flax import nnx
 
 from kv_quant_common import ALL_FORMATS, command_line, format_table
+from kvjax.demo import enable_compile_cache
 from kvjax.engine import Engine
 from kvjax.model import BatchInputs, ModelConfig, Transformer, load_config, load_weights
 from kvjax.model import save_weights
@@ -82,7 +83,7 @@ class Agreement:
 def main() -> None:
     args = parse_args()
     if args.compile_cache:
-        _enable_compile_cache()
+        enable_compile_cache()
     preset, spec = "tiny", QUICK_SPEC if args.quick else WorkloadSpec()
     cfg = ModelConfig.from_dict(load_config(preset)["model"])
     train_text, heldout = corpus(REPO)
@@ -322,13 +323,6 @@ def _committed(model: Transformer) -> Transformer:
     compile every step twice."""
     nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
     return model
-
-
-def _enable_compile_cache() -> None:
-    """Keep XLA compilations (seconds each on CPU) on disk between runs, where the demo does."""
-    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path.home() / ".cache" / "kvjax" / "jax")
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def add_subcommand(subparsers) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     if not args.no_compile_cache:
-        _enable_compile_cache()
+        enable_compile_cache()
     cache_options = {key: value for key, value in (("kv_quant", args.kv_quant), ("kv_scale", args.kv_scale))
                      if value is not None}  # fmt: skip
     result = run_demo(preset=args.preset, plot_path=None if args.no_plot else args.plot,
@@ -125,8 +125,9 @@ def _main(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _enable_compile_cache() -> None:
-    """Persist XLA compilations (seconds each on CPU) across demo runs."""
+def enable_compile_cache() -> None:
+    """Persist XLA compilations (seconds each on CPU) across runs, in ``~/.cache/kvjax/jax``
+    (or ``$JAX_COMPILATION_CACHE_DIR``); the demo and the benchmarks that run the engine share it."""
     directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path.home() / ".cache" / "kvjax" / "jax")
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
