@@ -3,7 +3,9 @@
 Sections: ``[model]`` (``ModelConfig``), ``[cache]`` (``page_size``, ``num_blocks``, the
 eviction ``policy``, the device pool's watermarks and its page format ``kv_quant`` /
 ``kv_scale``), ``[scheduler]`` (``SchedulerConfig``),
-``[tiers]`` (``host_bytes``, ``disk_dir`` ("" = none), ``disk_bytes``, ``write_policy``) and
+``[tiers]`` (``host_bytes``, ``disk_dir`` ("" = none), ``disk_bytes``, ``write_policy``, and
+lossy compression of a float pool's offloaded pages: ``offload_quant``, ``offload_scale``,
+``accept_lossy``) and
 ``[engine]`` (``EngineConfig``). Every section but ``[model]`` and ``[cache]`` is optional.
 """
 
@@ -26,7 +28,8 @@ __all__ = ["build_cache_config", "build_engine_parts", "pool_config"]
 _CACHE_KEYS = ("page_size", "num_blocks", "policy", "high_watermark", "low_watermark", "kv_quant",
                "kv_scale")
 _POOL_KEYS = ("page_size", "num_blocks", "kv_quant", "kv_scale")
-_TIER_KEYS = ("host_bytes", "disk_dir", "disk_bytes", "write_policy")
+_TIER_KEYS = ("host_bytes", "disk_dir", "disk_bytes", "write_policy", "offload_quant", "offload_scale",
+              "accept_lossy")
 
 
 def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed: int | None = None,
