@@ -161,6 +161,7 @@ class KVCache:
         not, the match stops before the first one (it and what follows are recomputed and
         count as "evicted" misses, and in ``stats.refused_lossy_blocks``).
         """
+        _check_accept_lossy(accept_lossy)
         if self._index is None:
             handle = self.prefix.admit(tokens, namespace)
             if handle is not None:
@@ -294,6 +295,7 @@ class KVCache:
         of the same prefix maps them, or joins the transfer still in flight. Lossy pages are
         left where they are unless ``accept_lossy`` (as in ``admit``).
         """
+        _check_accept_lossy(accept_lossy)
         if self._index is None:
             return
         ns = as_namespace(namespace)
@@ -423,3 +425,8 @@ class KVCache:
     def _copy_hot_path(self, handle: SeqHandle) -> None:
         if handle._committed:
             self._copy_path(handle._tail, 0, self.config.selective_min_hits)
+
+
+def _check_accept_lossy(accept_lossy) -> None:
+    if accept_lossy is not None and not isinstance(accept_lossy, bool):
+        raise ValueError(f"accept_lossy={accept_lossy!r} must be True, False or None (the config's)")

@@ -276,6 +276,15 @@ def test_offload_quant_none_spellings_and_from_dict():
     assert make_codec(config.pool, config.offload_quant, config.offload_scale).name == "lossy:fp8_e5m2/page"
 
 
+def test_accept_lossy_must_be_a_bool_and_a_bad_one_changes_nothing():
+    with make(FLOAT_POOL, offload_quant="int8") as cache:
+        for call in (cache.admit, cache.prefetch):
+            with pytest.raises(ValueError, match=r"accept_lossy='no' must be True, False or None"):
+                call(TOKENS, accept_lossy="no")
+        assert cache.num_sequences == 0 and cache.stats.prefix.admitted == 0
+        cache.check_invariants()
+
+
 def test_a_given_disk_tier_must_store_the_codec_blocks():
     pool = quant_pool("int8")
     disk = MemoryDisk(pool.block_shape, "int8", capacity_blocks=4)  # the pool's shape, not the codec's
