@@ -10,7 +10,7 @@ closeness holds: logits within a bound set by the format's precision.
 import numpy as np
 import pytest
 
-from engine_cases import PAGE, dense_logits, make_engine, random_prompts
+from engine_cases import PAGE, dense_greedy, dense_logits, make_engine, random_prompts
 from kvjax.engine_events import FinishEvent, TokenEvent
 from kvjax.workload import WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import QuantizedPages
@@ -54,3 +54,35 @@ def test_quantized_logits_stay_close_to_the_float_forward(kv_quant, kv_scale, bo
         exact = dense_logits(sequence)[-1]
         errors.append(np.linalg.norm(event.logits - exact) / np.linalg.norm(exact))
     assert len(errors) == 6 and max(errors) <= bound and min(errors) > 0  # quantized, yet close
+
+
+def _host_hit_run(rng, **engine_kwargs):
+    """Serve a prompt, push its pages to host with fillers, serve a sibling prompt; returns the
+    sibling's finish event, its prompt and the engine's lossy-hit counter."""
+    first, again = random_prompts(rng, 12 * PAGE, [3, 6])
+    with make_engine(host_bytes=64 * 8 * 1024, record_logits=True, **engine_kwargs) as engine:
+        for request_id, prompt, max_new, namespace in [("first", first, 3, "t")] + [
+                (f"fill{i}", rng.integers(0, 256, 12 * PAGE).astype(np.int32), 1, "filler") for i in range(6)]:
+            engine.add_request(request_id, tokens=prompt, max_new_tokens=max_new, namespace=namespace)
+            list(engine.run(summary=False))
+        engine.add_request("again", tokens=again, max_new_tokens=5, namespace="t")
+        finish = [e for e in engine.run(summary=False) if isinstance(e, FinishEvent)][0]
+        engine.check_invariants()
+        return finish, again, engine.cache.stats
+
+
+def test_host_hits_of_a_quantized_pool_equal_recomputing_them():
+    finish, again, _ = _host_hit_run(np.random.default_rng(1), kv_quant="int8")
+    assert finish.hit_tokens_by_tier.get("host", 0) > 0, finish.hit_tokens_by_tier
+    with make_engine(kv_quant="int8") as fresh:  # no cache to hit: recomputes the same prefix
+        fresh.add_request("again", tokens=again, max_new_tokens=5, namespace="t")
+        cold = [e for e in fresh.run(summary=False) if isinstance(e, FinishEvent)][0]
+    assert finish.output_token_ids.tolist() == cold.output_token_ids.tolist()
+
+
+def test_lossy_offload_hits_are_counted_and_can_be_refused():
+    lossy, _, stats = _host_hit_run(np.random.default_rng(1), offload_quant="int8")
+    assert lossy.hit_tokens_by_tier.get("host", 0) > 0 and stats.lossy_hit_blocks > 0
+    exact, again, stats = _host_hit_run(np.random.default_rng(1), offload_quant="int8", accept_lossy=False)
+    assert exact.hit_tokens_by_tier.get("host", 0) == 0 and stats.refused_lossy_blocks > 0
+    assert exact.output_token_ids.tolist() == dense_greedy(again, 5)  # recomputed: exact
