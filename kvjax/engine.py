@@ -285,7 +285,8 @@ class Engine:
                 # PrefixCache only ever maps device pages.
                 split = getattr(self.cache, "hit_tokens_by_tier", None)
                 tiers = split(handle) if split else {"device": handle.num_hit_tokens}
-                self.observer.on_admitted(record, now, tiers)
+                refused = getattr(self.cache, "refused_lossy_pages", None)
+                self.observer.on_admitted(record, now, tiers, refused(handle) if refused else 0)
 
     def _finish(self, request_id: str, status: str) -> FinishEvent:
         record = self._records.pop(request_id)

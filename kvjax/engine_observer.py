@@ -58,8 +58,10 @@ class EngineObserver:
         self.page_size = page_size
         self.attributor = MissAttributor(page_size)
 
-    def on_admitted(self, record: RequestRecord, now: float, hit_tokens_by_tier: dict[str, int]) -> None:
-        """First admission: queue time, hits by tier, misses by cause."""
+    def on_admitted(self, record: RequestRecord, now: float, hit_tokens_by_tier: dict[str, int],
+                    refused_lossy_pages: int = 0) -> None:  # fmt: skip
+        """First admission: queue time, hits by tier, misses by cause (``refused_lossy_pages``:
+        pages after the hits that were cached only lossily and refused)."""
         record.admitted = now
         request, metrics = record.request, self.metrics
         metrics.observe("queue_seconds", max(now - record.arrival, 0.0))
@@ -70,7 +72,8 @@ class EngineObserver:
                 metrics.record_hit(tier, tokens=tokens, blocks=tokens // self.page_size)
                 num_hit += tokens
         record.hit_tokens_by_tier = {tier: n for tier, n in hit_tokens_by_tier.items() if n}
-        causes = self.attributor.attribute(prompt, request.namespace, num_hit, record.fingerprint)
+        causes = self.attributor.attribute(prompt, request.namespace, num_hit, record.fingerprint,
+                                           refused_lossy_pages)  # fmt: skip
         for cause, (tokens, blocks) in causes.items():
             metrics.record_miss(cause, tokens=tokens, blocks=blocks)
         record.miss_tokens_by_cause = {cause: tokens for cause, (tokens, _) in causes.items()}

@@ -99,6 +99,7 @@ class KVCache:
         self._mover: TierMover | None = None
         self._recompute_chosen = self._prefetches = self._lossy_device_hits = self._refused_lossy = 0
         self._hit_sources = HitSources(pool.page_size)
+        self._refused_by_seq: dict[int, int] = {}  # live sequences that refused lossy pages
         if config.tiered:
             self._open_tiers(impl, transfer_factory)
 
@@ -159,7 +160,7 @@ class KVCache:
         handle is ready at once unless it fetches (``is_ready`` / ``wait_ready``).
         ``accept_lossy`` (default ``config.accept_lossy``): whether lossy pages may hit; if
         not, the match stops before the first one (it and what follows are recomputed and
-        count as "evicted" misses, and in ``stats.refused_lossy_blocks``).
+        count as "lossy_refused" misses, and in ``stats.refused_lossy_blocks``).
         """
         _check_accept_lossy(accept_lossy)
         if self._index is None:
@@ -190,7 +191,9 @@ class KVCache:
         self._lossy_device_hits += 0 if plan.device_lossy is None else int(plan.device_lossy.sum())
         self._recompute_chosen += len(plan.lower) - plan.num_fetch
         self._refused_lossy += plan.refused
-        record_admission(self.metrics, handle, self.page_size, first, len(plan.lower) - fetched + plan.refused)
+        if plan.refused:
+            self._refused_by_seq[handle.seq_id] = plan.refused
+        record_admission(self.metrics, handle, self.page_size, first, len(plan.lower) - fetched, plan.refused)
         if self.config.write_policy == "selective":
             self._copy_hot_path(handle)
         return handle
@@ -199,6 +202,11 @@ class KVCache:
         """``handle.num_hit_tokens`` split by the tier each hit page came from ("device",
         "host", "disk"); final once the handle is ready (a failed fetch lowers it)."""
         return self._hit_sources.by_tier(handle.seq_id, handle.num_hit_tokens)
+
+    def refused_lossy_pages(self, handle: SeqHandle) -> int:
+        """Pages right after ``handle``'s hits that were cached only lossily and refused
+        (``accept_lossy=False``), so recomputed."""
+        return self._refused_by_seq.get(handle.seq_id, 0)
 
     def lossy_hit_pages(self, handle: SeqHandle) -> np.ndarray:
         """bool ``[handle.num_hit_tokens // page_size]``: which hit pages hold KV that went
@@ -255,6 +263,7 @@ class KVCache:
         """Drop the sequence's references (fetches in flight for it are discarded)."""
         self.prefix.release(handle)
         self._hit_sources.forget(handle.seq_id)
+        self._refused_by_seq.pop(handle.seq_id, None)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` cached device blocks; with write_back, pages without a

@@ -15,16 +15,19 @@ __all__ = ["record_admission", "record_occupancy"]
 
 
 def record_admission(metrics: Metrics | None, handle: SeqHandle, page_size: int, device_pages: int,
-                     lower_missed: int) -> None:  # fmt: skip
+                     lower_missed: int, refused_lossy: int = 0) -> None:  # fmt: skip
     """A new sequence's device hits, and its misses: ``lower_missed`` host/disk pages it
-    recomputes ("evicted"), the prompt past every tier's match ("never_seen")."""
+    recomputes ("evicted"), ``refused_lossy`` lossy pages it refused ("lossy_refused"), the
+    prompt past every tier's match ("never_seen")."""
     if metrics is None:
         return
     if device_pages:
         metrics.record_hit("device", device_pages * page_size, device_pages)
     if lower_missed:
         metrics.record_miss("evicted", lower_missed * page_size, lower_missed)
-    never_seen = handle.num_tokens - handle.num_hit_tokens - lower_missed * page_size
+    if refused_lossy:
+        metrics.record_miss("lossy_refused", refused_lossy * page_size, refused_lossy)
+    never_seen = handle.num_tokens - handle.num_hit_tokens - (lower_missed + refused_lossy) * page_size
     if never_seen > 0:
         metrics.record_miss("never_seen", never_seen, -(-never_seen // page_size))
 

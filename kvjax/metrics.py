@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 TIERS = ("device", "host", "disk")
-MISS_CAUSES = ("never_seen", "evicted", "other_namespace", "different_template")
+MISS_CAUSES = ("never_seen", "evicted", "other_namespace", "different_template", "lossy_refused")
 SPILL_LINKS = ("device_to_host", "host_to_disk")
 FETCH_TIERS = ("host", "disk")
 QUANTILES = (0.5, 0.9, 0.99)

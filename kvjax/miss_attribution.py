@@ -14,7 +14,9 @@ plus the template fingerprints seen per namespace. A missed page is then:
 * ``different_template``: never seen anywhere, but the prompt's template fingerprint
   (``kvjax.canonicalize.template_fingerprint``) was: the template's variable parts (dates,
   ids, whitespace) broke the prefix;
-* ``never_seen``: none of these.
+* ``never_seen``: none of these;
+* ``lossy_refused``: the cache held the page only as lossy (compressed on offload) KV and the
+  request refused lossy hits (``accept_lossy=False``); the cache reports how many.
 
 The page holding the prompt's last token is never mapped (its logits are needed, so the cache
 always computes it): its tokens carry the cause of the first missed page before it, or
@@ -48,10 +50,11 @@ class MissAttributor:
         self._fingerprints: set[tuple[Namespace, str]] = set()
 
     def attribute(self, tokens: np.ndarray, namespace: Namespace | str | None, num_hit_tokens: int,
-                  fingerprint: str | None = None) -> dict[str, tuple[int, int]]:  # fmt: skip
+                  fingerprint: str | None = None, refused_pages: int = 0) -> dict[str, tuple[int, int]]:  # fmt: skip
         """``{cause: (tokens, pages)}`` for the prompt ``tokens`` past ``num_hit_tokens`` (a
         multiple of ``page_size``); read-only. ``fingerprint`` is the prompt's template
-        fingerprint (None: not a text prompt, never ``different_template``)."""
+        fingerprint (None: not a text prompt, never ``different_template``);
+        ``refused_pages``: how many pages right after the hits were lossy and refused."""
         ns = as_namespace(namespace)
         page = self.page_size
         # Pages before the one holding the last token are mappable; the rest is the tail.
@@ -61,7 +64,9 @@ class MissAttributor:
         template_seen = fingerprint is not None and (ns, fingerprint) in self._fingerprints
         causes = {}
         for index in range(num_hit_pages, num_mappable):
-            if keys[index] in self._seen:
+            if index < num_hit_pages + refused_pages:
+                cause = "lossy_refused"
+            elif keys[index] in self._seen:
                 cause = "evicted"
             elif keys_anywhere[index] in self._seen_anywhere:
                 cause = "other_namespace"

@@ -85,4 +85,8 @@ def test_lossy_offload_hits_are_counted_and_can_be_refused():
     assert lossy.hit_tokens_by_tier.get("host", 0) > 0 and stats.lossy_hit_blocks > 0
     exact, again, stats = _host_hit_run(np.random.default_rng(1), offload_quant="int8", accept_lossy=False)
     assert exact.hit_tokens_by_tier.get("host", 0) == 0 and stats.refused_lossy_blocks > 0
+    # Every prompt page was cached, lossily, and refused: that is the whole miss (the tail
+    # page, which is always computed, takes the cause of the page before it).
+    assert stats.refused_lossy_blocks == 12 and exact.miss_tokens_by_cause == {"lossy_refused": len(again)}
+    assert "lossy_refused" not in lossy.miss_tokens_by_cause
     assert exact.output_token_ids.tolist() == dense_greedy(again, 5)  # recomputed: exact
