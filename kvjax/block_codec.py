@@ -148,12 +148,15 @@ def make_codec(pool: PoolConfig, offload_quant: str | None = None, offload_scale
     if offload_quant is not None and fmt.quantized:
         raise ValueError(f"offload_quant={offload_quant!r} needs a float pool; this pool is quantized "
                          f"already (kv_quant={pool.kv_quant!r}) and its blocks are stored as they are")  # fmt: skip
+    # A stored row is flat bytes: the name carries the block layout, or a pool of another shape
+    # with the same row size (2 layers x 2 heads vs 1 x 4) would read it as its own KV.
+    layout = "x".join(str(d) for d in pool.block_shape)
     if fmt.quantized:
-        return PackedCodec(f"packed:{fmt.name()}", (_row_nbytes(pool.block_shape, fmt),), np.dtype(np.uint8),
-                           False, pool.block_shape, fmt)  # fmt: skip
+        return PackedCodec(f"packed:{fmt.name()}:{layout}", (_row_nbytes(pool.block_shape, fmt),),
+                           np.dtype(np.uint8), False, pool.block_shape, fmt)  # fmt: skip
     if offload_quant is not None:
         offload = KVFormat(offload_quant, offload_scale)
-        return LossyCodec(f"lossy:{offload.name()}", (_row_nbytes(pool.block_shape, offload),),
+        return LossyCodec(f"lossy:{offload.name()}:{layout}", (_row_nbytes(pool.block_shape, offload),),
                           np.dtype(np.uint8), True, pool.block_shape, offload, pool.dtype)  # fmt: skip
     return IdentityCodec(RAW, pool.block_shape, np.dtype(jnp.dtype(pool.dtype)), False)
 

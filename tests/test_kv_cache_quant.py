@@ -133,6 +133,8 @@ def test_quantized_pool_warm_restart_serves_the_disk_directory(tmp_path):
 @pytest.mark.parametrize("reader", [
     dict(pool=quant_pool("fp8_e4m3")),  # same bytes per block, other bits: must never be read
     dict(pool=PoolConfig(**SHAPE, dtype="bfloat16"), offload_quant="int8"),  # same layout, lossy
+    # Same format and row bytes, other block layout (1 layer x 4 heads): another model's KV.
+    dict(pool=PoolConfig(**{**SHAPE, "num_layers": 1, "num_kv_heads": 4}, dtype="bfloat16", kv_quant="int8")),
 ])  # fmt: skip
 def test_a_directory_written_with_one_codec_is_a_miss_for_another(tmp_path, reader):
     writer = quant_pool("int8")
@@ -273,7 +275,8 @@ def test_offload_quant_none_spellings_and_from_dict():
     assert config.offload_quant is None
     config = KVCacheConfig.from_dict({"pool": FLOAT_POOL, "host_bytes": 1024, "offload_quant": "fp8_e5m2",
                                       "offload_scale": "page"})  # fmt: skip
-    assert make_codec(config.pool, config.offload_quant, config.offload_scale).name == "lossy:fp8_e5m2/page"
+    layout = "x".join(str(d) for d in config.pool.block_shape)
+    assert make_codec(config.pool, config.offload_quant, config.offload_scale).name == f"lossy:fp8_e5m2/page:{layout}"
 
 
 def test_accept_lossy_must_be_a_bool_and_a_bad_one_changes_nothing():
@@ -288,7 +291,7 @@ def test_accept_lossy_must_be_a_bool_and_a_bad_one_changes_nothing():
 def test_a_given_disk_tier_must_store_the_codec_blocks():
     pool = quant_pool("int8")
     disk = MemoryDisk(pool.block_shape, "int8", capacity_blocks=4)  # the pool's shape, not the codec's
-    with pytest.raises(ValueError, match=r"disk_tier stores blocks .* this cache's codec stores \(\(\d+,\), dtype\('uint8'\), 'packed:int8/token'\)"):
+    with pytest.raises(ValueError, match=r"disk_tier stores blocks .* this cache's codec stores \(\(\d+,\), dtype\('uint8'\), 'packed:int8/token:[\dx]+'\)"):
         make(pool, disk_tier=disk)
     codec = make_codec(pool)
     with make(pool, disk_tier=MemoryDisk(codec.block_shape, codec.dtype, capacity_blocks=4)) as cache:
