@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.page_pool import PoolConfig
-from pallas_kernels.kv_format import FORMATS, GRANULARITIES, KVFormat, QuantizedPages, dequantize, quantize
+from pallas_kernels.kv_format import KVFormat, QuantizedPages, dequantize, parse_quant, quantize
 
 __all__ = ["BlockCodec", "IdentityCodec", "LossyCodec", "PackedCodec", "exact_codec", "make_codec"]
 
@@ -137,13 +137,7 @@ def make_codec(pool: PoolConfig, offload_quant: str | None = None, offload_scale
     scales. ValueError naming the value for an unknown format or granularity, or for
     ``offload_quant`` on a pool that is quantized already (its blocks travel as they are).
     """
-    if offload_quant in ("", "none"):
-        offload_quant = None
-    if offload_quant is not None and offload_quant not in FORMATS:
-        raise ValueError(f"offload_quant={offload_quant!r} is not a known format; expected None or "
-                         f"one of {tuple(FORMATS)}")  # fmt: skip
-    if offload_scale not in GRANULARITIES:
-        raise ValueError(f"offload_scale={offload_scale!r} must be one of {GRANULARITIES}")
+    offload_quant = parse_quant(offload_quant, "offload_quant", offload_scale, "offload_scale")
     fmt = pool.kv_format
     if offload_quant is not None and fmt.quantized:
         raise ValueError(f"offload_quant={offload_quant!r} needs a float pool; this pool is quantized "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from kvjax.engine_config import EngineConfig
@@ -45,10 +46,13 @@ def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed
     ``clock=``, ...).
     """
     sections = load_config(preset)
-    sections["cache"] = {**sections.get("cache", {}), **(cache_options or {})}
     for required in ("model", "cache"):
         if required not in sections:
             raise ValueError(f"preset {preset!r} has no [{required}] section")
+    if cache_options is not None and not isinstance(cache_options, Mapping):
+        raise ValueError(f"cache_options={cache_options!r} must be a mapping of [cache] keys, e.g. "
+                         "{'kv_quant': 'int8'}")
+    sections["cache"] = {**sections["cache"], **(cache_options or {})}
     model_cfg = ModelConfig.from_dict(sections["model"])
     engine_cfg = EngineConfig.from_dict(sections.get("engine", {}))
     if seed is not None:

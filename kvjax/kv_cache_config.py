@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from kvjax.block_codec import make_codec
+from pallas_kernels.kv_format import parse_quant
 from kvjax.eviction import POLICIES
 from kvjax.eviction_adaptive import DEFAULT_POLICY
 from kvjax.fetch_cost import FetchCostModel
@@ -80,9 +81,11 @@ class KVCacheConfig:
                              f"<= high_watermark={self.high_watermark} <= 1")
         if not isinstance(self.cost_model, FetchCostModel):
             raise ValueError(f"cost_model={self.cost_model!r} must be a FetchCostModel")
-        if self.offload_quant in ("", "none"):
-            object.__setattr__(self, "offload_quant", None)
         make_codec(self.pool, self.offload_quant, self.offload_scale)  # raises naming a bad value
+        object.__setattr__(self, "offload_quant", parse_quant(self.offload_quant, "offload_quant"))
+        if self.offload_quant is not None and not self.tiered:
+            raise ValueError(f"offload_quant={self.offload_quant!r} compresses pages leaving the device "
+                             f"and needs a host tier; got host_bytes={self.host_bytes}")  # fmt: skip
         if not isinstance(self.accept_lossy, bool):
             raise ValueError(f"accept_lossy={self.accept_lossy!r} must be a bool")
 

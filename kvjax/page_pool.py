@@ -48,7 +48,7 @@ import numpy as np
 
 from kvjax.config_util import config_from_dict
 import pallas_kernels
-from pallas_kernels.kv_format import KVFormat, QuantizedPages, empty_pool
+from pallas_kernels.kv_format import KVFormat, QuantizedPages, empty_pool, parse_quant
 from pallas_kernels.validation import check_block_ids, check_slot_mapping
 
 __all__ = ["PoolConfig", "PagePool", "Buckets", "BatchMetadata", "build_batch", "bucket"]
@@ -83,9 +83,7 @@ class PoolConfig:
         except TypeError as e:
             raise ValueError(f"dtype={self.dtype!r} is not a dtype jax.numpy knows") from e
         object.__setattr__(self, "dtype", name)  # canonical, so equal configs compare equal
-        if self.kv_quant in ("", "none"):
-            object.__setattr__(self, "kv_quant", None)
-        KVFormat(self.kv_quant, self.kv_scale)  # raises on an unknown format or granularity
+        object.__setattr__(self, "kv_quant", parse_quant(self.kv_quant, "kv_quant", self.kv_scale))
 
     @classmethod
     def from_dict(cls, values: Mapping) -> "PoolConfig":

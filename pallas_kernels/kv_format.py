@@ -61,6 +61,10 @@ __all__ = [
     "dequantize_pool",
     "quantize_pool",
     "pool_dtype",
+    "parse_quant",
+    "encode",
+    "empty_pool",
+    "relative_error",
 ]
 
 GRANULARITIES = ("token", "page")
@@ -164,6 +168,22 @@ class QuantizedPages:
     def __getitem__(self, index):
         """Indexes the leading (block) axis of data and scales together."""
         return QuantizedPages(self.data[index], self.scales[index])
+
+
+def parse_quant(value, name: str = "kv_quant", scale: str = "token",
+                scale_name: str = "kv_scale") -> str | None:
+    """A config's quantization setting: ``None``, ``""`` and ``"none"`` mean unquantized;
+    otherwise one of :data:`FORMATS`. ``scale`` (its granularity setting) other than the
+    default only makes sense with a format. ValueError naming the value otherwise."""
+    quant = None if value in (None, "", "none") else value
+    if quant is not None and quant not in FORMATS:
+        raise ValueError(f"{name}={value!r} is not a known format; expected 'none' or one of "
+                         f"{tuple(FORMATS)}")
+    if scale not in GRANULARITIES:
+        raise ValueError(f"{scale_name}={scale!r} must be one of {GRANULARITIES}")
+    if quant is None and scale != "token":
+        raise ValueError(f"{scale_name}={scale!r} needs {name} set to a format; {name}={value!r}")
+    return quant
 
 
 def is_quantized(kv_pages) -> bool:

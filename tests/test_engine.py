@@ -258,6 +258,13 @@ def test_preset_rejects_unknown_sections_keys(tmp_path):
     preset.write_text("[model]\nnum_layers = 1\n[cache]\npage_size = 8\nnum_blocks = 8\n[engine]\nturbo = true\n")
     with pytest.raises(ValueError, match=r"unknown engine config keys \['turbo'\]"):
         build_engine_parts(str(preset))
+    preset.write_text("[model]\nnum_layers = 1\n")
+    with pytest.raises(ValueError, match=r"has no \[cache\] section"):
+        build_engine_parts(str(preset), cache_options={"kv_quant": "int8"})
+    with pytest.raises(ValueError, match=r"cache_options='int8' must be a mapping of \[cache\] keys"):
+        build_engine_parts("tiny", cache_options="int8")
+    with pytest.raises(ValueError, match=r"kv_quant='int4' is not a known format"):
+        build_engine_parts("tiny", cache_options={"kv_quant": "int4"})
 
 
 @pytest.mark.parametrize("build, message", [

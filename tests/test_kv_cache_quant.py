@@ -260,14 +260,16 @@ def test_host_holds_more_blocks_for_the_same_bytes_by_the_compression_ratio(opti
 
 
 @pytest.mark.parametrize("pool, values, message", [
-    (FLOAT_POOL, dict(offload_quant="int4"), r"offload_quant='int4' is not a known format; expected None or one of \('int8'"),
+    (FLOAT_POOL, dict(offload_quant="int4"), r"offload_quant='int4' is not a known format; expected 'none' or one of \('int8'"),
+    (FLOAT_POOL, dict(offload_scale="page"), r"offload_scale='page' needs offload_quant set to a format; offload_quant=None"),
+    (FLOAT_POOL, dict(offload_quant="int8", host_bytes=0), r"offload_quant='int8' compresses pages leaving the device and needs a host tier; got host_bytes=0"),
     (FLOAT_POOL, dict(offload_quant="int8", offload_scale="block"), r"offload_scale='block' must be one of \('token', 'page'\)"),
     (quant_pool("int8"), dict(offload_quant="fp8_e4m3"), r"offload_quant='fp8_e4m3' needs a float pool; this pool is quantized already \(kv_quant='int8'\)"),
     (FLOAT_POOL, dict(accept_lossy="yes"), r"accept_lossy='yes' must be a bool"),
 ])  # fmt: skip
 def test_bad_offload_config_is_rejected_with_a_message(pool, values, message):
     with pytest.raises(ValueError, match=message):
-        KVCacheConfig(pool=pool, host_bytes=1 << 20, **values)
+        KVCacheConfig(pool=pool, **{"host_bytes": 1 << 20, **values})
 
 
 def test_offload_quant_none_spellings_and_from_dict():

@@ -81,6 +81,10 @@ def test_format_and_pool_config_reject_unknown_names():
     with pytest.raises(ValueError, match="quant='int4'"):
         PoolConfig(4, 1, 1, 8, 16, "float32", kv_quant="int4")
     assert PoolConfig(4, 1, 1, 8, 16, "float32", kv_quant="none").kv_quant is None
+    with pytest.raises(ValueError, match="kv_scale='page' needs kv_quant set to a format; kv_quant='none'"):
+        PoolConfig(4, 1, 1, 8, 16, "float32", kv_quant="none", kv_scale="page")
+    with pytest.raises(ValueError, match=r"kv_scale='row' must be one of \('token', 'page'\)"):
+        PoolConfig(4, 1, 1, 8, 16, "float32", kv_quant="int8", kv_scale="row")
 
 
 @pytest.mark.parametrize("quant,scale,data_bytes", [
