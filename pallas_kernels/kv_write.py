@@ -1,7 +1,9 @@
 """Writing this step's new K/V into their pages of one layer of the pool, in place.
 
 Token ``t``'s K and V go to slot ``slot_mapping[t] = block_id * page_size + offset`` of
-``layer``; a negative slot is padding and writes nothing. Nothing else in the pool changes.
+``layer``; a negative slot is padding and writes nothing. Nothing else in the pool changes
+(except, in a pool with per-page scales, the other slots of a touched page, requantized when
+its scale grows: see :mod:`pallas_kernels.kv_format`).
 The pool buffer is donated and updated in place (every implementation aliases it to the
 output), so a serving loop never allocates a second pool: use the returned array and drop
 the one passed in, whose buffer now belongs to the result.
@@ -24,6 +26,7 @@ each touched page (see :mod:`pallas_kernels.kv_format`), done by XLA on every ba
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_impl, resolve_interpret
 from pallas_kernels.copy_common import on_bits
-from pallas_kernels.kv_format import QuantizedPages, encode, is_quantized
+from pallas_kernels.kv_format import QuantizedPages, encode, is_quantized, quantize
 from pallas_kernels.validation import check_kv_write_args
 
 __all__ = ["write_kv", "write_kv_xla", "write_kv_quantized_xla"]
@@ -79,21 +82,26 @@ def write_kv(
 def write_kv_xla(kv_pages, k, v, slot_mapping, *, layer: int):
     """One XLA scatter of ``[num_tokens, 2, num_kv_heads, head_dim]`` rows into the pool."""
     num_blocks, page_size = kv_pages.shape[0], kv_pages.shape[4]
-    # A negative index would wrap around, so padding slots are sent past the pool and
-    # mode="drop" skips them.
-    block = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_blocks)
-    offset = slot_mapping % page_size
+    block, offset = _block_offset(slot_mapping, num_blocks, page_size)
     kv = jnp.stack([k, v], axis=1)  # [num_tokens, 2, num_kv_heads, head_dim]
     # The advanced indices (block, layer, offset) are split by slices, so numpy rules put
     # the token axis first: the update is exactly kv's [num_tokens, 2, num_kv_heads, head_dim].
     return kv_pages.at[block, layer, :, :, offset].set(kv, mode="drop")
 
 
+def _block_offset(slot_mapping, num_blocks: int, page_size: int):
+    """Each slot's block and offset; a negative index would wrap around, so padding slots are
+    sent past the pool, where ``mode="drop"`` skips them."""
+    block = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_blocks)
+    return block, slot_mapping % page_size
+
+
 def _quantize_rows(k, v, fmt):
-    """Per-token quantization of this step's rows: data ``[T, 2, h, d]``, scales ``[T, 2, h]``."""
-    kv = jnp.stack([k, v], axis=1).astype(jnp.float32)
-    scale = jnp.max(jnp.abs(kv), axis=-1) / fmt.qmax
-    return encode(kv, scale[..., None], fmt), scale
+    """Per-token quantization of this step's rows: data ``[T, 2, h, d]``, scales ``[T, 2, h]``
+    (each row is its own one-token "page")."""
+    kv = jnp.stack([k, v], axis=1)[:, :, :, None, :]  # [T, 2, h, 1, d]
+    data, scale = quantize(kv, dataclasses.replace(fmt, granularity="token"))
+    return data[:, :, :, 0], scale[..., 0]
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "impl", "interpret", "tuning"),
@@ -121,8 +129,7 @@ def write_kv_quantized_xla(kv_pages, k, v, slot_mapping, *, layer: int):
     fmt = kv_pages.format
     data, scales = kv_pages.data, kv_pages.scales
     num_blocks, page_size = data.shape[0], data.shape[4]
-    block = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_blocks)
-    offset = slot_mapping % page_size
+    block, offset = _block_offset(slot_mapping, num_blocks, page_size)
     if fmt.granularity == "token":
         rows, row_scale = _quantize_rows(k, v, fmt)
         data = _set_rows(data, block, layer, offset, rows)
@@ -152,8 +159,8 @@ def write_kv_quantized_xla(kv_pages, k, v, slot_mapping, *, layer: int):
 def _set_scales(scales, slot_mapping, layer, row_scale):
     """Per-token scales ``[T, 2, h]`` into their slots; padding slots are dropped."""
     num_blocks, page_size = scales.shape[0], scales.shape[4]
-    block = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_blocks)
-    return scales.at[block, layer, :, :, slot_mapping % page_size].set(row_scale, mode="drop")
+    block, offset = _block_offset(slot_mapping, num_blocks, page_size)
+    return scales.at[block, layer, :, :, offset].set(row_scale, mode="drop")
 
 
 @on_bits(0, 4)

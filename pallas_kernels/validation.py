@@ -49,6 +49,13 @@ def check_pool(kv_pages, layer: int | None = None) -> None:
             raise ValueError(f"{layer=} is out of range for num_layers={kv_pages.shape[1]}")
 
 
+def _quantized_hint(kv_pages) -> str:
+    """For a bare int8/fp8 array passed as the pool: how to pass a quantized pool instead."""
+    if jnp.dtype(kv_pages.dtype) in QUANT_DTYPES:
+        return " (a quantized pool is passed as QuantizedPages(data, scales))"
+    return ""
+
+
 def _check_quantized(pages: QuantizedPages, name: str) -> None:
     if jnp.dtype(pages.data.dtype) not in QUANT_DTYPES:
         raise ValueError(f"{name}.data.dtype={pages.data.dtype} must be one of "
@@ -88,9 +95,8 @@ def check_paged_attention_args(
         raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in POOL_DTYPES]}")
     if (not isinstance(kv_pages, QuantizedPages)
             and jnp.dtype(kv_pages.dtype) != jnp.dtype(q.dtype)):
-        hint = (" (a quantized pool is passed as QuantizedPages(data, scales))"
-                if jnp.dtype(kv_pages.dtype) in QUANT_DTYPES else "")
-        raise ValueError(f"kv_pages.dtype={kv_pages.dtype} must equal q.dtype={q.dtype}{hint}")
+        raise ValueError(f"kv_pages.dtype={kv_pages.dtype} must equal q.dtype={q.dtype}"
+                         f"{_quantized_hint(kv_pages)}")
     _check_int32("block_tables", block_tables, 2)
     _check_int32("seq_lens", seq_lens, 1)
     _check_int32("cu_q_lens", cu_q_lens, 1)
@@ -128,10 +134,8 @@ def check_kv_write_args(kv_pages, k, v, slot_mapping, *, layer) -> None:
                 raise ValueError(f"{name}.dtype={x.dtype} must be one of "
                                  f"{[str(d) for d in POOL_DTYPES]} (it is quantized on write)")
         elif jnp.dtype(x.dtype) != jnp.dtype(kv_pages.dtype):
-            hint = (" (a quantized pool is passed as QuantizedPages(data, scales))"
-                    if jnp.dtype(kv_pages.dtype) in QUANT_DTYPES else "")
-            raise ValueError(
-                f"{name}.dtype={x.dtype} must equal kv_pages.dtype={kv_pages.dtype}{hint}")
+            raise ValueError(f"{name}.dtype={x.dtype} must equal kv_pages.dtype={kv_pages.dtype}"
+                             f"{_quantized_hint(kv_pages)}")
     if k.shape != v.shape:
         raise ValueError(f"k.shape={tuple(k.shape)} must equal v.shape={tuple(v.shape)}")
     _check_int32("slot_mapping", slot_mapping, 1)
