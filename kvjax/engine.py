@@ -109,11 +109,14 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | None = None, *, tokens: Sequence[int] | None = None,
                     max_new_tokens: int = 16, sampling: SamplingParams | None = None,
-                    namespace=None, stop_token_ids: Sequence[int] = ()) -> bool:  # fmt: skip
+                    namespace=None, stop_token_ids: Sequence[int] = (),
+                    accept_lossy: bool | None = None) -> bool:  # fmt: skip
         """Queue a request given as text (``prompt``) or token ids (``tokens``).
 
-        Returns False when the scheduler rejects it (the next ``step()`` reports a FinishEvent
-        with the reason). Raises ValueError, queuing nothing, for a duplicate id, both or neither
+        ``accept_lossy=False`` refuses cached KV that went through lossy offload compression
+        (``KVCacheConfig.offload_quant``): those pages are recomputed (None: the cache's
+        ``accept_lossy``). Returns False when the scheduler rejects it (the next ``step()``
+        reports a FinishEvent with the reason). Raises ValueError, queuing nothing, for a duplicate id, both or neither
         of ``prompt``/``tokens``, token ids outside the model's vocabulary, or a request longer
         than ``max_model_len``.
         """
@@ -133,8 +136,11 @@ class Engine:
                 prompt, changes = result.text, tuple(result.changes)
             tokens = self.tokenizer.encode(prompt)
             fingerprint = template_fingerprint(prompt, self.canonicalize, max_chars=self.config.template_chars)
+        if accept_lossy is not None and not isinstance(accept_lossy, bool):
+            raise ValueError(f"accept_lossy={accept_lossy!r} must be None or a bool")
         request = Request(request_id, tokens, max_new_tokens, namespace, arrival_time=self.clock(),
-                          stop_token_ids=tuple(stop_token_ids), sampling=sampling)  # fmt: skip
+                          stop_token_ids=tuple(stop_token_ids), sampling=sampling,
+                          accept_lossy=accept_lossy)  # fmt: skip
         if request.num_prompt_tokens + max_new_tokens > self.max_model_len:
             raise ValueError(f"request {request_id!r} needs {request.num_prompt_tokens} prompt + {max_new_tokens} "
                              f"new tokens; max_model_len={self.max_model_len}")  # fmt: skip

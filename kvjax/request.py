@@ -66,6 +66,7 @@ class Request:
     arrival_time: float | None = None
     stop_token_ids: frozenset[int] | tuple[int, ...] = ()  # stored as a frozenset
     sampling: Any = None
+    accept_lossy: bool | None = None  # may hit lossy (compressed on offload) KV; None: the cache's default
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose KV exists (device, or host if SWAPPED)
     handle: SeqHandle | None = None  # the cache hold while RUNNING

@@ -302,7 +302,8 @@ class Scheduler:
             held = allocator.num_blocks - allocator.num_free - cache.num_reclaimable
             if self._running and held + num_pages - num_hit > high:
                 break  # high watermark: leave the headroom to running decodes
-            handle = cache.admit(request.token_ids, request.namespace)
+            lossy = {} if request.accept_lossy is None else {"accept_lossy": request.accept_lossy}
+            handle = cache.admit(request.token_ids, request.namespace, **lossy)
             if handle is None:
                 if not self._running:  # even an empty pool cannot take it: pins hold the rest
                     waiting.pop()

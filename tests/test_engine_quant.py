@@ -56,7 +56,7 @@ def test_quantized_logits_stay_close_to_the_float_forward(kv_quant, kv_scale, bo
     assert len(errors) == 6 and max(errors) <= bound and min(errors) > 0  # quantized, yet close
 
 
-def _host_hit_run(rng, **engine_kwargs):
+def _host_hit_run(rng, request_accept_lossy=None, **engine_kwargs):
     """Serve a prompt, push its pages to host with fillers, serve a sibling prompt; returns the
     sibling's finish event, its prompt and the engine's lossy-hit counter."""
     first, again = random_prompts(rng, 12 * PAGE, [3, 6])
@@ -65,7 +65,8 @@ def _host_hit_run(rng, **engine_kwargs):
                 (f"fill{i}", rng.integers(0, 256, 12 * PAGE).astype(np.int32), 1, "filler") for i in range(6)]:
             engine.add_request(request_id, tokens=prompt, max_new_tokens=max_new, namespace=namespace)
             list(engine.run(summary=False))
-        engine.add_request("again", tokens=again, max_new_tokens=5, namespace="t")
+        engine.add_request("again", tokens=again, max_new_tokens=5, namespace="t",
+                           accept_lossy=request_accept_lossy)
         finish = [e for e in engine.run(summary=False) if isinstance(e, FinishEvent)][0]
         engine.check_invariants()
         return finish, again, engine.cache.stats
@@ -90,3 +91,11 @@ def test_lossy_offload_hits_are_counted_and_can_be_refused():
     assert stats.refused_lossy_blocks == 12 and exact.miss_tokens_by_cause == {"lossy_refused": len(again)}
     assert "lossy_refused" not in lossy.miss_tokens_by_cause
     assert exact.output_token_ids.tolist() == dense_greedy(again, 5)  # recomputed: exact
+
+
+def test_one_request_can_refuse_lossy_hits_the_cache_accepts():
+    exact, again, stats = _host_hit_run(np.random.default_rng(1), request_accept_lossy=False, offload_quant="int8")
+    assert exact.hit_tokens_by_tier.get("host", 0) == 0 and stats.refused_lossy_blocks == 12
+    assert exact.output_token_ids.tolist() == dense_greedy(again, 5)
+    with make_engine() as engine, pytest.raises(ValueError, match="accept_lossy='no' must be None or a bool"):
+        engine.add_request("r", tokens=again, accept_lossy="no")
