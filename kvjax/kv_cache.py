@@ -160,7 +160,12 @@ class KVCache:
         handle is ready at once unless it fetches (``is_ready`` / ``wait_ready``).
         ``accept_lossy`` (default ``config.accept_lossy``): whether lossy pages may hit; if
         not, the match stops before the first one (it and what follows are recomputed and
-        count as "lossy_refused" misses, and in ``stats.refused_lossy_blocks``).
+        count as "lossy_refused" misses, and in ``stats.refused_lossy_blocks``: exact pages
+        after the cut count too, they are cut with it). The recomputed exact pages replace a
+        lossy copy that is off the device; a lossy copy still on the device stays until it is
+        evicted (later refusing requests recompute again meanwhile). Pages computed on top of
+        lossy hits are recorded as exact: only KV that itself went through the codec is
+        flagged.
         """
         _check_accept_lossy(accept_lossy)
         if self._index is None:

@@ -32,7 +32,12 @@ Granularity, the trade-off (measured by ``benchmarks/bench_kv_quant.py``, CPU, X
   (1.5x), fp8 barely changes with token outliers (a float format keeps relative precision).
 
 Per-token scales are the default: nearly all of the capacity gain, none of the write
-amplification. Attention error on standard-normal K/V: int8 0.8-0.9%, fp8_e4m3 2.8-3.5%,
+amplification, and a token's stored K/V depends only on that token, so a cache hit reads
+exactly what recomputing would have written (cached and uncached runs agree). With per-page
+scales the stored bytes depend on how the page was filled (one prefill, or token by token
+with requantizations), so cached and uncached runs are only close, not bit-equal. The XLA
+per-page write also gathers and rewrites each new token's whole page (a prefill chunk moves
+``page_size`` times its rows, duplicates included), bounded by the step, not the pool. Attention error on standard-normal K/V: int8 0.8-0.9%, fp8_e4m3 2.8-3.5%,
 fp8_e5m2 6-7%; the end-to-end effect on the tiny model is in
 ``benchmarks/bench_kv_quant_quality.py``.
 
