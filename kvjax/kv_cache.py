@@ -161,11 +161,13 @@ class KVCache:
         ``accept_lossy`` (default ``config.accept_lossy``): whether lossy pages may hit; if
         not, the match stops before the first one (it and what follows are recomputed and
         count as "lossy_refused" misses, and in ``stats.refused_lossy_blocks``: exact pages
-        after the cut count too, they are cut with it). The recomputed exact pages replace a
-        lossy copy that is off the device; a lossy copy still on the device stays until it is
-        evicted (later refusing requests recompute again meanwhile). Pages computed on top of
-        lossy hits are recorded as exact: only KV that itself went through the codec is
-        flagged.
+        after the cut count too, they are cut with it). At commit the recomputed exact pages
+        replace the lossy copy: its device blocks too when no other live sequence holds them
+        (they are freed; a lossy host/disk copy stays, still lossy), so later refusing requests
+        hit the exact copy; while another sequence holds them, the lossy device copy stays
+        until it is evicted or a later commit replaces it. Pages computed on top of lossy hits
+        are recorded as exact: only KV that itself went through the codec is flagged (they
+        never replace a device copy).
         """
         _check_accept_lossy(accept_lossy)
         if self._index is None:

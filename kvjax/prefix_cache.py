@@ -339,14 +339,18 @@ class PrefixCache:
             if num_pages < child.num_pages:
                 child = trie.split(child, num_pages)
             first = start // page_bytes
-            if child.on_device:  # cached meanwhile by another sequence: hold that copy too
+            own = handle.block_ids[first : first + num_pages]
+            if child.on_device and self._replaces_lossy(handle, child, lossy):
+                self.allocator.free(trie.replace(child, own, now), check=False)
+                self._stats.inserted_blocks += num_pages
+            elif child.on_device:  # cached meanwhile by another sequence: hold that copy too
                 trie.lock(child, whole_path=False)
                 self.allocator.incref(child.blocks, check=False)
-                handle._dup_own.append(handle.block_ids[first : first + num_pages])
+                handle._dup_own.append(own)
                 handle._dup_trie.append(child.blocks)
                 self._stats.duplicate_blocks += num_pages
             else:  # only a host/disk copy was indexed: our fresh blocks become its device copy
-                trie.attach(child, handle.block_ids[first : first + num_pages], now, lossy=lossy)
+                trie.attach(child, own, now, lossy=lossy)
                 self._stats.inserted_blocks += num_pages
             node = child
             start += num_pages * page_bytes
@@ -360,6 +364,25 @@ class PrefixCache:
             self._stats.inserted_blocks += len(own)
         handle._tail = node
         handle._committed = end // page_bytes
+
+    @staticmethod
+    def _replaces_lossy(handle: SeqHandle, child: Node, lossy: bool) -> bool:
+        """Whether ``handle``'s own blocks should replace ``child``'s device copy at commit.
+
+        Yes when a page of ``child`` is lossy, the handle's pages are exact (computed, not
+        fetched: ``lossy`` False, on top of an exact path, so every page it replaces gets KV
+        at least as exact) and no sequence holds ``child`` (lock 0: no handle maps or holds
+        its blocks, so the trie's were its only reference and they can be freed). Otherwise a
+        refusing request's recompute would leave the lossy copy in place for the next one.
+        """
+        if lossy or child.lock or child.lossy is None or not child.lossy.any():
+            return False
+        node = handle._tail
+        while node.parent is not None:
+            if node.lossy is not None and node.lossy.any():
+                return False
+            node = node.parent
+        return True
 
     def _locate_page(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier):
         if not int(tier) & (Tier.HOST | Tier.DISK) or int(tier) & ~(Tier.HOST | Tier.DISK):

@@ -19,7 +19,9 @@ Invariants (``check_invariants`` verifies them all):
   walking parents.
 - lossy pages (``Node.lossy``): a device page is lossy when its KV was fetched from a lossy
   copy; with ``lossy_offload`` (the tiers' codec is lossy) every page off device is lossy,
-  since each of its copies is. Splits, extensions and truncations keep each page's flag.
+  since each of its copies is. Splits, extensions and truncations keep each page's flag;
+  ``attach`` and ``replace`` (an exact recompute taking over an unlocked lossy device copy)
+  set it from the new blocks.
 """
 
 from __future__ import annotations
@@ -180,6 +182,19 @@ class PrefixTrie:
         node.lock = 1
         node.last_access = now
         node.parent.num_device_children += 1
+
+    def replace(self, node: Node, blocks: np.ndarray, now: float) -> np.ndarray:
+        """Make ``blocks`` (exact KV) the device copy of the unlocked device node ``node``,
+        locked once by the sequence that holds them (as ``attach``); return the blocks it had,
+        which the trie no longer references. Host/disk copies and their bits stay as they are."""
+        if not node.on_device or node.lock or len(blocks) != node.num_pages:
+            raise RuntimeError(f"node at page {node.first_page} ({node.on_device=}, {node.lock=}, "
+                               f"{node.num_pages} pages) cannot take {len(blocks)} new blocks")  # fmt: skip
+        self.lock(node, whole_path=False)  # leaves the evictable count if it was in it
+        old, node.blocks = node.blocks, np.array(blocks, BLOCK_DTYPE)
+        node.lossy = None
+        node.last_access = now
+        return old
 
     # --- locks, heat and pins --------------------------------------------------------------
 

@@ -12,7 +12,8 @@ stay in flight across evictions, releases and other admissions.
 Variants (``Variant``): a float pool (blocks stored as they are), quantized pools (the model
 writes quantized pages; every tier must hold them bit-exact, data and scales) and a float
 pool with lossy offload (a page marked exact must hold exactly its KV, one marked lossy
-within the format's bound; a sequence that refuses lossy hits never gets one).
+within the format's bound; a sequence that refuses lossy hits never gets one, and its
+recompute replaces the lossy device copy no other sequence holds).
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ from kv_cache_cases import ManualTransfer, MemoryDisk, page_content
 from scheduler_cases import Clock
 
 from kvjax.block_codec import make_codec
+from kvjax.block_keys import as_namespace
 from kvjax.fetch_cost import FetchCostModel
 from kvjax.kv_cache import KVCache, KVCacheConfig
 from kvjax.kv_cache_config import WRITE_POLICIES
@@ -156,6 +158,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.prefill(self._waiting_to_compute().index(seq))
         self.seqs.remove(seq)
         self.cache.release(seq.handle)
+        if accept_lossy is False:
+            self._check_lossy_copy_replaced(tokens, namespace)
 
     @precondition(lambda self: self.served)
     @rule(i=index_st, to_disk=st.booleans(), accept_lossy=st.sampled_from([None, None, False]))
@@ -171,6 +175,15 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.cache.poll()
             self.evict_host(4)
         self.serve(tokens, namespace, 0, accept_lossy)
+
+    @precondition(lambda self: self.served)
+    @rule(i=index_st)
+    def serve_refusing_after_a_fetch(self, i):
+        """An earlier request is served from host (lossy, with a lossy codec), then by one that
+        refuses lossy hits: its recompute replaces the device copy no live sequence holds."""
+        tokens, namespace = self.served[i % len(self.served)]
+        self.serve_again(i, False, None)
+        self.serve(tokens, namespace, 0, False)
 
     @precondition(lambda self: self._waiting_to_compute())
     @rule(i=index_st)
@@ -272,6 +285,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         ids[: len(pages)] = seq.handle.block_ids[first_page : first_page + len(pages)]
         blocks = [self.variant.content(seq.namespace, seq.tokens[: (page + 1) * PAGE]) for page in pages]
         self.cache.pool.scatter(ids, self.variant.stack(blocks))
+
+    def _check_lossy_copy_replaced(self, tokens, namespace):
+        """Right after a refusing request committed its pages: the first lossy device page of
+        its prefix is held by another live sequence (an unheld one its recompute replaced)."""
+        trie = self.cache.trie
+        root = trie.root(as_namespace(namespace), create=False)
+        buf = np.asarray(tokens, np.int32).tobytes()
+        path = [] if root is None else trie.walk(root, buf, 0, len(buf) - len(buf) % trie.page_bytes)
+        for node, k in path:
+            if not node.on_device:
+                return
+            if node.page_lossy()[:k].any():
+                assert node.lock > 0, f"lossy device page at {node.first_page} survived an exact recompute"
+                return
 
     def _check_cached_content(self):
         """Every page with a copy in any tier holds its prefix's KV, in its namespace: bit for

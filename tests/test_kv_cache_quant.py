@@ -202,6 +202,102 @@ def test_accept_lossy_false_recomputes_lossy_pages_and_the_exact_copy_takes_over
         cache.check_invariants()
 
 
+def lossy_on_device(cache, tokens, blocks):
+    """Compute ``tokens``, evict them to host (lossy) and fetch them back; return the device
+    blocks of the lossy copy."""
+    compute(cache, tokens, blocks)
+    cache.evict(8)
+    num_hit, _, lossy = hit_kv(cache, tokens)
+    match = cache.match(tokens)
+    assert num_hit == match.num_device_blocks == 2 and lossy.all() and match.lossy.all()
+    return match.blocks
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_refusing_recompute_replaces_a_lossy_device_copy(pinned):
+    blocks = np.random.default_rng(5).normal(size=(3, *FLOAT_POOL.block_shape)).astype(np.float32)
+    with make(FLOAT_POOL, offload_quant="int8") as cache:
+        lossy_blocks = lossy_on_device(cache, TOKENS, blocks)
+        if pinned:  # a pin keeps the pages on device, not the blocks: it moves to the exact copy
+            assert cache.pin(TOKENS) == 8
+        refused, hits = [], []
+        for _ in range(3):
+            hit, lossy = compute(cache, TOKENS, blocks, accept_lossy=False)
+            hits.append(hit)
+            refused.append(cache.stats.refused_lossy_blocks)
+            assert not lossy.any()
+            cache.check_invariants()
+        assert hits == [0, 2, 2] and refused == [2, 2, 2]  # before the fix: [0, 0, 0], [2, 4, 6]
+        match = cache.match(TOKENS)
+        assert match.num_device_blocks == 2 and not match.lossy.any()
+        assert match.tiers.tolist() == [Tier.DEVICE | Tier.HOST] * 2  # the lossy host copy remains
+        assert not set(match.blocks.tolist()) & set(lossy_blocks.tolist())
+        assert all(cache.allocator.is_free(b) for b in lossy_blocks.tolist())  # no reference left
+        num_hit, kv, lossy = hit_kv(cache, TOKENS)  # accepting requests get the exact copy too
+        assert num_hit == 2 and same_bits(kv, blocks[:2]) and not lossy.any()
+        if pinned:
+            assert cache.evict(8) == [] and cache.match(TOKENS).num_device_blocks == 2
+            cache.unpin(TOKENS)
+        cache.evict(8)  # the device copy goes; the host copy is still the lossy one
+        assert cache.match(TOKENS).lossy.tolist() == [True, True]
+        num_hit, kv, lossy = hit_kv(cache, TOKENS)
+        assert num_hit == 2 and lossy.all() and 0 < relative_error(kv, blocks[:2]) <= QUANT_ERROR_BOUNDS["int8"]
+        cache.check_invariants()
+
+
+def test_a_lossy_device_copy_another_sequence_holds_is_not_replaced():
+    blocks = np.random.default_rng(6).normal(size=(3, *FLOAT_POOL.block_shape)).astype(np.float32)
+    with make(FLOAT_POOL, offload_quant="int8") as cache:
+        lossy_blocks = lossy_on_device(cache, TOKENS, blocks)
+        holder = cache.admit(TOKENS)  # maps the lossy copy and keeps it while it runs
+        assert holder.block_ids[:2].tolist() == lossy_blocks.tolist()
+        hit, lossy = compute(cache, TOKENS, blocks, accept_lossy=False)
+        assert hit == 0 and not lossy.any()
+        match = cache.match(TOKENS)  # still the lossy copy, in the same blocks
+        assert match.lossy.all() and match.blocks.tolist() == lossy_blocks.tolist()
+        cache.check_invariants()
+        num_hit, _, _ = hit_kv(cache, TOKENS, accept_lossy=False)  # refused again, still correct
+        assert num_hit == 0 and cache.stats.refused_lossy_blocks == 4
+        held = jax.tree.map(np.asarray, cache.pool.gather(holder.block_ids[:2]))
+        assert 0 < relative_error(held, blocks[:2]) <= QUANT_ERROR_BOUNDS["int8"]  # untouched
+        cache.release(holder)
+        hits = [compute(cache, TOKENS, blocks, accept_lossy=False)[0] for _ in range(2)]
+        assert hits == [0, 2] and cache.stats.refused_lossy_blocks == 6  # now replaced
+        num_hit, kv, lossy = hit_kv(cache, TOKENS, accept_lossy=False)
+        assert num_hit == 2 and same_bits(kv, blocks[:2]) and not lossy.any()
+        cache.check_invariants()
+
+
+def test_trie_replace_refuses_a_locked_node_and_changes_nothing():
+    blocks = np.random.default_rng(8).normal(size=(3, *FLOAT_POOL.block_shape)).astype(np.float32)
+    with make(FLOAT_POOL, offload_quant="int8") as cache:
+        lossy_blocks = lossy_on_device(cache, TOKENS, blocks)
+        holder = cache.admit(TOKENS)
+        node = holder._tail
+        with pytest.raises(RuntimeError, match=r"node at page 0 \(node.on_device=True, node.lock=1, 2 pages\) "
+                                               r"cannot take 2 new blocks"):  # fmt: skip
+            cache.trie.replace(node, np.array([6, 7]), 0.0)
+        assert node.lock == 1 and node.blocks.tolist() == lossy_blocks.tolist() and node.page_lossy().all()
+        cache.release(holder)
+        cache.check_invariants()
+
+
+def test_a_refusing_recompute_replaces_a_node_with_lossy_and_exact_pages_whole():
+    tokens = np.arange(13, dtype=np.int32)  # three full pages and one token
+    blocks = np.random.default_rng(7).normal(size=(4, *FLOAT_POOL.block_shape)).astype(np.float32)
+    with make(FLOAT_POOL, offload_quant="int8") as cache:
+        lossy_on_device(cache, tokens[:9], blocks)
+        exact = blocks.copy()
+        exact[2] += 1.0  # page 2 computed on top of lossy pages 0, 1: not what an exact run writes
+        hits, _ = compute(cache, tokens, exact)
+        assert hits == 2 and cache.match(tokens).lossy.tolist() == [True, True, False]
+        hits, _ = compute(cache, tokens, blocks, accept_lossy=False)  # cut before page 0
+        assert hits == 0
+        num_hit, kv, lossy = hit_kv(cache, tokens, accept_lossy=False)  # every page replaced
+        assert num_hit == 3 and same_bits(kv, blocks[:3]) and not lossy.any()
+        cache.check_invariants()
+
+
 def test_accept_lossy_per_admission_and_a_cut_inside_the_prefix():
     tokens = np.arange(13, dtype=np.int32)  # three full pages and one token
     blocks = np.random.default_rng(3).normal(size=(4, *FLOAT_POOL.block_shape)).astype(np.float32)
