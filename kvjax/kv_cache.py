@@ -99,7 +99,6 @@ class KVCache:
         self._mover: TierMover | None = None
         self._recompute_chosen = self._prefetches = self._lossy_device_hits = self._refused_lossy = 0
         self._hit_sources = HitSources(pool.page_size)
-        self._refused_by_seq: dict[int, int] = {}  # live sequences that refused lossy pages
         if config.tiered:
             self._open_tiers(impl, transfer_factory)
 
@@ -194,12 +193,10 @@ class KVCache:
         self._mover.unhold(held)
         if handle is None:
             return None
-        self._hit_sources.record(handle.seq_id, first, from_disk, plan.device_lossy)
+        self._hit_sources.record(handle.seq_id, first, from_disk, plan.device_lossy, plan.refused)
         self._lossy_device_hits += 0 if plan.device_lossy is None else int(plan.device_lossy.sum())
         self._recompute_chosen += len(plan.lower) - plan.num_fetch
         self._refused_lossy += plan.refused
-        if plan.refused:
-            self._refused_by_seq[handle.seq_id] = plan.refused
         record_admission(self.metrics, handle, self.page_size, first, len(plan.lower) - fetched, plan.refused)
         if self.config.write_policy == "selective":
             self._copy_hot_path(handle)
@@ -213,7 +210,7 @@ class KVCache:
     def refused_lossy_pages(self, handle: SeqHandle) -> int:
         """Pages right after ``handle``'s hits that were cached only lossily and refused
         (``accept_lossy=False``), so recomputed."""
-        return self._refused_by_seq.get(handle.seq_id, 0)
+        return self._hit_sources.refused(handle.seq_id)
 
     def lossy_hit_pages(self, handle: SeqHandle) -> np.ndarray:
         """bool ``[handle.num_hit_tokens // page_size]``: which hit pages hold KV that went
@@ -270,7 +267,6 @@ class KVCache:
         """Drop the sequence's references (fetches in flight for it are discarded)."""
         self.prefix.release(handle)
         self._hit_sources.forget(handle.seq_id)
-        self._refused_by_seq.pop(handle.seq_id, None)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` cached device blocks; with write_back, pages without a

@@ -63,16 +63,21 @@ def plan_fetch(matched: list[tuple[Node, int]], *, cost_model: FetchCostModel, p
 
 class HitSources:
     """Per live sequence: (device pages mapped, from_disk of its fetched pages, lossy flags of
-    the device pages or None). Sequences that fetched nothing and mapped no lossy page are not
-    recorded: all their hits are exact device hits."""
+    the device pages or None, lossy pages refused). Sequences that fetched nothing, mapped no
+    lossy page and refused none are not recorded: all their hits are exact device hits."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self._sources: dict[int, tuple[int, np.ndarray, np.ndarray | None]] = {}
+        self._sources: dict[int, tuple[int, np.ndarray, np.ndarray | None, int]] = {}
 
-    def record(self, seq_id: int, first: int, from_disk: np.ndarray, device_lossy: np.ndarray | None) -> None:
-        if len(from_disk) or device_lossy is not None:
-            self._sources[seq_id] = (first, from_disk, device_lossy)
+    def record(self, seq_id: int, first: int, from_disk: np.ndarray, device_lossy: np.ndarray | None,
+               refused: int = 0) -> None:  # fmt: skip
+        if len(from_disk) or device_lossy is not None or refused:
+            self._sources[seq_id] = (first, from_disk, device_lossy, refused)
+
+    def refused(self, seq_id: int) -> int:
+        """Pages right after the hits that were lossy (or followed one) and were refused."""
+        return self._sources.get(seq_id, (0, (), None, 0))[3]
 
     def forget(self, seq_id: int) -> None:
         self._sources.pop(seq_id, None)
@@ -80,7 +85,7 @@ class HitSources:
     def by_tier(self, seq_id: int, num_hit_tokens: int) -> dict[str, int]:
         """``num_hit_tokens`` split by the tier each hit page came from (tokens)."""
         num_hit = num_hit_tokens // self.page_size
-        first, from_disk, _ = self._sources.get(seq_id, (num_hit, (), None))
+        first, from_disk, _, _ = self._sources.get(seq_id, (num_hit, (), None, 0))
         device = min(first, num_hit)
         disk = int(np.count_nonzero(from_disk[: num_hit - device]))
         return {"device": device * self.page_size, "host": (num_hit - device - disk) * self.page_size,
@@ -89,7 +94,7 @@ class HitSources:
     def lossy_pages(self, seq_id: int, num_hit_tokens: int, lossy_codec: bool) -> np.ndarray:
         """bool ``[hit pages]``: device pages as the trie marked them, fetched ones as the codec made them."""
         num_hit = num_hit_tokens // self.page_size
-        first, _, device_lossy = self._sources.get(seq_id, (num_hit, (), None))
+        first, _, device_lossy, _ = self._sources.get(seq_id, (num_hit, (), None, 0))
         lossy = np.zeros(num_hit, bool)
         if device_lossy is not None:
             lossy[:first] = device_lossy
