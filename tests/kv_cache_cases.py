@@ -26,6 +26,24 @@ from kvjax.disk_tier import DiskRead
 from kvjax.transfer import Link, TransferResult
 
 
+def serve_from_each_tier(cache, tokens, read, *, timeout: float = 30.0) -> dict:
+    """Serves the cached prefix of ``tokens`` (two full pages) from the device, then from host
+    only, then from disk only, checking where the match finds it each time; returns
+    ``{tier: read(cache, tokens)}``. The cache must have host and disk tiers."""
+    from kvjax.trie_node import Tier
+
+    served = {"device": read(cache, tokens)}
+    cache.evict(8)  # the pages get host copies first (write-back), or have them already
+    assert cache.match(tokens).tiers.tolist() == [Tier.HOST] * 2
+    served["host"] = read(cache, tokens)
+    cache.evict(8)
+    assert cache.flush(timeout) and cache.evict_host(8) == 2
+    assert cache.match(tokens).tiers.tolist() == [Tier.DISK] * 2
+    served["disk"] = read(cache, tokens)
+    cache.check_invariants()
+    return served
+
+
 def page_content(namespace: str, tokens, block_shape, dtype=np.float32) -> np.ndarray:
     seed = zlib.crc32(namespace.encode() + b"|" + np.asarray(tokens, np.int32).tobytes())
     values = (seed + np.arange(int(np.prod(block_shape)))) % 251 - 125  # exact in every dtype

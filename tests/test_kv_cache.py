@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from kv_cache_cases import ManualTransfer, MemoryDisk, page_content
+from kv_cache_cases import ManualTransfer, MemoryDisk, page_content, serve_from_each_tier
 from tier_cases import DTYPES, random_blocks, same_bits
 
 from kvjax.disk_tier import DiskTier
@@ -78,16 +78,7 @@ def test_round_trip_device_host_disk_device_is_bit_exact(tmp_path, dtype):
     blocks = random_blocks(3, pool.block_shape, dtype, seed=1)  # NaN and inf patterns included
     with make(pool, disk_dir=tmp_path, metrics=metrics) as cache:
         compute(cache, tokens, blocks=blocks)
-        served = {}
-        served["device"] = hit_pages(cache, tokens)
-        cache.evict(8)  # write-back: the pages get host copies first
-        assert cache.match(tokens).tiers.tolist() == [Tier.HOST] * 2
-        served["host"] = hit_pages(cache, tokens)
-        cache.evict(8)
-        assert cache.flush(TIMEOUT) and cache.evict_host(8) == 2
-        assert cache.match(tokens).tiers.tolist() == [Tier.DISK] * 2
-        served["disk"] = hit_pages(cache, tokens)
-        cache.check_invariants()
+        served = serve_from_each_tier(cache, tokens, hit_pages, timeout=TIMEOUT)
     for tier, (num_hit, kv) in served.items():
         assert num_hit == 2 and same_bits(kv, blocks[:2]), tier
         assert counter(metrics, "hit_blocks", tier) == 2, tier

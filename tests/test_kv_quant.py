@@ -220,13 +220,17 @@ def test_xla_quantizing_write_matches_the_reference(fmt):
     assert np.isnan(np.asarray(pool_x.scales)[:, 0]).all()  # layer 0 never written
 
 
+def _small_then_big(fmt):
+    """Three tokens, then one 100x larger, written in two calls: the stored rows, their
+    scales and the exact rows ``[4, 2, heads, dim]``."""
+    pool, _, written, blocks, n = _append_writes(fmt, [3, 1], scale_of=lambda i: 1.0 if i == 0 else 100.0)
+    rows, scales = _token_rows(pool, blocks, n)
+    return rows, scales, np.concatenate([np.stack([k, v], 1) for k, v in written])
+
+
 def test_per_page_scale_grows_and_requantizes_earlier_tokens():
-    fmt = KVFormat("int8", "page")
     # Small tokens first, then one 100x larger: the page scale must grow to cover it.
-    pool_x, pool_r, written, blocks, n = _append_writes(
-        fmt, [3, 1], scale_of=lambda i: 1.0 if i == 0 else 100.0)
-    rows, scales = _token_rows(pool_x, blocks, n)
-    exact = np.concatenate([np.stack([k, v], 1) for k, v in written])
+    rows, scales, exact = _small_then_big(KVFormat("int8", "page"))
     big = np.abs(exact[3]).max(axis=-1)  # [2, heads]
     np.testing.assert_allclose(scales[0], big / 127, rtol=1e-6)
     np.testing.assert_allclose(scales[3], scales[0])
@@ -235,11 +239,7 @@ def test_per_page_scale_grows_and_requantizes_earlier_tokens():
 
 
 def test_per_token_scales_leave_earlier_tokens_untouched():
-    fmt = KVFormat("int8", "token")
-    pool_x, _, written, blocks, n = _append_writes(
-        fmt, [3, 1], scale_of=lambda i: 1.0 if i == 0 else 100.0)
-    rows, _ = _token_rows(pool_x, blocks, n)
-    exact = np.concatenate([np.stack([k, v], 1) for k, v in written])
+    rows, _, exact = _small_then_big(KVFormat("int8", "token"))
     assert kf.relative_error(rows[:3], exact[:3]) < 0.01
 
 
