@@ -260,7 +260,6 @@ def _apply_rule(name, pattern, replacement, text: str, changes: list[Change]) ->
 _FIELD_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _NUMBERED = re.compile(r".*_\d+")
 _ENTRY = re.compile(r"<([A-Za-z][A-Za-z0-9_]*?)(?:_([1-9]\d*))?>: (.*)")
-_BLANKS = " \t\n"
 _CONTINUATION = "  "  # indent of a moved value's second and later lines
 
 
@@ -280,8 +279,10 @@ def _move_dynamic_fields(
         seen[name] = max(seen[name], number)
     pieces, copied = [], 0
     for name, match in _leftmost_matches(fields, body):
-        leading = len(match.group()) - len(match.group().lstrip(_BLANKS))
-        core = match.group().strip(_BLANKS)
+        # Any whitespace around a match is layout, not value: a "\r" left by a CRLF line (with
+        # the line-ending rule off) must not be moved into the trailer with the value.
+        leading = len(match.group()) - len(match.group().lstrip())
+        core = match.group().strip()
         if not core:  # a blank match carries no value; leave it
             continue
         seen[name] += 1

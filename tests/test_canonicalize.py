@@ -90,6 +90,16 @@ def test_moving_fields_keeps_every_value_and_only_the_values(text):
     assert result.text[: result.dynamic_start] == (expected.rstrip("\n") if result.moved else text)
 
 
+def test_a_carriage_return_around_a_field_stays_in_the_body():
+    # Found by the property above: with the line-ending rule off, the "\r" of a CRLF line
+    # was moved into the trailer as part of the date's value.
+    config = CanonicalizeConfig(**NO_RULES, dynamic_fields=FIELDS)
+    result = canonicalize("Current date: \r", config)
+    [change] = result.changes
+    assert change.before == "Current date:"
+    assert result.text[: result.dynamic_start].endswith(" \r")
+
+
 def test_prompts_differing_only_in_dynamic_fields_share_the_prefix_before_them():
     template = (
         "System: you are a support bot.\r\nCurrent date: {date}\r\n"
