@@ -33,7 +33,7 @@ Measured here (CPU, 2 cores shared with other jobs, load ~3; ``--repeats 7``), m
 
 Break-even: host from the first size (32 tokens: one cached page, within the noise), disk
 from 128 tokens measured (64 modelled). The fitted models of this and one more run are the
-defaults of ``kvjax.fetch_cost.FetchCostModel``.
+defaults of ``kvjax.cache.cost_model.FetchCostModel``.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvjax.fetch_cost import FetchCostModel  # noqa: E402
-from kvjax.kv_cache import KVCache, KVCacheConfig  # noqa: E402
-from kvjax.model import BatchInputs, ModelConfig, Transformer, load_config  # noqa: E402
-from kvjax.page_pool import Buckets, PoolConfig  # noqa: E402
+from kvjax.cache.cost_model import FetchCostModel  # noqa: E402
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
+from kvjax.serving.model import BatchInputs, ModelConfig, Transformer, load_config  # noqa: E402
+from kvjax.tiers.page_pool import Buckets, PoolConfig  # noqa: E402
 
 ALWAYS_FETCH = FetchCostModel(seconds_per_token=1.0)  # the benchmark decides, not the cache
 

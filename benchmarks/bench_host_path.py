@@ -27,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvjax.block_keys import as_namespace, chained_block_keys, token_bytes  # noqa: E402
-from kvjax.prefix_cache import PrefixCache  # noqa: E402
+from kvjax.cache.block_keys import as_namespace, chained_block_keys, token_bytes  # noqa: E402
+from kvjax.cache.device_index import PrefixCache  # noqa: E402
 
 TRACE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
 TOKENS_PER_HASH_ID = 512

@@ -3,7 +3,7 @@
 For the float pool and every format x scale granularity, with random weights and with the
 tiny model briefly trained:
 
-* greedy agreement: the demo workload (``kvjax.workload``, as ``python -m kvjax demo`` runs
+* greedy agreement: the demo workload (``kvjax.tools.workload``, as ``python -m kvjax demo`` runs
   it) served by ``Engine.from_preset("tiny", tiers=False, cache_options={"kv_quant": ...,
   "kv_scale": ...})``, compared request by request with the float pool's run: the share of
   generated tokens identical at the same position, the mean number of tokens before the first
@@ -20,7 +20,7 @@ A random-weight model's greedy output is near-degenerate (a repeated byte), whic
 agreement, and its likelihood is ~uniform. So the model is also trained: byte-level, on the
 repository's README and the docstrings of ``kvjax/`` (``--train-steps`` AdamW steps of
 ``8 x 128`` bytes, about a minute on two idle CPU cores); the held-out text is the docstrings
-of ``pallas_kernels/``. Trained weights are cached (orbax, ``kvjax.model.save_weights``) under
+of ``pallas_kernels/``. Trained weights are cached (orbax, ``kvjax.serving.model.save_weights``) under
 ``--cache-dir``, keyed by a hash of the corpus and the training settings.
 
     .venv/bin/python benchmarks/bench_kv_quant_quality.py [--quick] [--train-steps 300]
@@ -47,12 +47,12 @@ import optax
 from flax import nnx
 
 from kv_quant_common import ALL_FORMATS, command_line, format_table
-from kvjax.demo import enable_compile_cache
-from kvjax.engine import Engine
-from kvjax.model import BatchInputs, ModelConfig, Transformer, load_config, load_weights
-from kvjax.model import save_weights
-from kvjax.page_pool import Buckets, bucket, build_batch
-from kvjax.workload import WorkloadSpec, build_workload, drive
+from kvjax.tools.demo import enable_compile_cache
+from kvjax.serving.engine import Engine
+from kvjax.serving.model import BatchInputs, ModelConfig, Transformer, load_config, load_weights
+from kvjax.serving.model import save_weights
+from kvjax.tiers.page_pool import Buckets, bucket, build_batch
+from kvjax.tools.workload import WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import KVFormat, empty_pool
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ A tier of ``B`` bytes holds ``B // bytes_per_trace_block`` of the trace's blocks
 block (``--block-tokens`` tokens, 512 in the Mooncake release) is ``block_tokens / page_size``
 pool blocks of the stated model shape (``PoolConfig.bytes_per_block``, scales included). For
 the unquantized bfloat16 pool and every quantized format x scale granularity, the trace is
-replayed (``kvjax.replay.replay_trace``: the real prefix cache and the default eviction
+replayed (``kvjax.tools.replay.replay_trace``: the real prefix cache and the default eviction
 policies, a host tier below the device with write-back, no model) with those capacities, and
 the table shows blocks per tier and block / token hit rates, next to the unlimited-capacity
 bound. For the Llama-like shape a 512-token trace block is 64 MiB in bfloat16, so the default
@@ -28,9 +28,9 @@ from pathlib import Path
 
 from kv_quant_common import ALL_FORMATS, GIB, LLAMA3_8B, ModelShape, blocks_in, command_line
 from kv_quant_common import format_table
-from kvjax.replay import replay_trace
-from kvjax.replay_bounds import HitCounts, unlimited_replay
-from kvjax.trace import MOONCAKE_BLOCK_TOKENS, load_trace
+from kvjax.tools.replay import replay_trace
+from kvjax.tools.replay_bounds import HitCounts, unlimited_replay
+from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, load_trace
 from pallas_kernels.kv_format import KVFormat
 
 DEFAULT_TRACE = "/work/shared/data/mooncake_synthetic_trace.jsonl"

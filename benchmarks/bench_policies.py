@@ -1,8 +1,8 @@
 """Block hit rate of every eviction policy, as a share of the offline policy's, per capacity.
 
-Each trace is replayed through the real PrefixCache (``kvjax.replay.replay_trace``: one
+Each trace is replayed through the real PrefixCache (``kvjax.tools.replay.replay_trace``: one
 request at a time, one block per hash id) at every capacity, once per policy; the yardstick is
-the offline farthest-next-use policy at the same capacity (``kvjax.replay_bounds``). Traces:
+the offline farthest-next-use policy at the same capacity (``kvjax.tools.replay_bounds``). Traces:
 the shared Mooncake trace (when found) and the two synthetic ones of ``synthetic_traces``
 (multi-turn chat on Zipf system prompts; one-off long documents mixed with a hot set), which
 have a structure unlike it, so a policy tuned to one trace shows it.
@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from synthetic_traces import chat_trace, scan_trace  # noqa: E402
 
-from kvjax.eviction import POLICIES  # noqa: E402
-from kvjax.replay import DEFAULT_POLICY, replay_trace  # noqa: E402
-from kvjax.replay_bounds import offline_replay, reuse_oracle_lru_replay, unlimited_replay  # noqa: E402
-from kvjax.trace import load_trace  # noqa: E402
+from kvjax.cache.eviction import POLICIES  # noqa: E402
+from kvjax.tools.replay import DEFAULT_POLICY, replay_trace  # noqa: E402
+from kvjax.tools.replay_bounds import offline_replay, reuse_oracle_lru_replay, unlimited_replay  # noqa: E402
+from kvjax.tools.trace import load_trace  # noqa: E402
 
 _SHARED = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
 

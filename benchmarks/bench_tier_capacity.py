@@ -36,10 +36,10 @@ import numpy as np
 
 from kv_quant_common import ALL_FORMATS, GIB, LLAMA3_8B, ModelShape, blocks_in, command_line
 from kv_quant_common import format_table, tiny_shape
-from kvjax.block_codec import BlockCodec, make_codec
-from kvjax.disk_tier import DiskTier
-from kvjax.host_tier import HostTier
-from kvjax.page_pool import PagePool
+from kvjax.tiers.block_codec import BlockCodec, make_codec
+from kvjax.tiers.disk_tier import DiskTier
+from kvjax.tiers.host_tier import HostTier
+from kvjax.tiers.page_pool import PagePool
 from pallas_kernels.kv_format import KVFormat
 
 NAMESPACE = b"bench-namespace!"

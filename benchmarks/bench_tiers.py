@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from kvjax import disk_segments
-from kvjax.disk_tier import DiskTier
-from kvjax.host_tier import HostTier
-from kvjax.transfer import Priority, TransferEngine
+from kvjax.tiers import disk_segments
+from kvjax.tiers.disk_tier import DiskTier
+from kvjax.tiers.host_tier import HostTier
+from kvjax.tiers.transfer import Priority, TransferEngine
 
 NS = b"bench-namespace!"
 

@@ -34,12 +34,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvjax.engine import Engine  # noqa: E402
-from kvjax.engine_config import EngineConfig  # noqa: E402
-from kvjax.engine_events import FinishEvent  # noqa: E402
-from kvjax.engine_step import ModelRunner  # noqa: E402
-from kvjax.model import ModelConfig  # noqa: E402
-from kvjax.scheduler_config import SchedulerConfig  # noqa: E402
+from kvjax.serving.engine import Engine  # noqa: E402
+from kvjax.serving.engine_config import EngineConfig  # noqa: E402
+from kvjax.serving.engine_events import FinishEvent  # noqa: E402
+from kvjax.serving.model_runner import ModelRunner  # noqa: E402
+from kvjax.serving.model import ModelConfig  # noqa: E402
+from kvjax.serving.scheduler_config import SchedulerConfig  # noqa: E402
 
 
 def main() -> None:

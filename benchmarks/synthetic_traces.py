@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from kvjax.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["GENERATORS", "chat_trace", "scan_trace", "write_trace"]
 

@@ -1,22 +1,22 @@
 """kvjax: computed KV as a reusable asset for JAX/Flax serving loops."""
 
-from kvjax.block_keys import Namespace
-from kvjax.canonicalize import CanonicalizeConfig, canonicalize, template_fingerprint
-from kvjax.engine import Engine
-from kvjax.engine_config import EngineConfig
-from kvjax.engine_events import FinishEvent, RunSummary, TokenEvent
-from kvjax.engine_observer import CacheMetricsView
-from kvjax.fetch_cost import FetchCostModel
-from kvjax.kv_cache import KVCache, KVCacheConfig
-from kvjax.metrics import Metrics
-from kvjax.model import ModelConfig, Transformer, load_config, load_weights, save_weights
-from kvjax.page_pool import PagePool, PoolConfig, build_batch
-from kvjax.prefix_cache import PrefixCache
-from kvjax.request import Request
-from kvjax.sampling import SamplingParams
-from kvjax.scheduler import Scheduler, SchedulerConfig
-from kvjax.tokenizer import ByteTokenizer, as_tokenizer
-from kvjax.workload import WorkloadSpec, build_workload, drive
+from kvjax.cache.block_keys import Namespace
+from kvjax.text.canonicalize import CanonicalizeConfig, canonicalize, template_fingerprint
+from kvjax.serving.engine import Engine
+from kvjax.serving.engine_config import EngineConfig
+from kvjax.serving.engine_events import FinishEvent, RunSummary, TokenEvent
+from kvjax.serving.observer import CacheMetricsView
+from kvjax.cache.cost_model import FetchCostModel
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.metrics.registry import Metrics
+from kvjax.serving.model import ModelConfig, Transformer, load_config, load_weights, save_weights
+from kvjax.tiers.page_pool import PagePool, PoolConfig, build_batch
+from kvjax.cache.device_index import PrefixCache
+from kvjax.serving.request import Request
+from kvjax.serving.sampling import SamplingParams
+from kvjax.serving.scheduler import Scheduler, SchedulerConfig
+from kvjax.text.tokenizer import ByteTokenizer, as_tokenizer
+from kvjax.tools.workload import WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import KVFormat, QuantizedPages
 
 __all__ = [

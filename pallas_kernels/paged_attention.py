@@ -4,7 +4,7 @@ The batch is ragged: sequence ``s`` contributes ``cu_q_lens[s+1] - cu_q_lens[s]`
 (1 for decode, many for a prefill chunk), causal with respect to their positions in the
 sequence. GQA (``num_q_heads`` a multiple of ``num_kv_heads``), float32 / bfloat16 / float16,
 an optional sliding window and an optional logit soft-cap. See :mod:`pallas_kernels.reference`
-for the exact semantics and :mod:`kvjax.page_pool` for the pool layout.
+for the exact semantics and :mod:`kvjax.tiers.page_pool` for the pool layout.
 
 >>> import jax.numpy as jnp, numpy as np
 >>> from pallas_kernels import paged_attention

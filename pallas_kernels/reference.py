@@ -5,7 +5,7 @@ metadata and are not jittable. They use numpy's float32 arithmetic (the jnp API,
 eager jnp would compile a tiny program for every ragged shape, which made a test grid spend
 seconds per case compiling the reference. Tests compare every implementation against them.
 
-Pool layout (see :mod:`kvjax.page_pool` for why)::
+Pool layout (see :mod:`kvjax.tiers.page_pool` for why)::
 
     kv_pages  # [num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]; [:, :, 0] is K
 

@@ -16,15 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.engine import Engine
-from kvjax.engine_config import EngineConfig
-from kvjax.engine_observer import CacheMetricsView
-from kvjax.engine_preset import pool_config
-from kvjax.fetch_cost import FetchCostModel
-from kvjax.kv_cache import KVCache, KVCacheConfig
-from kvjax.metrics import Metrics
-from kvjax.model import ModelConfig, Transformer
-from kvjax.scheduler_config import SchedulerConfig
+from kvjax.serving.engine import Engine
+from kvjax.serving.engine_config import EngineConfig
+from kvjax.serving.observer import CacheMetricsView
+from kvjax.serving.preset import pool_config
+from kvjax.cache.cost_model import FetchCostModel
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.metrics.registry import Metrics
+from kvjax.serving.model import ModelConfig, Transformer
+from kvjax.serving.scheduler_config import SchedulerConfig
 
 MODEL = ModelConfig(num_layers=2, d_model=64, num_q_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
 PAGE, BLOCKS, MAX_LEN = 8, 64, 384

@@ -22,15 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from kvjax.disk_tier import DiskRead
-from kvjax.transfer import Link, TransferResult
+from kvjax.tiers.disk_tier import DiskRead
+from kvjax.tiers.transfer import Link, TransferResult
 
 
 def serve_from_each_tier(cache, tokens, read, *, timeout: float = 30.0) -> dict:
     """Serves the cached prefix of ``tokens`` (two full pages) from the device, then from host
     only, then from disk only, checking where the match finds it each time; returns
     ``{tier: read(cache, tokens)}``. The cache must have host and disk tiers."""
-    from kvjax.trie_node import Tier
+    from kvjax.cache.trie_node import Tier
 
     served = {"device": read(cache, tokens)}
     cache.evict(8)  # the pages get host copies first (write-back), or have them already

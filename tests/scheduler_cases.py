@@ -15,8 +15,8 @@ import zlib
 
 import numpy as np
 
-from kvjax.scheduler import Scheduler
-from kvjax.step_plan import StepPlan
+from kvjax.serving.scheduler import Scheduler
+from kvjax.serving.step_plan import StepPlan
 
 
 class Clock:

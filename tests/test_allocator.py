@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvjax.allocator import BlockAllocator, fragmentation
+from kvjax.cache.allocator import BlockAllocator, fragmentation
 
 
 class FakeReclaimer:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvjax.block_keys import KEY_BYTES, Namespace, as_namespace, chained_block_keys, token_bytes, validate_tokens
+from kvjax.cache.block_keys import KEY_BYTES, Namespace, as_namespace, chained_block_keys, token_bytes, validate_tokens
 
 
 def reference_keys(tokens, page_size, namespace, parent=None):
@@ -67,7 +67,7 @@ def test_namespace_fields_are_length_prefixed():
 
 def test_keys_are_stable_across_processes_with_different_hash_seeds():
     code = (
-        "from kvjax.block_keys import chained_block_keys, Namespace;"
+        "from kvjax.cache.block_keys import chained_block_keys, Namespace;"
         "print(chained_block_keys(range(8), 4, Namespace('t', 'm'))[1].hex())"
     )
     outputs = set()

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import importlib
-from kvjax.canonicalize import (
+from kvjax.text.canonicalize import (
     COMMON_DYNAMIC_FIELDS,
     RULES,
     CanonicalizeConfig,
@@ -16,7 +16,7 @@ from kvjax.canonicalize import (
     canonicalize,
     template_fingerprint,
 )
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.text.tokenizer import ByteTokenizer
 
 FIELDS = {
     "date_line": r"(?m)^Current date: [^\n]*$",
@@ -50,7 +50,7 @@ def only(rule, **overrides):
 
 def test_docstring_examples_hold():
     # The package re-exports the function under the module's name: fetch the module itself.
-    module = importlib.import_module("kvjax.canonicalize")
+    module = importlib.import_module("kvjax.text.canonicalize")
     assert doctest.testmod(module).failed == 0
 
 

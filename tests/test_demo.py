@@ -6,8 +6,8 @@ import pytest
 
 from engine_cases import BLOCKS, BUCKETS, MAX_LEN, MODEL, PAGE, SCHEDULER
 from kvjax.__main__ import main
-from kvjax.demo import run_demo
-from kvjax.workload import WorkloadSpec
+from kvjax.tools.demo import run_demo
+from kvjax.tools.workload import WorkloadSpec
 
 SPEC = WorkloadSpec(system_prompts=2, questions_per_system_prompt=3, conversations=2, turns_per_conversation=2,
                     few_shot_templates=1, queries_per_template=3, examples_per_template=2,
@@ -78,7 +78,7 @@ def test_kernel_checks_pass_and_are_reported():
     """`demo --kernel-checks`: every implementation this machine can run, against the reference."""
     import io
 
-    from kvjax.demo_kernels import kernel_checks
+    from kvjax.tools.demo_kernels import kernel_checks
 
     out = io.StringIO()
     assert kernel_checks(out) == 0, out.getvalue()

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvjax import disk_segments
-from kvjax.disk_tier import DiskTier
+from kvjax.tiers import disk_segments
+from kvjax.tiers.disk_tier import DiskTier
 
 import tier_cases
 from tier_cases import DTYPES, same_bits

@@ -7,22 +7,22 @@ import numpy as np
 import pytest
 
 from engine_cases import BUCKETS, MAX_LEN, MODEL, PAGE, SCHEDULER, dense_greedy, make_engine, model, random_prompts
-from kvjax.canonicalize import CanonicalizeConfig
-from kvjax.engine import Engine
-from kvjax.engine_config import EngineConfig
-from kvjax.engine_events import FinishEvent, RunSummary, TokenEvent
-from kvjax.engine_observer import CacheMetricsView
-from kvjax.engine_preset import build_engine_parts, pool_config
-from kvjax.kv_cache import KVCache, KVCacheConfig
-from kvjax.metrics import Metrics
-from kvjax.miss_attribution import MissAttributor
-from kvjax.model import ModelConfig, load_weights, save_weights
-from kvjax.page_pool import PagePool
-from kvjax.prefix_cache import PrefixCache
-from kvjax.sampling import SamplingBatch, SamplingParams, sample
-from kvjax.scheduler_config import SchedulerConfig
-from kvjax.swap_store import SwapStore
-from kvjax.workload import WorkloadSpec
+from kvjax.text.canonicalize import CanonicalizeConfig
+from kvjax.serving.engine import Engine
+from kvjax.serving.engine_config import EngineConfig
+from kvjax.serving.engine_events import FinishEvent, RunSummary, TokenEvent
+from kvjax.serving.observer import CacheMetricsView
+from kvjax.serving.preset import build_engine_parts, pool_config
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.metrics.registry import Metrics
+from kvjax.serving.miss_attribution import MissAttributor
+from kvjax.serving.model import ModelConfig, load_weights, save_weights
+from kvjax.tiers.page_pool import PagePool
+from kvjax.cache.device_index import PrefixCache
+from kvjax.serving.sampling import SamplingBatch, SamplingParams, sample
+from kvjax.serving.scheduler_config import SchedulerConfig
+from kvjax.serving.swap_store import SwapStore
+from kvjax.tools.workload import WorkloadSpec
 
 
 def _finishes(events):

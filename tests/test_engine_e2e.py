@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from engine_cases import ATOL, BLOCKS, PAGE, dense_greedy, dense_logits, make_engine, random_prompts
-from kvjax.engine_events import FinishEvent, TokenEvent
-from kvjax.scheduler_config import SchedulerConfig
-from kvjax.workload import WorkloadSpec, build_workload, drive
+from kvjax.serving.engine_events import FinishEvent, TokenEvent
+from kvjax.serving.scheduler_config import SchedulerConfig
+from kvjax.tools.workload import WorkloadSpec, build_workload, drive
 
 SPEC = WorkloadSpec(system_prompts=2, questions_per_system_prompt=3, conversations=2, turns_per_conversation=3,
                     few_shot_templates=1, queries_per_template=3, examples_per_template=2,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from engine_cases import PAGE, dense_greedy, dense_logits, make_engine, random_prompts
-from kvjax.engine_events import FinishEvent, TokenEvent
-from kvjax.workload import WorkloadSpec, build_workload, drive
+from kvjax.serving.engine_events import FinishEvent, TokenEvent
+from kvjax.tools.workload import WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import QuantizedPages
 
 SPEC = WorkloadSpec(system_prompts=2, questions_per_system_prompt=3, conversations=1, turns_per_conversation=2,

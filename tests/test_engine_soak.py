@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine_cases import MODEL, PAGE, dense_greedy, make_engine, model
-from kvjax.block_keys import as_namespace
-from kvjax.engine import Engine
-from kvjax.engine_config import EngineConfig
-from kvjax.engine_events import FinishEvent
-from kvjax.prefix_cache import PrefixCache
-from kvjax.scheduler_config import SchedulerConfig
+from kvjax.cache.block_keys import as_namespace
+from kvjax.serving.engine import Engine
+from kvjax.serving.engine_config import EngineConfig
+from kvjax.serving.engine_events import FinishEvent
+from kvjax.cache.device_index import PrefixCache
+from kvjax.serving.scheduler_config import SchedulerConfig
 
 _MASK = (1 << 61) - 1
 

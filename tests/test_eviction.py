@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvjax.eviction import POLICIES, CostAwarePolicy, CostModel, EvictionPolicy, LRUPolicy, make_policy
-from kvjax.prefix_cache import PrefixCache
-from kvjax.prefix_trie import Tier
+from kvjax.cache.eviction import POLICIES, CostAwarePolicy, CostModel, EvictionPolicy, LRUPolicy, make_policy
+from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.prefix_trie import Tier
 
 
 class Clock:

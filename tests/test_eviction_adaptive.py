@@ -8,11 +8,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvjax.eviction import POLICIES, make_policy
-from kvjax.eviction_adaptive import DEFAULT_POLICY, AdaptiveSegmentedPolicy, SegmentedPolicy
-from kvjax.prefix_cache import PrefixCache
-from kvjax.replay import replay_trace
-from kvjax.trace import TraceRequest
+from kvjax.cache.eviction import POLICIES, make_policy
+from kvjax.cache.eviction_adaptive import DEFAULT_POLICY, AdaptiveSegmentedPolicy, SegmentedPolicy
+from kvjax.cache.device_index import PrefixCache
+from kvjax.tools.replay import replay_trace
+from kvjax.tools.trace import TraceRequest
 
 
 class FakeNode:

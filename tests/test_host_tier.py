@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvjax import host_tier
-from kvjax.host_tier import HostTier
+from kvjax.tiers import host_tier
+from kvjax.tiers.host_tier import HostTier
 
 import tier_cases
 from tier_cases import DTYPES, same_bits
@@ -83,7 +83,7 @@ def test_fallback_without_pinned_host_is_logged_once(caplog, monkeypatch):
         addressable_memories = staticmethod(lambda: memories)
 
     sharding = types.SimpleNamespace(device_set={FakeDevice()})
-    with caplog.at_level(logging.WARNING, logger="kvjax.host_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvjax.tiers.host_tier"):
         assert host_tier._pick_memory_kind(sharding, None) == "unpinned_host"
         assert host_tier._pick_memory_kind(sharding, None) == "unpinned_host"
     messages = [r.getMessage() for r in caplog.records]

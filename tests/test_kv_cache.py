@@ -13,12 +13,12 @@ import pytest
 from kv_cache_cases import ManualTransfer, MemoryDisk, page_content, serve_from_each_tier
 from tier_cases import DTYPES, random_blocks, same_bits
 
-from kvjax.disk_tier import DiskTier
-from kvjax.fetch_cost import FetchCostModel
-from kvjax.kv_cache import KVCache, KVCacheConfig
-from kvjax.metrics import Metrics
-from kvjax.page_pool import PoolConfig
-from kvjax.trie_node import Tier
+from kvjax.tiers.disk_tier import DiskTier
+from kvjax.cache.cost_model import FetchCostModel
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.metrics.registry import Metrics
+from kvjax.tiers.page_pool import PoolConfig
+from kvjax.cache.trie_node import Tier
 
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
 ALWAYS_FETCH = FetchCostModel(seconds_per_token=1.0)
@@ -335,7 +335,7 @@ def test_page_content_model_tells_prefixes_and_tenants_apart():
 
 import test_scheduler  # noqa: E402
 
-from kvjax.page_pool import PoolConfig as _PoolConfig  # noqa: E402
+from kvjax.tiers.page_pool import PoolConfig as _PoolConfig  # noqa: E402
 
 
 def _kv_cache_like_prefix_cache(num_blocks, page_size, *, vocab_size, clock, high_watermark, low_watermark):

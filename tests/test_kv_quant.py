@@ -9,7 +9,7 @@ import pytest
 
 import pallas_kernels
 from pool_cases import check_quantized_block_copies
-from kvjax.page_pool import PagePool, PoolConfig
+from kvjax.tiers.page_pool import PagePool, PoolConfig
 from pallas_kernels import kv_format as kf
 from pallas_kernels.kv_format import KVFormat, QuantizedPages
 from pallas_kernels.testing import (

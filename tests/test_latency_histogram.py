@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvjax.latency_histogram
-from kvjax.latency_histogram import LatencyHistogram
+import kvjax.metrics.latency_histogram
+from kvjax.metrics.latency_histogram import LatencyHistogram
 
 QS = np.linspace(0.0, 1.0, 101)
 
@@ -29,7 +29,7 @@ def max_relative_error(histogram, samples):
 
 
 def test_docstring_examples_hold():
-    assert doctest.testmod(kvjax.latency_histogram).failed == 0
+    assert doctest.testmod(kvjax.metrics.latency_histogram).failed == 0
 
 
 def test_below_the_cap_percentiles_equal_numpy_exactly():

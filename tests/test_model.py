@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.model import BatchInputs, ModelConfig, Transformer, load_config
+from kvjax.serving.model import BatchInputs, ModelConfig, Transformer, load_config
 
 PAGE = 8
 

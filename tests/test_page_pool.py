@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvjax.page_pool import BatchMetadata, Buckets, PagePool, PoolConfig, bucket, build_batch
+from kvjax.tiers.page_pool import BatchMetadata, Buckets, PagePool, PoolConfig, bucket, build_batch
 from pallas_kernels import (
     gather_blocks_reference,
     paged_attention,

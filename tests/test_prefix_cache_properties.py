@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvjax.eviction import POLICIES
-from kvjax.prefix_cache import PrefixCache
-from kvjax.prefix_trie import Tier
+from kvjax.cache.eviction import POLICIES
+from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.prefix_trie import Tier
 
 VOCAB = 3  # tiny: prefixes collide often
 NAMESPACES = ("tenant-a", "tenant-b")

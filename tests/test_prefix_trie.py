@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from kvjax.block_keys import Namespace, chained_block_keys
-from kvjax.prefix_cache import PrefixCache
-from kvjax.prefix_trie import Tier
+from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.prefix_trie import Tier
 
 
 class Clock:

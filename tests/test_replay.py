@@ -8,15 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax.__main__ import main
-from kvjax.eviction import POLICIES
-from kvjax.replay import DEFAULT_POLICY, replay_report, replay_trace
-from kvjax.replay_bounds import (
+from kvjax.cache.eviction import POLICIES
+from kvjax.tools.replay import DEFAULT_POLICY, replay_report, replay_trace
+from kvjax.tools.replay_bounds import (
     intern_block_paths,
     offline_replay,
     reuse_oracle_lru_replay,
     unlimited_replay,
 )
-from kvjax.trace import TraceRequest
+from kvjax.tools.trace import TraceRequest
 
 BLOCK = 4  # tokens per hash id in the tiny traces (the Mooncake release uses 512)
 
@@ -175,7 +175,7 @@ _SHARED_TRACE = next(
 @pytest.mark.skipif(_SHARED_TRACE is None, reason="shared/data/mooncake_synthetic_trace.jsonl "
                     "not found next to or inside the repository")  # fmt: skip
 def test_shared_trace_unlimited_capacity_hits_63_96_percent_of_blocks():
-    from kvjax.trace import load_trace
+    from kvjax.tools.trace import load_trace
 
     requests = load_trace(_SHARED_TRACE)
     paths, depth = intern_block_paths(requests)

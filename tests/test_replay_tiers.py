@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax.__main__ import main
-from kvjax.replay import replay_report, replay_trace
-from kvjax.replay_bounds import intern_block_paths, unlimited_replay
-from kvjax.replay_tiers import LowerTiers, LruBlockTier, SegmentedBlockTier
-from kvjax.trace import TraceRequest
+from kvjax.tools.replay import replay_report, replay_trace
+from kvjax.tools.replay_bounds import intern_block_paths, unlimited_replay
+from kvjax.tools.replay_tiers import LowerTiers, LruBlockTier, SegmentedBlockTier
+from kvjax.tools.trace import TraceRequest
 
 BLOCK = 4  # tokens per hash id in the tiny traces
 

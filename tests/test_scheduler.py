@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from scheduler_cases import Clock, FakeEngine, reference_output
 
-from kvjax.preemption import PreemptionCosts, SwapSpace, choose_preemption
-from kvjax.prefix_cache import PrefixCache
-from kvjax.prefix_trie import Tier
-from kvjax.request import Request, RequestStatus
-from kvjax.scheduler import Scheduler, SchedulerConfig
-from kvjax.scheduler_queue import WaitQueue, hit_rank
+from kvjax.serving.preemption import PreemptionCosts, SwapSpace, choose_preemption
+from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.prefix_trie import Tier
+from kvjax.serving.request import Request, RequestStatus
+from kvjax.serving.scheduler import Scheduler, SchedulerConfig
+from kvjax.serving.wait_queue import WaitQueue, hit_rank
 
 VOCAB = 50
 

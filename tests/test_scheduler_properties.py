@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_cases import Clock, FakeEngine, reference_output
 
-from kvjax.prefix_cache import PrefixCache
-from kvjax.prefix_trie import Tier
-from kvjax.request import Request, RequestStatus
-from kvjax.scheduler import Scheduler, SchedulerConfig
+from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.prefix_trie import Tier
+from kvjax.serving.request import Request, RequestStatus
+from kvjax.serving.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 5
 STORIES = ((0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1), (1, 1, 2, 2, 3, 3, 4, 4, 0, 0, 1, 1))

@@ -11,7 +11,7 @@ import textwrap
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from kvjax.page_pool import PagePool, PoolConfig
+    from kvjax.tiers.page_pool import PagePool, PoolConfig
     import pallas_kernels
     from pallas_kernels.kv_format import dequantize_pool
 

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvjax.tokenizer
-from kvjax.tokenizer import BYTE_VOCAB, ByteTokenizer, Tokenizer, TokenizerAdapter, as_tokenizer
+import kvjax.text.tokenizer
+from kvjax.text.tokenizer import BYTE_VOCAB, ByteTokenizer, Tokenizer, TokenizerAdapter, as_tokenizer
 
 
 def test_docstring_examples_hold():
-    assert doctest.testmod(kvjax.tokenizer).failed == 0
+    assert doctest.testmod(kvjax.text.tokenizer).failed == 0
 
 
 @settings(max_examples=100, deadline=None)

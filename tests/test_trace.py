@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvjax.trace import TraceRequest, load_trace, parse_trace_lines
+from kvjax.tools.trace import TraceRequest, load_trace, parse_trace_lines
 
 
 _MISSING = object()  # a field value meaning "leave the field out"

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax import disk_segments
-from kvjax.disk_tier import DiskTier
-from kvjax.host_tier import HostTier
-from kvjax.token_bucket import TokenBucket
-from kvjax.transfer import Link, LinkBudget, Priority, TransferEngine
+from kvjax.tiers import disk_segments
+from kvjax.tiers.disk_tier import DiskTier
+from kvjax.tiers.host_tier import HostTier
+from kvjax.tiers.token_bucket import TokenBucket
+from kvjax.tiers.transfer import Link, LinkBudget, Priority, TransferEngine
 from pallas_kernels import gather_blocks, scatter_blocks
 
 import tier_cases

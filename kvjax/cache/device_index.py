@@ -1,0 +1,429 @@
+"""Prefix cache: block allocator + prefix trie + eviction policy behind one host-side API.
+
+A block is in exactly one state (see allocator): referenced by running sequences,
+cached-unreferenced (in the trie, evictable, still hittable), or empty-free. A block's
+refcount is the number of live ``SeqHandle``s holding it; trie membership is separate.
+
+The request's path through this module::
+
+    handle = cache.admit(tokens, namespace)   # longest device match, lock it, allocate the rest
+    cache.extend(handle, num_new_tokens)      # decode grows: more blocks, all-or-nothing
+    cache.commit(handle, tokens)              # new full pages enter the trie (never a partial page)
+    cache.release(handle)                     # refcounts drop; committed blocks stay cached
+
+Running out of blocks is a normal result (None / False, state unchanged); bad input raises
+ValueError and changes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvjax.cache.allocator import BLOCK_DTYPE, BlockAllocator, fragmentation
+from kvjax.cache.block_keys import TOKEN_DTYPE, Namespace, as_namespace, token_bytes, validate_tokens
+from kvjax.cache.records import CacheStats, MatchResult, SeqHandle
+from kvjax.cache.eviction import EvictionPolicy, make_policy
+from kvjax.cache.prefix_trie import Node, PrefixTrie, Tier
+
+__all__ = ["CacheStats", "MatchResult", "PrefixCache", "SeqHandle"]
+
+TokensLike = Sequence[int] | np.ndarray
+NamespaceLike = Namespace | str | None
+_NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
+
+
+class PrefixCache:
+    """Refcounted device blocks indexed by a prefix trie, evicted by a named policy.
+
+    ``page_size`` tokens per block; ``vocab_size`` bounds token ids (None: any int32 >= 0);
+    ``clock`` returns seconds (monotonic). See the module docstring for the request path.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        page_size: int,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        vocab_size: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.7,
+    ):
+        if page_size <= 0:
+            raise ValueError(f"{page_size=} must be a positive number of tokens")
+        if vocab_size is not None and not 0 < vocab_size <= 2**31:
+            raise ValueError(f"{vocab_size=} must be in [1, 2**31]")
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.allocator = BlockAllocator(num_blocks, high_watermark=high_watermark, low_watermark=low_watermark)
+        self.trie = PrefixTrie(page_size, make_policy(policy), clock)
+        self.allocator.reclaimer = self
+        self._stats = CacheStats()
+        self._handles: dict[int, SeqHandle] = {}
+        self._pins: dict[tuple[Namespace, bytes], list[Node]] = {}  # -> deepest node of each pin
+        self._seq_ids = itertools.count()
+
+    # --- lookup ----------------------------------------------------------------------------
+
+    def match(self, tokens: TokensLike, namespace: NamespaceLike = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in whole pages, any tier (see MatchResult).
+
+        Read-only: no heat, no locks, no split. Unlike ``admit`` it does not hold back the
+        page of the last token, so it can report every page of ``tokens`` as cached.
+        """
+        buf = token_bytes(tokens, self.vocab_size)
+        root = self.trie.root(as_namespace(namespace), create=False)
+        path = [] if root is None else self.trie.walk(root, buf, 0, self._full_bytes(len(buf)))
+        return self.match_result(path)
+
+    def match_result(self, path: list[tuple[Node, int]]) -> MatchResult:
+        """The MatchResult of a trie walk (``PrefixTrie.walk`` from a namespace's root)."""
+        blocks = [node.blocks[:k] for node, k in path]
+        tiers = [node.page_tiers()[:k] for node, k in path]
+        lossy = [node.page_lossy()[:k] for node, k in path]
+        num_device = sum(k for node, k in itertools.takewhile(lambda p: p[0].on_device, path))
+        num_hit = sum(k for _, k in path)
+        return MatchResult(
+            blocks=np.concatenate(blocks) if blocks else _NO_BLOCKS.copy(),
+            tiers=np.concatenate(tiers) if tiers else np.zeros(0, np.uint8),
+            hit_tokens=num_hit * self.page_size,
+            num_hit_blocks=num_hit,
+            num_device_blocks=num_device,
+            lossy=np.concatenate(lossy) if lossy else np.zeros(0, bool),
+        )
+
+    # --- the request path ------------------------------------------------------------------
+
+    def admit(self, tokens: TokensLike, namespace: NamespaceLike = None) -> SeqHandle | None:
+        """Map the longest device-cached prefix and allocate blocks for the rest.
+
+        The sequence gets ``ceil(len(tokens) / page_size)`` blocks; at least its last token is
+        always left to compute (its logits are needed), so a prompt's final page never hits.
+        Returns None, changing nothing, when the blocks do not fit even after eviction.
+        """
+        ns = as_namespace(namespace)
+        buf = token_bytes(tokens, self.vocab_size)
+        self.check_fits(len(buf) // 4)
+        now = self.clock()
+        self.trie.expire_soft_pins(now)
+        root = self.trie.root(ns, create=False)
+        matched = [] if root is None else self.trie.walk(root, buf, 0, self.admit_limit(len(buf)))
+        return self.admit_matched(ns, buf, matched, now)
+
+    def admit_limit(self, num_bytes: int) -> int:
+        """Token bytes ``admit`` may match: the whole pages before the last token's page."""
+        return max(num_bytes // 4 - 1, 0) // self.page_size * self.trie.page_bytes
+
+    def check_fits(self, num_tokens: int) -> None:
+        """ValueError unless a sequence of ``num_tokens`` tokens fits in the pool at all."""
+        num_pages = -(-num_tokens // self.page_size)
+        if num_pages > self.allocator.num_blocks:
+            raise ValueError(f"sequence of {num_tokens} tokens needs {num_pages} blocks; "
+                             f"the pool has {self.allocator.num_blocks}")  # fmt: skip
+
+    def admit_matched(self, ns: Namespace, buf: bytes, matched: list[tuple[Node, int]],
+                      now: float, *, count: bool = True) -> SeqHandle | None:  # fmt: skip
+        """``admit`` after the lookup: ``matched`` is a trie walk of ``buf`` from ``ns``'s root
+        (what the caller decided may hit, within ``admit_limit``). Maps its device prefix,
+        allocates the other pages as private blocks; None (nothing changed) if they do not fit.
+        ``count=False`` leaves the admission counters alone (a prefetch's own hold).
+        """
+        num_pages = -(-len(buf) // self.trie.page_bytes)
+        path = list(itertools.takewhile(lambda p: p[0].on_device, matched))
+        num_hit = sum(k for _, k in path)
+        locked_away = sum(k for node, k in path if self.trie.is_candidate(node))
+        available = self.allocator.num_free + self.trie.num_evictable - locked_away
+        if available < num_pages - num_hit:
+            self._stats.admit_failures += 1
+            return None
+        tail = self._lock_hit_path(path, now) if path else self.trie.root(ns, create=True)
+        new_blocks = self.allocator.allocate_parts(num_pages - num_hit)
+        if new_blocks is None:
+            raise RuntimeError("allocation failed after the admission check said it fits")
+        table = np.concatenate([_NO_BLOCKS] + [node.blocks[:k] for node, k in path] + new_blocks)
+        if num_hit:
+            self.allocator.incref(table[:num_hit], check=False)
+        handle = SeqHandle(next(self._seq_ids), ns, len(buf) // 4, num_hit, self.page_size, table, buf, tail)
+        self._handles[handle.seq_id] = handle
+        if count:
+            self._count_admission(handle, sum(k for _, k in matched) - num_hit)
+        return handle
+
+    def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
+        self._require_alive(handle)
+        if num_new_tokens < 0:
+            raise ValueError(f"{num_new_tokens=} must be >= 0")
+        num_tokens = handle.num_tokens + num_new_tokens
+        missing = -(-num_tokens // self.page_size) - len(handle.block_ids)
+        if missing > 0:
+            self.trie.expire_soft_pins(self.clock())
+            new_blocks = self.allocator.allocate_parts(missing)
+            if new_blocks is None:
+                self._stats.extend_failures += 1
+                return False
+            handle.block_ids = np.concatenate([handle.block_ids] + new_blocks)
+        handle.num_tokens = num_tokens
+        return True
+
+    def commit(self, handle: SeqHandle, tokens: TokensLike, *, lossy: bool = False) -> int:
+        """Insert the sequence's new full pages into the trie; return how many entered.
+
+        ``tokens`` is the sequence so far (prompt + decoded), at most ``handle.num_tokens``
+        long and consistent with every token given before. Incremental: pages already
+        committed are skipped; the partial last page never enters. ``lossy``: the new pages'
+        blocks hold KV fetched from a lossy copy (the trie marks them).
+        """
+        self._require_alive(handle)
+        buf, num_tokens = self._commit_bytes(handle, tokens)
+        handle._tokens = buf
+        end = self._full_bytes(4 * num_tokens)
+        start = handle._committed * self.trie.page_bytes
+        if end <= start:
+            return 0
+        self._insert_pages(handle, buf, start, end, self.clock(), lossy)
+        return (end - start) // self.trie.page_bytes
+
+    def release(self, handle: SeqHandle) -> None:
+        """Drop the sequence's references. Committed blocks stay cached (and hittable)."""
+        self._require_alive(handle)
+        table, committed = handle.block_ids, handle._committed
+        # table[:committed] are trie blocks except at duplicate pages, where the sequence's
+        # own block is decremented here and freed just below (free_held overwrites it).
+        self.allocator.decref(table[:committed], check=False)
+        if handle._dup_trie:
+            self.allocator.decref(np.concatenate(handle._dup_trie), check=False)
+        self.allocator.free_held(self._private_blocks(handle))
+        if handle._tail.parent is not None:
+            self.trie.unlock(handle._tail, self.clock())
+        handle._alive = False
+        del self._handles[handle.seq_id]
+
+    # --- eviction and pins ------------------------------------------------------------------
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Cached blocks that eviction can free now (unreferenced, unpinned)."""
+        return self.trie.num_evictable
+
+    def reclaim(self, num_blocks: int) -> list[np.ndarray]:
+        """Evict exactly ``num_blocks`` cached blocks and hand them out (allocator hook)."""
+        runs = self.trie.reclaim(num_blocks, self.clock())
+        self._stats.evicted_blocks += num_blocks
+        return runs
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Evict up to ``num_blocks`` cached blocks into the free queue; return their ids."""
+        if num_blocks < 0:
+            raise ValueError(f"{num_blocks=} must be >= 0")
+        self.trie.expire_soft_pins(self.clock())
+        blocks = np.concatenate([_NO_BLOCKS] + self.reclaim(min(num_blocks, self.trie.num_evictable)))
+        self.allocator.free(blocks, check=False)
+        return blocks.tolist()
+
+    def pin(self, tokens: TokensLike, namespace: NamespaceLike = None, ttl: float | None = None) -> int:
+        """Keep the device-cached prefix of ``tokens`` from eviction; return its token count.
+
+        ``ttl=None``: a hard pin, held until ``unpin`` with the same tokens and namespace.
+        ``ttl`` seconds: a soft pin that expires by itself (hot system prompts).
+        """
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"{ttl=} must be a positive number of seconds (or None: hard pin)")
+        ns = as_namespace(namespace)
+        buf = token_bytes(tokens, self.vocab_size)
+        now = self.clock()
+        self.trie.expire_soft_pins(now)
+        root = self.trie.root(ns, create=False)
+        path = [] if root is None else self.trie.walk(root, buf, 0, self._full_bytes(len(buf)))
+        path = list(itertools.takewhile(lambda p: p[0].on_device, path))
+        if not path:
+            return 0
+        node, k = path[-1]
+        if k < node.num_pages:
+            node = self.trie.split(node, k)
+        if ttl is None:
+            self.trie.hard_pin(node)
+            self._pins.setdefault((ns, buf[: self._full_bytes(len(buf))]), []).append(node)
+        else:
+            self.trie.soft_pin(node, now + ttl)
+        return sum(k for _, k in path) * self.page_size
+
+    def unpin(self, tokens: TokensLike, namespace: NamespaceLike = None) -> None:
+        """Undo the most recent hard ``pin`` made with the same full pages and namespace."""
+        ns = as_namespace(namespace)
+        buf = token_bytes(tokens, self.vocab_size)
+        key = (ns, buf[: self._full_bytes(len(buf))])
+        pinned = self._pins.get(key)
+        if not pinned:
+            raise ValueError(f"no hard pin on these {len(buf) // 4} tokens in namespace {ns}")
+        self.trie.hard_unpin(pinned[-1], self.clock())
+        pinned.pop()
+        if not pinned:
+            del self._pins[key]
+
+    # --- tiers, figures and checks ----------------------------------------------------------
+
+    def set_tier(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier) -> None:
+        """Record that cached page ``page`` of ``tokens`` also has a ``tier`` (HOST/DISK) copy."""
+        node, index = self._locate_page(tokens, namespace, page, tier)
+        self.trie.set_tier(node, index, tier)
+
+    def clear_tier(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier) -> None:
+        """Forget a HOST/DISK copy; an off-device page left without copies leaves the trie."""
+        node, index = self._locate_page(tokens, namespace, page, tier)
+        self.trie.clear_tier(node, index, tier)
+
+    @property
+    def stats(self) -> CacheStats:
+        self._sync_trie_stats()
+        return self._stats
+
+    def fragmentation(self) -> float:
+        """Fraction of live sequences' token slots that hold no token (partial last pages)."""
+        handles = list(self._handles.values())
+        return fragmentation([h.num_tokens for h in handles], [len(h.block_ids) for h in handles],
+                             self.page_size)  # fmt: skip
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._handles)
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError unless every documented invariant holds. Changes nothing.
+
+        Every block is in exactly one state (referenced / cached-unreferenced / empty-free);
+        refcounts equal the holds of live handles; each node's lock count equals the live
+        handles whose path crosses it and its hard pins the pins whose path does; every trie
+        page's block is owned by the trie (not free, not private to a sequence); locked and
+        pinned nodes are still on device (the trie's own checks cover structure and counters).
+        """
+        from kvjax.cache.invariants import check_cache  # the checker imports this module
+
+        check_cache(self)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _full_bytes(self, num_bytes: int) -> int:
+        return num_bytes - num_bytes % self.trie.page_bytes
+
+    def _require_alive(self, handle: SeqHandle) -> None:
+        if not isinstance(handle, SeqHandle) or self._handles.get(handle.seq_id) is not handle:
+            raise ValueError(f"{handle!r} is not a live sequence of this cache (released already?)")
+
+    def _lock_hit_path(self, path: list[tuple[Node, int]], now: float) -> Node:
+        node, k = path[-1]
+        if k < node.num_pages:
+            node = self.trie.split(node, k)
+            path[-1] = (node, k)
+        self.trie.lock(node, now)
+        return node
+
+    def _count_admission(self, handle: SeqHandle, num_lower_tier_pages: int) -> None:
+        stats = self._stats
+        stats.admitted += 1
+        stats.prompt_tokens += handle.num_tokens
+        stats.hit_tokens += handle.num_hit_tokens
+        stats.lower_tier_hit_tokens += num_lower_tier_pages * self.page_size
+
+    def _insert_pages(self, handle: SeqHandle, buf: bytes, start: int, end: int, now: float,
+                      lossy: bool) -> None:  # fmt: skip
+        trie, page_bytes = self.trie, self.trie.page_bytes
+        node = handle._tail
+        for child, num_pages in trie.walk(node, buf, start, end):
+            if num_pages < child.num_pages:
+                child = trie.split(child, num_pages)
+            first = start // page_bytes
+            own = handle.block_ids[first : first + num_pages]
+            if child.on_device and self._replaces_lossy(handle, child, lossy):
+                self.allocator.free(trie.replace(child, own, now), check=False)
+                self._stats.inserted_blocks += num_pages
+            elif child.on_device:  # cached meanwhile by another sequence: hold that copy too
+                trie.lock(child, whole_path=False)
+                self.allocator.incref(child.blocks, check=False)
+                handle._dup_own.append(own)
+                handle._dup_trie.append(child.blocks)
+                self._stats.duplicate_blocks += num_pages
+            else:  # only a host/disk copy was indexed: our fresh blocks become its device copy
+                trie.attach(child, own, now, lossy=lossy)
+                self._stats.inserted_blocks += num_pages
+            node = child
+            start += num_pages * page_bytes
+        if start < end:
+            own = handle.block_ids[start // page_bytes : end // page_bytes]
+            label = memoryview(buf)[start:end]  # zero-copy: the trie keeps a view of buf
+            if trie.can_extend(node):
+                trie.extend(node, label, own, now, lossy=lossy)
+            else:
+                node = trie.insert(node, label, own, now, lossy=lossy)
+            self._stats.inserted_blocks += len(own)
+        handle._tail = node
+        handle._committed = end // page_bytes
+
+    @staticmethod
+    def _replaces_lossy(handle: SeqHandle, child: Node, lossy: bool) -> bool:
+        """Whether ``handle``'s own blocks should replace ``child``'s device copy at commit.
+
+        Yes when a page of ``child`` is lossy, the handle's pages are exact (computed, not
+        fetched: ``lossy`` False, on top of an exact path, so every page it replaces gets KV
+        at least as exact) and no sequence holds ``child`` (lock 0: no handle maps or holds
+        its blocks, so the trie's were its only reference and they can be freed). Otherwise a
+        refusing request's recompute would leave the lossy copy in place for the next one.
+        """
+        if lossy or child.lock or child.lossy is None or not child.lossy.any():
+            return False
+        node = handle._tail
+        while node.parent is not None:
+            if node.lossy is not None and node.lossy.any():
+                return False
+            node = node.parent
+        return True
+
+    def _locate_page(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier):
+        if not int(tier) & (Tier.HOST | Tier.DISK) or int(tier) & ~(Tier.HOST | Tier.DISK):
+            raise ValueError(f"{tier=} must be Tier.HOST and/or Tier.DISK (device copies change by admit/evict)")
+        buf = token_bytes(tokens, self.vocab_size)
+        root = self.trie.root(as_namespace(namespace), create=False)
+        end = (page + 1) * self.trie.page_bytes
+        path = [] if root is None or page < 0 or end > len(buf) else self.trie.walk(root, buf, 0, end)
+        if sum(k for _, k in path) != page + 1:
+            raise ValueError(f"{page=} of these tokens is not cached in namespace {namespace!r}")
+        node, k = path[-1]
+        return node, k - 1
+
+    def _sync_trie_stats(self) -> None:
+        stats = self._stats
+        stats.offloaded_pages = self.trie.offloaded_pages
+        stats.dropped_pages = self.trie.dropped_pages
+
+    def _private_blocks(self, handle: SeqHandle) -> np.ndarray:
+        """The handle's blocks that the trie does not own (uncommitted or duplicate pages)."""
+        uncommitted = handle.block_ids[handle._committed :]
+        if not handle._dup_own:
+            return uncommitted
+        return np.concatenate(handle._dup_own + [uncommitted])
+
+    def _commit_bytes(self, handle: SeqHandle, tokens: TokensLike) -> tuple[bytes, int]:
+        """(bytes holding the tokens, token count) for commit; checks them against what the
+        handle saw before and validates only when new tokens appear."""
+        array = np.asarray(tokens)
+        if array.dtype != TOKEN_DTYPE or array.ndim != 1:
+            array = validate_tokens(array, self.vocab_size)  # before any narrowing cast
+        if len(array) > handle.num_tokens:
+            raise ValueError(f"{len(array)} tokens committed; the sequence has room for "
+                             f"{handle.num_tokens} (call extend first)")  # fmt: skip
+        known = handle._tokens
+        if len(array) <= len(known) // 4:  # usual case: no copy, the known bytes serve
+            if not known.startswith(memoryview(np.ascontiguousarray(array)).cast("B")):  # memcmp
+                raise ValueError("tokens disagree with the tokens this sequence was given before")
+            return known, len(array)
+        buf = array.tobytes()
+        if not buf.startswith(known):
+            raise ValueError("tokens disagree with the tokens this sequence was given before")
+        validate_tokens(array, self.vocab_size)  # whole array: errors name the true index
+        return buf, len(array)

@@ -1,0 +1,201 @@
+"""Scan-resistant eviction: probation and protected segments, a ghost history, adaptive balance.
+
+Leaves of the prefix trie fall into two segments:
+- probation: pages used by one request only so far (``hits == 0``), e.g. a one-off long
+  document or the newest turn of a chat;
+- protected: pages used again, either while cached (``hits >= 1``) or after they had been
+  evicted (their fingerprint is still in the ghost history).
+
+Priority (lower goes first) is ``last_access`` for probation and ``last_access + W`` for
+protected pages: LRU inside each segment, and a protected page outlives a probation page used
+up to ``W`` seconds after it. ``segmented`` fixes ``W`` at infinity (strict: probation always
+goes first). ``adaptive`` (the default) sets ``W = omega * R``, where ``R`` (seconds) is a
+moving average of the age at which cached pages get hit (the workload's own time scale) and
+``omega`` (dimensionless, in ``[0, max_omega]``) is steered by near misses, as in ARC: a page
+that comes back within ``2 R`` after it was evicted from protected asks for a larger ``omega``;
+one evicted from probation asks for a smaller one. Each step is weighted by the ratio of the
+ghost's two populations, so a flood of one-off pages (a scan) makes probation misses count
+for little.
+
+The ghost remembers ``ghost_pages`` fingerprints ``(page index, token bytes of the page)``
+with the last access and segment they had when last seen; it only ever changes priorities,
+never which KV a request gets, so a fingerprint shared by two prefixes or two namespaces
+costs at most a worse eviction choice. Observing a node costs O(its pages).
+
+Priorities are stamped when a node becomes evictable (``time_invariant``); a later change of
+``W`` applies to nodes pushed after it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+from kvjax.cache.eviction import POLICIES, EvictionPolicy
+
+__all__ = ["DEFAULT_POLICY", "AdaptiveSegmentedPolicy", "SegmentedPolicy"]
+
+DEFAULT_POLICY = "adaptive"
+"""The eviction policy the CLI, the replay and the engine use unless told otherwise."""
+
+_PROBATION, _PROTECTED = 0, 1
+
+
+class SegmentedPolicy(EvictionPolicy):
+    """Strict segmented LRU with a ghost history: probation pages always go first."""
+
+    name = "segmented"
+
+    def __init__(self, *, ghost_pages: int = 65536):
+        if ghost_pages < 0:
+            raise ValueError(f"{ghost_pages=} must be >= 0")
+        self.ghost_pages = ghost_pages
+        self._page_bytes = 4 * 16
+        # (page index, page token bytes) -> (last_access s, segment); oldest first
+        # OrderedDict, not dict: popping the oldest of a dict with many deletions scans them.
+        self._ghost: OrderedDict[tuple[int, bytes], tuple[float, int]] = OrderedDict()
+        self._population = [0, 0]  # ghost records per segment: [probation, protected]
+
+    def bind(self, page_size: int) -> None:
+        self._page_bytes = 4 * page_size  # int32 tokens
+
+    def priority(self, node: Any, now: float) -> float:
+        segment = self._observe(node)
+        return node.last_access + (self.protection() if segment == _PROTECTED else 0.0)
+
+    def protection(self) -> float:
+        """Seconds a protected page outlives a probation page of the same last access."""
+        return math.inf
+
+    def check_invariants(self) -> None:
+        """The ghost holds at most ``ghost_pages`` records, counted right per segment."""
+        if len(self._ghost) > self.ghost_pages:
+            raise RuntimeError(f"ghost holds {len(self._ghost)} pages > {self.ghost_pages=}")
+        counted = [0, 0]
+        for _, segment in self._ghost.values():
+            counted[segment] += 1
+        if counted != self._population:
+            raise RuntimeError(f"ghost population {self._population} != counted {counted}")
+
+    # --- what adaptive policies hook into ------------------------------------------------------
+
+    def _on_hit(self, age: float) -> None:
+        """A cached page was used again ``age`` seconds after its previous use."""
+
+    def _on_ghost_hit(self, gap: float, evicted_from: int) -> None:
+        """A page evicted from segment ``evicted_from`` came back ``gap`` seconds after its use."""
+
+    # --- the ghost history ---------------------------------------------------------------------
+
+    def _observe(self, node: Any) -> int:
+        """The node's segment; records its pages in the ghost and reports hits and ghost hits."""
+        last_access, hits = node.last_access, node.hits
+        segment = _PROTECTED if hits else _PROBATION
+        record = self._first_record(node)
+        if record is not None:
+            recorded_access, recorded_segment = record
+            if last_access > recorded_access and hits == 0:  # evicted, now inserted again
+                segment = _PROTECTED
+                self._on_ghost_hit(last_access - recorded_access, recorded_segment)
+            elif last_access > recorded_access:  # hit while cached
+                self._on_hit(last_access - recorded_access)
+            else:  # seen in this state before (pushed again, or the head of a split)
+                segment = max(segment, recorded_segment)
+        if record != (last_access, segment):  # else recorded whole already (a split's head)
+            self._record(node, (last_access, segment))
+        return segment
+
+    def _pages(self, node: Any) -> Iterator[tuple[int, bytes]]:
+        # bytes(): the label may be a view of a request's buffer; the ghost must not pin it.
+        label, size, first = node.label, self._page_bytes, node.first_page
+        for start in range(0, len(label), size):
+            yield first + start // size, bytes(label[start : start + size])
+
+    def _first_record(self, node: Any) -> tuple[float, int] | None:
+        ghost = self._ghost
+        for page in self._pages(node):
+            record = ghost.get(page)
+            if record is not None:
+                return record
+        return None
+
+    def _record(self, node: Any, record: tuple[float, int]) -> None:
+        ghost, population = self._ghost, self._population
+        for page in self._pages(node):
+            old = ghost.get(page)
+            if old is not None:
+                population[old[1]] -= 1
+                ghost.move_to_end(page)  # the young end
+            ghost[page] = record
+            population[record[1]] += 1
+        while len(ghost) > self.ghost_pages:
+            population[ghost.popitem(last=False)[1][1]] -= 1
+
+
+class AdaptiveSegmentedPolicy(SegmentedPolicy):
+    """Segmented LRU whose protection ``W = omega * R`` adapts to near misses (the default).
+
+    ``initial_omega``/``max_omega``: start and ceiling of ``omega``; ``step``: change of
+    ``omega`` per near miss (before weighting); ``near_miss``: a ghost hit within
+    ``near_miss * R`` seconds counts; ``smoothing``: weight of each new hit age in ``R``.
+    """
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        *,
+        ghost_pages: int = 65536,
+        initial_omega: float = 1.0,
+        max_omega: float = 64.0,
+        step: float = 0.1,
+        near_miss: float = 2.0,
+        smoothing: float = 0.02,
+    ):
+        super().__init__(ghost_pages=ghost_pages)
+        if not 0.0 <= initial_omega <= max_omega:
+            raise ValueError(f"need 0 <= {initial_omega=} <= {max_omega=}")
+        for label, value in (("step", step), ("near_miss", near_miss), ("smoothing", smoothing)):
+            if not value > 0:
+                raise ValueError(f"{label}={value!r} must be > 0")
+        if smoothing > 1:
+            raise ValueError(f"{smoothing=} must be in (0, 1]")
+        self.omega = initial_omega
+        self.max_omega = max_omega
+        self.step = step
+        self.near_miss = near_miss
+        self.smoothing = smoothing
+        self.hit_age: float | None = None  # R, seconds; None until the first hit
+
+    def protection(self) -> float:
+        return self.omega * (self.hit_age or 0.0)
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        if not 0.0 <= self.omega <= self.max_omega:
+            raise RuntimeError(f"omega={self.omega} left [0, {self.max_omega=}]")
+        if self.hit_age is not None and not self.hit_age >= 0.0:
+            raise RuntimeError(f"hit_age={self.hit_age} must be >= 0 seconds")
+
+    def _on_hit(self, age: float) -> None:
+        if self.hit_age is None:
+            self.hit_age = age
+        else:
+            self.hit_age += self.smoothing * (age - self.hit_age)
+
+    def _on_ghost_hit(self, gap: float, evicted_from: int) -> None:
+        if self.hit_age is None or gap > self.near_miss * self.hit_age:
+            return  # too late to have been saved by a moderately different balance
+        probation, protected = self._population
+        if evicted_from == _PROTECTED:
+            weight = max(1.0, probation / max(protected, 1))
+            self.omega = min(self.max_omega, self.omega + self.step * weight)
+        else:
+            weight = max(1.0, protected / max(probation, 1))
+            self.omega = max(0.0, self.omega - self.step * weight)
+
+
+POLICIES[SegmentedPolicy.name] = SegmentedPolicy
+POLICIES[AdaptiveSegmentedPolicy.name] = AdaptiveSegmentedPolicy

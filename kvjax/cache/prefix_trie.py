@@ -1,0 +1,456 @@
+"""Prefix trie: a radix trie over page-sized chunks of token ids, one root per namespace.
+
+Each node covers a run of whole pages (a compressed edge). Its ``label`` holds the pages'
+token ids as little-endian int32 bytes, so a lookup compares a whole edge with one
+``bytes.startswith`` (a memcmp) and never hashes a page; exact comparison also means a match
+can never be a false positive. Children are keyed by the bytes of their first page.
+
+Per-node fields (locks, pins, heat, tiers) are described in ``kvjax.cache.trie_node``.
+
+Invariants (``check_invariants`` verifies them all):
+- closure: a node's lock count, hard pins and soft-pin expiry are never above its parent's,
+  and a node on device has a parent on device, because every sequence and every pin holds a
+  whole path from the root. So every unlocked, unpinned device page can be reached by
+  evicting leaves, and ``num_evictable`` is exactly what eviction can free.
+- a node is either wholly on device (``on_device``: every page has a block) or wholly off
+  it (a host/disk copy of every page remains); splits keep that true.
+- split(node, k) keeps the original object as the DEEPER part, so whoever remembers the
+  deepest node of its path (a sequence handle, a pin) still reaches the whole path by
+  walking parents.
+- lossy pages (``Node.lossy``): a device page is lossy when its KV was fetched from a lossy
+  copy; with ``lossy_offload`` (the tiers' codec is lossy) every page off device is lossy,
+  since each of its copies is. Splits, extensions and truncations keep each page's flag;
+  ``attach`` and ``replace`` (an exact recompute taking over an unlocked lossy device copy)
+  set it from the new blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from kvjax.cache.allocator import BLOCK_DTYPE
+from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cache.eviction import EvictionPolicy, EvictionQueue
+from kvjax.cache.trie_node import LOWER_TIERS, Node, Tier
+
+__all__ = ["Node", "PrefixTrie", "Tier"]
+
+
+_NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
+
+
+class PrefixTrie:
+    """Radix trie of cached pages plus the evictable-leaf queue of one eviction policy."""
+
+    def __init__(self, page_size: int, policy: EvictionPolicy, clock: Callable[[], float]):
+        self.page_size = page_size
+        self.page_bytes = 4 * page_size
+        self.policy = policy
+        policy.bind(page_size)
+        self.queue = EvictionQueue(policy)
+        self.clock = clock
+        self.num_evictable = 0  # device pages in unlocked, unpinned nodes
+        self.num_nodes = 0  # excluding roots
+        self.evicted_pages = 0  # pages that lost their device copy
+        self.offloaded_pages = 0  # ... of which a host/disk copy remains in the trie
+        self.dropped_pages = 0  # pages removed from the trie entirely
+        self.on_drop: Callable[[Node], None] | None = None  # sees nodes with host/disk copies leave
+        # Sees (leaf, num_pages) before the leaf's last pages lose their device copy; it may
+        # record host copies (write-back) so those pages stay indexed, off device.
+        self.before_evict: Callable[[Node, int], None] | None = None
+        self.on_split: Callable[[Node], None] | None = None  # sees each new head with host/disk copies
+        self.lossy_offload = False  # lower-tier copies are lossy: pages leaving the device become lossy
+        self._roots: dict[Namespace, Node] = {}
+        self._soft: list[tuple[float, int, Node]] = []  # heap of soft-pin expiries
+        self._order = itertools.count()
+
+    # --- lookup ----------------------------------------------------------------------------
+
+    def root(self, namespace: Namespace, *, create: bool) -> Node | None:
+        root = self._roots.get(namespace)
+        if root is None and create:
+            root = Node(None, b"", memoryview(b""), _NO_BLOCKS, None, 0, True, 0.0)
+            root.namespace = namespace
+            self._roots[namespace] = root
+        return root
+
+    def walk(self, node: Node, buf: bytes, start: int, end: int) -> list[tuple[Node, int]]:
+        """Nodes below ``node`` matching ``buf[start:end]``, each with its matched page count.
+
+        Every node but the last is matched whole; the last may be matched partly.
+        """
+        page_bytes = self.page_bytes
+        path = []
+        while start < end:
+            child = node.children.get(buf[start : start + page_bytes])
+            if child is None:
+                break
+            label = child.label
+            if buf.startswith(label, start, end):
+                path.append((child, len(child.blocks)))
+                start += len(label)
+                node = child
+                continue
+            path.append((child, self._common_pages(label, buf, start, end)))
+            break
+        return path
+
+    # --- structure -------------------------------------------------------------------------
+
+    def split(self, node: Node, num_head_pages: int) -> Node:
+        """Cut ``node`` after ``num_head_pages``; return the new head, ``node`` keeps the rest."""
+        cut = num_head_pages * self.page_bytes
+        parent = node.parent
+        head = Node(parent, node.key, _compact(node.label[:cut]), node.blocks[:num_head_pages],
+                    None, node.first_page, node.on_device, node.last_access)  # fmt: skip
+        for field in ("lock", "hard_pins", "soft_until", "soft_pinned", "hits"):
+            setattr(head, field, getattr(node, field))
+        node.key = bytes(node.label[cut : cut + self.page_bytes])
+        node.label = _compact(node.label[cut:])
+        node.blocks = node.blocks[num_head_pages:]
+        if node.tiers is not None:
+            head.tiers, node.tiers = node.tiers[:num_head_pages], node.tiers[num_head_pages:]
+        if node.lossy is not None:
+            head.lossy, node.lossy = node.lossy[:num_head_pages], node.lossy[num_head_pages:]
+        node.first_page += num_head_pages
+        if node.keys is not None:
+            head.keys, node.keys = node.keys[:num_head_pages], node.keys[num_head_pages:] or None
+        head.children[node.key] = node
+        head.num_device_children = int(node.on_device)
+        parent.children[head.key] = head
+        node.parent = head
+        self.num_nodes += 1
+        if head.soft_pinned:
+            heapq.heappush(self._soft, (head.soft_until, next(self._order), head))
+        if head.tiers is not None and self.on_split is not None:
+            self.on_split(head)
+        return head
+
+    def insert(self, parent: Node, label: memoryview, blocks: np.ndarray, now: float, *,
+               lossy: bool = False) -> Node:  # fmt: skip
+        """Add a device node under ``parent``, locked once (by the sequence that holds ``parent``).
+
+        ``label`` may be a view of the caller's token bytes: slicing it later costs nothing.
+        ``lossy``: the blocks hold KV fetched from a lossy copy.
+        """
+        node = Node(parent, bytes(label[: self.page_bytes]), label, blocks, None,
+                    parent.first_page + parent.num_pages, True, now)  # fmt: skip
+        node.lossy = np.ones(len(blocks), bool) if lossy else None
+        node.lock = 1
+        parent.children[node.key] = node
+        parent.num_device_children += 1
+        self.num_nodes += 1
+        return node
+
+    def insert_offloaded(self, parent: Node, label: bytes, tiers: np.ndarray, now: float) -> Node:
+        """Add an unlocked off-device node under ``parent`` whose pages have only the copies in
+        ``tiers`` (uint8 HOST/DISK bits, one per page): a prefix found in a lower tier by key."""
+        node = Node(parent, bytes(label[: self.page_bytes]), memoryview(label),
+                    np.full(len(tiers), -1, BLOCK_DTYPE), np.array(tiers, np.uint8),
+                    parent.first_page + parent.num_pages, False, now)  # fmt: skip
+        node.lossy = np.ones(len(tiers), bool) if self.lossy_offload else None
+        parent.children[node.key] = node
+        self.num_nodes += 1
+        return node
+
+    def can_extend(self, node: Node) -> bool:
+        """Whether new pages may join ``node`` in place: a device leaf held by one sequence only."""
+        return (node.parent is not None and node.lock == 1 and not node.children
+                and node.hard_pins == 0 and not node.soft_pinned)  # fmt: skip
+
+    def extend(self, node: Node, label: memoryview, blocks: np.ndarray, now: float, *,
+               lossy: bool = False) -> None:  # fmt: skip
+        if node.lossy is not None or lossy:
+            node.lossy = np.concatenate((node.page_lossy(), np.full(len(blocks), lossy)))
+        node.label = memoryview(bytes(node.label) + label)
+        node.blocks = np.concatenate((node.blocks, blocks))
+        if node.tiers is not None:
+            node.tiers = np.concatenate((node.tiers, np.full(len(blocks), Tier.DEVICE, np.uint8)))
+        node.last_access = now
+
+    def attach(self, node: Node, blocks: np.ndarray, now: float, *, lossy: bool = False) -> None:
+        """Give an off-device node device blocks again, locked once by the attaching sequence;
+        its pages are as lossy as the KV the blocks hold (``lossy``)."""
+        node.blocks = np.array(blocks, BLOCK_DTYPE)
+        node.lossy = np.ones(len(blocks), bool) if lossy else None
+        node.tiers = node.tiers | np.uint8(Tier.DEVICE)
+        node.on_device = True
+        node.lock = 1
+        node.last_access = now
+        node.parent.num_device_children += 1
+
+    def replace(self, node: Node, blocks: np.ndarray, now: float) -> np.ndarray:
+        """Make ``blocks`` (exact KV) the device copy of the unlocked device node ``node``,
+        locked once by the sequence that holds them (as ``attach``); return the blocks it had,
+        which the trie no longer references. Host/disk copies and their bits stay as they are."""
+        if not node.on_device or node.lock or len(blocks) != node.num_pages:
+            raise RuntimeError(f"node at page {node.first_page} ({node.on_device=}, {node.lock=}, "
+                               f"{node.num_pages} pages) cannot take {len(blocks)} new blocks")  # fmt: skip
+        self.lock(node, whole_path=False)  # leaves the evictable count if it was in it
+        old, node.blocks = node.blocks, np.array(blocks, BLOCK_DTYPE)
+        node.lossy = None
+        node.last_access = now
+        return old
+
+    # --- locks, heat and pins --------------------------------------------------------------
+
+    def lock(self, node: Node, now: float | None = None, *, whole_path: bool = True) -> None:
+        """Lock ``node`` (and its ancestors); with ``now``, also count a hit on each."""
+        while node.parent is not None:
+            if self.is_candidate(node):
+                self.num_evictable -= len(node.blocks)
+            node.lock += 1
+            if now is not None:
+                node.hits += 1
+                node.last_access = now
+            if not whole_path:
+                return
+            node = node.parent
+
+    def unlock(self, node: Node, now: float) -> None:
+        """Undo ``lock(node)``. ValueError (nothing changed) if a node on the path is unlocked."""
+        self._require_path(node, "lock", "is not locked")
+        self._decrement_path(node, "lock", now)
+
+    def hard_pin(self, node: Node) -> None:
+        while node.parent is not None:
+            if self.is_candidate(node):
+                self.num_evictable -= len(node.blocks)
+            node.hard_pins += 1
+            node = node.parent
+
+    def hard_unpin(self, node: Node, now: float) -> None:
+        self._require_path(node, "hard_pins", "is not pinned")
+        self._decrement_path(node, "hard_pins", now)
+
+    def soft_pin(self, node: Node, until: float) -> None:
+        """Keep ``node``'s path on device until clock time ``until`` (seconds)."""
+        while node.parent is not None:
+            if self.is_candidate(node):
+                self.num_evictable -= len(node.blocks)
+            node.soft_pinned = True
+            if until > node.soft_until:
+                node.soft_until = until
+                heapq.heappush(self._soft, (until, next(self._order), node))
+            node = node.parent
+
+    def expire_soft_pins(self, now: float) -> None:
+        """Release the soft pins whose expiry time is ``<= now`` (lazy: the cache calls this
+        before it allocates, evicts or pins)."""
+        soft = self._soft
+        while soft and soft[0][0] <= now:
+            _, _, node = heapq.heappop(soft)
+            if node.soft_pinned and node.soft_until <= now and node.parent is not None:
+                node.soft_pinned = False
+                if self.is_candidate(node):
+                    self._became_candidate(node, now)
+
+    # --- eviction --------------------------------------------------------------------------
+
+    def is_evictable_leaf(self, node: Node) -> bool:
+        return (node.num_device_children == 0 and node.parent is not None
+                and self.is_candidate(node))  # fmt: skip
+
+    def reclaim(self, num_pages: int, now: float) -> list[np.ndarray]:
+        """Evict exactly ``num_pages`` device pages in policy order; return their block ids,
+        one array per run taken from a node (joined by whoever needs them joined)."""
+        if num_pages > self.num_evictable:
+            raise RuntimeError(f"{num_pages=} exceeds num_evictable={self.num_evictable}")
+        if not self.policy.time_invariant:
+            self.queue.rebuild([n for n in self.nodes() if self.is_evictable_leaf(n)], now)
+        freed = []
+        while num_pages:
+            node = self.queue.pop(self.is_evictable_leaf)
+            if node is None:
+                raise RuntimeError(f"eviction queue is empty with {self.num_evictable=}")
+            take = min(num_pages, len(node.blocks))
+            freed.append(self._evict_tail(node, take, now))
+            num_pages -= take
+        return freed
+
+    def set_tier(self, node: Node, page: int, tier: Tier) -> None:
+        """Record a host or disk copy of page ``page`` of ``node``."""
+        node.tiers = node.page_tiers()
+        node.tiers[page] |= np.uint8(tier)
+        if page == len(node.blocks) - 1 and self.is_evictable_leaf(node):
+            self.queue.push(node, self.clock())  # the policy may rank it differently now
+
+    def clear_tier(self, node: Node, page: int, tier: Tier) -> None:
+        """Forget a host or disk copy; an off-device page left with no copy leaves the trie,
+        and so do the pages after it (they are unreachable without it)."""
+        if node.tiers is None:
+            return  # device only: no host/disk copy to forget
+        node.tiers[page] &= np.uint8(~tier & 0xFF)
+        if not node.on_device and node.tiers[page] == 0:
+            if page:
+                self.split(node, page)
+            self._drop(node)
+
+    # --- stable keys and traversal ---------------------------------------------------------
+
+    def page_keys(self, node: Node) -> list[bytes]:
+        """Stable 16-byte chained keys of ``node``'s pages (see block_keys), computed once."""
+        keys = node.keys or []
+        if len(keys) < len(node.blocks):
+            if keys:
+                parent_key = keys[-1]
+            elif node.parent.parent is None:
+                parent_key = None
+            else:
+                parent_key = self.page_keys(node.parent)[-1]
+            rest = np.frombuffer(node.label, "<i4")[len(keys) * self.page_size :]
+            keys = keys + chained_block_keys(rest, self.page_size, self.namespace_of(node), parent_key)
+            node.keys = keys
+        return keys
+
+    def namespace_of(self, node: Node) -> Namespace:
+        """The namespace of the root above ``node``."""
+        while node.parent is not None:
+            node = node.parent
+        return node.namespace
+
+    def nodes(self) -> Iterator[Node]:
+        """Every live non-root node, parents before children."""
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.parent is not None:
+                yield node
+
+    def roots(self) -> dict[Namespace, Node]:
+        return self._roots
+
+    def check_invariants(self) -> np.ndarray:
+        """Raise RuntimeError on any broken structural invariant; return all device block ids."""
+        from kvjax.cache.invariants import check_trie  # the checker imports this module
+
+        return check_trie(self)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _common_pages(self, label: memoryview, buf: bytes, start: int, end: int) -> int:
+        size = min(len(label), end - start)
+        ours = np.frombuffer(label, np.uint8, size)
+        theirs = np.frombuffer(buf, np.uint8, size, start)
+        differ = np.flatnonzero(ours != theirs)
+        return int(differ[0] if differ.size else size) // self.page_bytes
+
+    @staticmethod
+    def is_candidate(node: Node) -> bool:
+        """On device, unlocked and unpinned: its pages count in ``num_evictable``."""
+        return node.on_device and node.lock == 0 and node.hard_pins == 0 and not node.soft_pinned
+
+    def _became_candidate(self, node: Node, now: float) -> None:
+        self.num_evictable += len(node.blocks)
+        if node.num_device_children == 0:
+            self.queue.push(node, now)
+            self._maybe_compact(now)
+
+    def _require_path(self, node: Node, field: str, problem: str) -> None:
+        if node.parent is None:
+            raise ValueError("node is a root or no longer in the trie")
+        walker = node
+        while walker.parent is not None:
+            if getattr(walker, field) <= 0:
+                raise ValueError(f"node at page {walker.first_page} {problem}")
+            walker = walker.parent
+
+    def _decrement_path(self, node: Node, field: str, now: float) -> None:
+        while node.parent is not None:
+            setattr(node, field, getattr(node, field) - 1)
+            if self.is_candidate(node):
+                self._became_candidate(node, now)
+            node = node.parent
+
+    def _evict_tail(self, node: Node, num_pages: int, now: float) -> np.ndarray:
+        """Take the last ``num_pages`` device pages of the evictable leaf ``node``."""
+        if self.before_evict is not None:
+            self.before_evict(node, num_pages)
+        self.num_evictable -= num_pages
+        self.evicted_pages += num_pages
+        keep = len(node.blocks) - num_pages
+        if node.tiers is None and keep:  # device only, partly evicted: cut in place, no split
+            blocks = node.blocks[keep:]
+            self._truncate(node, keep)
+            self.queue.push(node, now)  # still an evictable leaf; its tail page changed
+            return blocks
+        if keep:
+            self.split(node, keep)
+        blocks, parent = node.blocks, node.parent
+        if node.tiers is None:
+            copied = 0
+        else:  # pages up to the first one without a host/disk copy stay, off device
+            has_copy = (node.tiers & LOWER_TIERS) != 0
+            copied = num_pages if has_copy.all() else int(np.argmin(has_copy))
+        if 0 < copied < num_pages:
+            survivor = self.split(node, copied)
+            self._drop(node)
+            self._offload(survivor)
+        elif copied == num_pages:
+            self._offload(node)
+        else:
+            self._drop(node)
+        if parent.parent is not None and self.is_evictable_leaf(parent):
+            self.queue.push(parent, now)
+        return blocks
+
+    def _truncate(self, node: Node, num_pages: int) -> None:
+        """Keep the first ``num_pages`` pages of ``node``; what followed leaves the trie."""
+        for child in list(node.children.values()):
+            self._drop(child)  # off device (node is a device leaf) and unreachable now
+        self.dropped_pages += len(node.blocks) - num_pages
+        node.label = _compact(node.label[: num_pages * self.page_bytes])
+        node.blocks = node.blocks[:num_pages]
+        if node.keys is not None:
+            node.keys = node.keys[:num_pages]
+        if node.lossy is not None:
+            node.lossy = node.lossy[:num_pages]
+
+    def _offload(self, node: Node) -> None:
+        node.on_device = False
+        node.blocks = np.full(len(node.blocks), -1, BLOCK_DTYPE)
+        node.tiers = node.tiers & np.uint8(LOWER_TIERS)
+        if self.lossy_offload:  # only lossy copies remain
+            node.lossy = np.ones(len(node.blocks), bool)
+        node.parent.num_device_children -= 1
+        self.offloaded_pages += len(node.blocks)
+
+    def _drop(self, node: Node) -> None:
+        parent = node.parent
+        del parent.children[node.key]
+        parent.num_device_children -= int(node.on_device)
+        stack, gone_nodes = [node], []
+        while stack:
+            gone_nodes.append(stack.pop())
+            stack.extend(gone_nodes[-1].children.values())
+        if self.on_drop is not None:  # before unlinking, so page_keys() still works
+            for gone in gone_nodes:
+                if gone.tiers is not None and (gone.tiers & LOWER_TIERS).any():
+                    self.on_drop(gone)
+        for gone in gone_nodes:
+            self.dropped_pages += len(gone.blocks)
+            self.num_nodes -= 1
+            gone.parent = None
+            gone.on_device = False
+
+    def _maybe_compact(self, now: float) -> None:
+        # Stale entries pile up as nodes are locked and unlocked; rebuild when they dominate.
+        if len(self.queue) > 4 * self.num_nodes + 1024:
+            self.queue.rebuild([n for n in self.nodes() if self.is_evictable_leaf(n)], now)
+
+
+def _compact(label: memoryview) -> memoryview:
+    """Copy a label out of its request's token buffer once it is a small part of it.
+
+    Labels are zero-copy views of the buffer that inserted them, so splits and evictions
+    never copy token bytes; a view under a quarter of its buffer gets its own copy so a
+    small surviving node does not keep a large prompt alive (amortised O(1) per byte).
+    """
+    if 4 * len(label) < label.obj.__len__():
+        return memoryview(bytes(label))
+    return label

@@ -1,0 +1,1 @@
+"""Configuration: frozen settings dataclasses built from mappings (TOML sections, JSON)."""

@@ -1,0 +1,1 @@
+"""Metrics: declared specs, a thread-safe registry, latency histograms, exporters."""

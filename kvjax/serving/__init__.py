@@ -1,0 +1,1 @@
+"""Serving: requests, scheduler, model and model runner, the engine and its observer."""

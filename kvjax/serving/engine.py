@@ -1,0 +1,329 @@
+"""The serving engine: the request path of the design, wired once.
+
+``Engine.step()`` runs one step of the path::
+
+    add_request: text --canonicalize (if on)--> tokens --Scheduler.add (match, queue)
+    step:  Scheduler.schedule()             admission (cache.admit: longest match, allocate),
+                                            prefill chunks + decodes under the token budget
+           swap_out, then swap_in           preempted KV to host slots and back (SwapStore)
+           ModelRunner.run                  one jitted step on the page pool, sampled tokens
+           Scheduler.on_step_done           commit full pages to the trie, finish requests
+           -> TokenEvent / FinishEvent, metrics (EngineObserver)
+
+The engine holds no policy: admission, batching and preemption are the scheduler's, what is
+cached and evicted is the cache's, sampling is per request. Use it as::
+
+    engine = Engine.from_preset("tiny")
+    engine.add_request("r1", prompt="...", max_new_tokens=16, namespace="tenant-a")
+    for event in engine.run():          # TokenEvent ..., FinishEvent ..., RunSummary
+        ...
+    print(engine.metrics.summary_table())
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+from flax import nnx
+
+from kvjax.text.canonicalize import CanonicalizeConfig, canonicalize as canonicalize_text, template_fingerprint
+from kvjax.serving.engine_config import EngineConfig
+from kvjax.serving.engine_events import Event, FinishEvent, RunSummary, TokenEvent
+from kvjax.serving.observer import EngineObserver, RequestRecord
+from kvjax.serving.preset import build_engine_parts, pool_config
+from kvjax.serving.model_runner import ModelRunner
+from kvjax.metrics.registry import Metrics
+from kvjax.tiers.page_pool import PagePool
+from kvjax.serving.request import Request
+from kvjax.serving.sampling import GREEDY, SamplingParams
+from kvjax.serving.scheduler import Scheduler
+from kvjax.serving.scheduler_config import SchedulerConfig
+from kvjax.serving.step_plan import ScheduledSeq, StepPlan
+from kvjax.serving.swap_store import SwapStore
+from kvjax.text.tokenizer import ByteTokenizer, as_tokenizer
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Serves requests with ``model`` over ``cache`` (a ``PrefixCache`` or a ``KVCache``).
+
+    ``pool`` is the device page pool the model reads and writes; by default the cache's own
+    (``cache.pool``), else a new one sized from the model and the cache. ``canonicalize``
+    (a ``CanonicalizeConfig``; None: ``config.canonicalize`` decides, off by default) applies
+    to text prompts. ``record_logits`` attaches each sampled position's logits to its
+    TokenEvent. ``clock`` returns seconds.
+    """
+
+    def __init__(self, model: nnx.Module, cache, scheduler_config: SchedulerConfig | None = None,
+                 config: EngineConfig | None = None, *, tokenizer=None,
+                 canonicalize: CanonicalizeConfig | None = None, metrics: Metrics | None = None,
+                 pool: PagePool | None = None, record_logits: bool = False,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.model, self.cache = model, cache
+        self.config = config or EngineConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.pool = pool or getattr(cache, "pool", None) or _pool_for(model, cache)
+        _check_compatible(model, cache, self.pool)
+        vocab_size = model.cfg.vocab_size
+        self.tokenizer = as_tokenizer(tokenizer if tokenizer is not None else ByteTokenizer(),
+                                      vocab_size=vocab_size)
+        if canonicalize is None and self.config.canonicalize:
+            canonicalize = CanonicalizeConfig()
+        self.canonicalize = canonicalize
+        self.metrics = metrics if metrics is not None else Metrics(clock=clock)
+        self.clock = clock
+        self.record_logits = record_logits
+        page_size, num_blocks = self.pool.config.page_size, self.pool.config.num_blocks
+        self.max_model_len = self.config.max_model_len or num_blocks * page_size
+        self.scheduler = Scheduler(cache, self.scheduler_config, clock=clock)
+        self.runner = ModelRunner(model, self.pool, max_num_seqs=self.scheduler_config.max_num_seqs,
+                                  token_budget=self.scheduler_config.token_budget,
+                                  max_model_len=self.max_model_len,
+                                  token_buckets=self.config.token_buckets, impl=self.config.impl)
+        if metrics is not None and getattr(cache, "metrics", None) is metrics:
+            raise ValueError("the cache records into the engine's own Metrics: hits would count twice; "
+                             "build the cache with metrics=CacheMetricsView(metrics)")
+        self._tiered = bool(getattr(getattr(cache, "config", None), "tiered", False))
+        swap_slots = self.scheduler_config.host_swap_blocks
+        self.swap_store = SwapStore(self.pool, swap_slots) if swap_slots else None
+        self.observer = EngineObserver(self.metrics, page_size)
+        self._records: dict[str, RequestRecord] = {}
+        self._pending: list[Event] = []  # events produced between steps (cancellations)
+        self._num_added = 0
+        self.num_generated_tokens = 0  # sampled tokens since construction
+        self._counts = {"finished": 0, "cancelled": 0, "rejected": 0}
+
+    @classmethod
+    def from_preset(cls, preset: str = "tiny", **overrides) -> Engine:
+        """Model, pool, cache, tiers and scheduler from ``configs/<preset>.toml``.
+
+        ``overrides`` (see ``kvjax.serving.preset.build_engine_parts``): ``weights`` (an orbax
+        checkpoint directory), ``seed``, and any ``Engine`` keyword argument.
+        """
+        return cls(**build_engine_parts(preset, **overrides))
+
+    # --- requests --------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | None = None, *, tokens: Sequence[int] | None = None,
+                    max_new_tokens: int = 16, sampling: SamplingParams | None = None,
+                    namespace=None, stop_token_ids: Sequence[int] = (),
+                    accept_lossy: bool | None = None) -> bool:  # fmt: skip
+        """Queue a request given as text (``prompt``) or token ids (``tokens``).
+
+        ``accept_lossy=False`` refuses cached KV that went through lossy offload compression
+        (``KVCacheConfig.offload_quant``): those pages are recomputed (None: the cache's
+        ``accept_lossy``). Returns False when the scheduler rejects it (the next ``step()``
+        reports a FinishEvent with the reason). Raises ValueError, queuing nothing, for a duplicate id, both or neither
+        of ``prompt``/``tokens``, token ids outside the model's vocabulary, or a request longer
+        than ``max_model_len``.
+        """
+        if (prompt is None) == (tokens is None):
+            raise ValueError("pass exactly one of prompt= (text) or tokens= (token ids)")
+        if request_id in self._records:
+            raise ValueError(f"request_id={request_id!r} is already queued or running")
+        sampling = GREEDY if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling={sampling!r} must be a kvjax SamplingParams (or None: greedy)")
+        changes, fingerprint = (), None
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+            if self.canonicalize is not None and self.canonicalize.enabled:
+                result = canonicalize_text(prompt, self.canonicalize)
+                prompt, changes = result.text, tuple(result.changes)
+            tokens = self.tokenizer.encode(prompt)
+            fingerprint = template_fingerprint(prompt, self.canonicalize, max_chars=self.config.template_chars)
+        if accept_lossy is not None and not isinstance(accept_lossy, bool):
+            raise ValueError(f"accept_lossy={accept_lossy!r} must be None or a bool")
+        request = Request(request_id, tokens, max_new_tokens, namespace, arrival_time=self.clock(),
+                          stop_token_ids=tuple(stop_token_ids), sampling=sampling,
+                          accept_lossy=accept_lossy)  # fmt: skip
+        if request.num_prompt_tokens + max_new_tokens > self.max_model_len:
+            raise ValueError(f"request {request_id!r} needs {request.num_prompt_tokens} prompt + {max_new_tokens} "
+                             f"new tokens; max_model_len={self.max_model_len}")  # fmt: skip
+        seed = sampling.seed if sampling.seed is not None else (self.config.seed * 1_000_003 + self._num_added) % 2**32
+        record = RequestRecord(request, sampling, seed, request.arrival_time, fingerprint, changes)
+        accepted = self.scheduler.add(request)  # validates token ids; raises before anything is kept
+        self._records[request_id] = record
+        self._num_added += 1
+        return accepted
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a queued or running request; False if it is not live. Its FinishEvent
+        (status "cancelled") comes with the next ``step()``."""
+        if not self.scheduler.cancel(request_id):
+            return False
+        self._pending.append(self._finish(request_id, "cancelled"))
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Requests still queued or running, or events not yet returned by ``step()``."""
+        return bool(self._records) or bool(self._pending)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Run one step (see the module docstring); returns its events in order."""
+        events, self._pending = self._pending, []
+        if not self._records:
+            return events
+        if self._tiered:
+            self.cache.poll()  # finished transfers take effect before the scheduler looks
+        plan = self.scheduler.schedule()
+        events += [self._finish(rid, "rejected") for rid in plan.rejected if rid in self._records]
+        self._move_blocks(plan)
+        seqs = plan.sequences
+        records = [self._records[seq.request_id] for seq in seqs]
+        self._start_admitted(seqs, records)
+        for seq in plan.prefills:
+            self._records[seq.request_id].num_computed_tokens += seq.num_tokens
+        new_tokens, logits = self._run_model(seqs, records)
+        finished = self.scheduler.on_step_done(plan, new_tokens)
+        now = self.clock()
+        for row, (record, seq) in enumerate(zip(records, seqs)):
+            if seq.request_id in new_tokens:
+                self.observer.on_token(record, now)
+                events.append(TokenEvent(seq.request_id, new_tokens[seq.request_id],
+                                         record.request.num_output_tokens - 1,
+                                         None if logits is None else logits[row]))  # fmt: skip
+        events += [self._finish(rid, "finished") for rid in finished]
+        self.observer.on_step(plan, self.scheduler, self.cache)
+        return events
+
+    def run(self, *, summary: bool = True) -> Iterator[Event]:
+        """Step until every request has ended, yielding events; then a RunSummary."""
+        start, generated_before = self.clock(), self.num_generated_tokens
+        while self.has_unfinished:
+            yield from self.step()
+        if summary:
+            yield self.summary(self.clock() - start, self.num_generated_tokens - generated_before)
+
+    def finish(self) -> RunSummary:
+        """Run every queued request to its end, dropping the events; return the summary."""
+        events = list(self.run())
+        return events[-1]
+
+    def warmup(self) -> int:
+        """Compile the model step for every token bucket now; returns the compilations."""
+        compilations = self.runner.warmup()
+        self.metrics.inc("compilations", compilations)
+        return compilations
+
+    def summary(self, wall_seconds: float, generated: int) -> RunSummary:
+        """Snapshot the metrics, with the throughput of a run that generated ``generated``
+        tokens in ``wall_seconds``."""
+        if wall_seconds > 0:
+            self.metrics.set("generated_tokens_per_second", generated / wall_seconds)
+        return RunSummary(self.metrics.to_json(), self.metrics.summary_table(), self._counts["finished"],
+                          self._counts["cancelled"], self._counts["rejected"], wall_seconds)  # fmt: skip
+
+    def check_invariants(self) -> None:
+        """RuntimeError unless the scheduler, the cache, the pool and the metrics agree."""
+        self.scheduler.check_invariants()
+        self.pool.check_invariants()
+        self.metrics.check_invariants()
+        live = {request.request_id for request in self.scheduler.waiting} | set(self.scheduler.running)
+        if not live <= self._records.keys():
+            raise RuntimeError(f"requests {sorted(live - self._records.keys())} are live without a record")
+
+    def close(self) -> None:
+        """Release the cache's resources (tier files, transfer threads) if it has any."""
+        close = getattr(self.cache, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _run_model(self, seqs, records) -> tuple[dict[str, int], np.ndarray | None]:
+        if not seqs:
+            return {}, None
+        sampling = [(record.sampling, record.seed, record.request.num_output_tokens) for record in records]
+        before = self.runner.compilations
+        tokens, logits = self.runner.run(seqs, sampling, return_logits=self.record_logits)
+        if self.runner.compilations > before:
+            self.metrics.inc("compilations", self.runner.compilations - before)
+        new_tokens = {seq.request_id: int(token) for seq, token in zip(seqs, tokens.tolist()) if seq.samples}
+        self.num_generated_tokens += len(new_tokens)
+        return new_tokens, logits
+
+    def _move_blocks(self, plan: StepPlan) -> None:
+        """Swaps (out before in, both before the step writes), prefetches, and, when
+        ``config.spill_ahead`` and the cache has lower tiers, eviction to the low watermark
+        (its write-back copies then run before the blocks are needed, at the cost of device
+        hits on the evicted pages; without tiers eviction would only drop KV)."""
+        if self.swap_store is not None:
+            self.swap_store.swap_out(plan.swap_out)
+            self.swap_store.swap_in(plan.swap_in)
+        elif plan.swap_out or plan.swap_in:
+            raise RuntimeError("the scheduler planned swaps but the engine has no swap store")
+        if self._tiered:
+            for intent in plan.prefetch:
+                self.cache.prefetch(intent.token_ids, intent.namespace)
+            if plan.evict_target and self.config.spill_ahead:
+                self.cache.evict(plan.evict_target)
+
+    def _start_admitted(self, seqs: list[ScheduledSeq], records: list[RequestRecord]) -> None:
+        """Wait for fetched KV; record first admissions (hits by tier, misses by cause).
+
+        A fetch that failed leaves fewer hit tokens than the scheduler planned with: the
+        sequence then recomputes from the last page that did arrive.
+        """
+        now = self.clock()
+        for seq, record in zip(seqs, records):
+            handle = record.request.handle
+            if self._tiered and not self.cache.is_ready(handle):
+                self.cache.wait_ready(handle)
+                if handle.num_hit_tokens < seq.start:
+                    seq.num_tokens += seq.start - handle.num_hit_tokens
+                    seq.start = record.request.num_computed_tokens = handle.num_hit_tokens
+            if record.admitted is None:
+                # KVCache splits the (final) hits by the tier each page came from; a plain
+                # PrefixCache only ever maps device pages.
+                split = getattr(self.cache, "hit_tokens_by_tier", None)
+                tiers = split(handle) if split else {"device": handle.num_hit_tokens}
+                refused = getattr(self.cache, "refused_lossy_pages", None)
+                self.observer.on_admitted(record, now, tiers, refused(handle) if refused else 0)
+
+    def _finish(self, request_id: str, status: str) -> FinishEvent:
+        record = self._records.pop(request_id)
+        request, now = record.request, self.clock()
+        self.observer.on_finish(record, now)
+        self._counts[status] += 1
+        output = np.array(request.output_token_ids, copy=True)
+        try:
+            text = self.tokenizer.decode(output)
+        except TypeError:  # a plugged-in tokenizer without decode
+            text = None
+        return FinishEvent(
+            request_id, status, request.finish_reason or status, request.prompt_token_ids.copy(), output, text,
+            num_hit_tokens=sum(record.hit_tokens_by_tier.values()), hit_tokens_by_tier=record.hit_tokens_by_tier,
+            miss_tokens_by_cause=record.miss_tokens_by_cause, num_computed_tokens=record.num_computed_tokens,
+            num_preemptions=request.num_preemptions,
+            ttft_seconds=None if record.first_token is None else record.first_token - record.arrival,
+            request_seconds=now - record.arrival if record.admitted is not None else None,
+            canonical_changes=record.canonical_changes)  # fmt: skip
+
+
+def _pool_for(model, cache) -> PagePool:
+    return PagePool(pool_config(model.cfg, cache.page_size, cache.allocator.num_blocks))
+
+
+def _check_compatible(model, cache, pool: PagePool) -> None:
+    cfg, pool_cfg = model.cfg, pool.config
+    want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    have = (pool_cfg.num_layers, pool_cfg.num_kv_heads, pool_cfg.head_dim)
+    if want != have:
+        raise ValueError(f"pool (num_layers, num_kv_heads, head_dim)={have} must match the model's {want}")
+    if (cache.page_size, cache.allocator.num_blocks) != (pool_cfg.page_size, pool_cfg.num_blocks):
+        raise ValueError(f"cache (page_size, num_blocks)=({cache.page_size}, {cache.allocator.num_blocks}) "
+                         f"must match the pool's ({pool_cfg.page_size}, {pool_cfg.num_blocks})")

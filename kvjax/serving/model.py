@@ -1,0 +1,214 @@
+"""A small decoder-only transformer (Flax NNX) whose attention runs on the kvjax page pool.
+
+RoPE, GQA, RMSNorm and a SwiGLU MLP. Weights are random unless loaded; nothing is downloaded.
+Two forward passes share every weight:
+
+* :meth:`Transformer.__call__` runs a ragged batch (prefill chunks and decodes mixed) on the
+  page pool: each layer writes the new tokens' K/V into their slots with
+  :func:`pallas_kernels.write_kv` and attends with :func:`pallas_kernels.paged_attention`;
+* :meth:`Transformer.forward_dense` runs one whole sequence with plain causal attention and no
+  cache: the yardstick the cached path must match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax.config.from_mapping import config_from_dict
+import pallas_kernels
+
+__all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_config", "load_weights", "save_weights"]
+
+_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int = 256
+    num_layers: int = 2
+    d_model: int = 128
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    mlp_dim: int = 256
+    rope_theta: float = 10000.0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "num_layers", "d_model", "num_q_heads", "num_kv_heads",
+                     "head_dim", "mlp_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        return config_from_dict(cls, values, "model config")
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+
+def save_weights(model: "Transformer", directory: str | Path) -> None:
+    """Writes the model's parameters to an orbax checkpoint at ``directory`` (must not exist)."""
+    import orbax.checkpoint as ocp  # the serving path never needs it
+
+    path = Path(directory).resolve()
+    if path.exists():
+        raise ValueError(f"checkpoint directory {str(path)!r} already exists; expected a new path")
+    state = nnx.state(model, nnx.Param)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, nnx.to_pure_dict(state))
+        checkpointer.wait_until_finished()
+
+
+def load_weights(cfg: ModelConfig, directory: str | Path) -> "Transformer":
+    """A :class:`Transformer` of ``cfg`` with the parameters saved by :func:`save_weights`.
+
+    Raises ValueError when the directory is missing or its arrays do not fit ``cfg``.
+    """
+    import orbax.checkpoint as ocp
+
+    path = Path(directory).resolve()
+    if not path.is_dir():
+        raise ValueError(f"checkpoint directory {str(path)!r} does not exist")
+    model = Transformer(cfg)
+    state = nnx.state(model, nnx.Param)
+    target = nnx.to_pure_dict(state)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path, abstract)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"checkpoint {str(path)!r} does not fit the model config {cfg}: {e}") from e
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(model, state)
+    return model
+
+
+def load_config(preset: str) -> dict:
+    """Reads ``configs/<preset>.toml`` (or a path to a TOML file) into a dict of sections."""
+    path = Path(preset)
+    if not path.suffix:
+        path = _CONFIG_DIR / f"{preset}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in _CONFIG_DIR.glob("*.toml"))
+        raise ValueError(f"preset {preset!r} not found; expected a TOML file or one of {known}")
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BatchInputs:
+    """One ragged step's device inputs, in bucketed shapes (see :mod:`kvjax.tiers.page_pool`)."""
+
+    tokens: jax.Array  # i32[num_tokens]
+    positions: jax.Array  # i32[num_tokens], position of each token in its sequence
+    slot_mapping: jax.Array  # i32[num_tokens], -1 for padding
+    block_tables: jax.Array  # i32[max_num_seqs, pages_per_seq]
+    seq_lens: jax.Array  # i32[max_num_seqs], including this step's tokens
+    cu_q_lens: jax.Array  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array  # i32[1]
+
+
+def _rope(x, positions, theta: float):
+    """Rotary embedding on ``x  # [tokens, heads, head_dim]`` (split-half convention)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [tokens, half]
+    sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class _Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, dt = cfg.d_model, cfg.jnp_dtype
+        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.cfg = cfg
+        self.attn_norm = nnx.RMSNorm(d, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.q_proj = lin(d, cfg.num_q_heads * cfg.head_dim)
+        self.k_proj = lin(d, cfg.num_kv_heads * cfg.head_dim)
+        self.v_proj = lin(d, cfg.num_kv_heads * cfg.head_dim)
+        self.o_proj = lin(cfg.num_q_heads * cfg.head_dim, d)
+        self.mlp_norm = nnx.RMSNorm(d, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.gate = lin(d, cfg.mlp_dim)
+        self.up = lin(d, cfg.mlp_dim)
+        self.down = lin(cfg.mlp_dim, d)
+
+    def qkv(self, x, positions):
+        c = self.cfg
+        h = self.attn_norm(x)
+        q = self.q_proj(h).reshape(-1, c.num_q_heads, c.head_dim)
+        k = self.k_proj(h).reshape(-1, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(h).reshape(-1, c.num_kv_heads, c.head_dim)
+        return _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta), v
+
+    def finish(self, x, attn):
+        x = x + self.o_proj(attn.reshape(attn.shape[0], -1))
+        h = self.mlp_norm(x)
+        return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, seed: int = 0):
+        rngs = nnx.Rngs(seed)
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
+                               param_dtype=cfg.jnp_dtype, rngs=rngs)
+        self.layers = nnx.List([_Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=cfg.jnp_dtype,
+                                      param_dtype=cfg.jnp_dtype, rngs=rngs)
+
+    def __call__(self, batch: BatchInputs, kv_pages, *, impl: str | None = None, **attention_tuning):
+        """Paged forward: returns ``(logits  # f32[num_tokens, vocab], kv_pages)``.
+
+        ``attention_tuning`` goes to :func:`pallas_kernels.paged_attention` unchanged (block
+        sizes of the chosen implementation)."""
+        x = self.embed(batch.tokens)
+        for layer, block in enumerate(self.layers):
+            q, k, v = block.qkv(x, batch.positions)
+            kv_pages = pallas_kernels.write_kv(kv_pages, k, v, batch.slot_mapping, layer=layer,
+                                               impl=impl)
+            attn = pallas_kernels.paged_attention(
+                q, kv_pages, batch.block_tables, batch.seq_lens, batch.cu_q_lens,
+                batch.num_seqs, layer=layer, impl=impl, **attention_tuning)
+            x = block.finish(x, attn)
+        return self._logits(x), kv_pages
+
+    def forward_dense(self, tokens):
+        """Uncached causal forward of one sequence ``i32[seq_len]`` -> ``f32[seq_len, vocab]``."""
+        c = self.cfg
+        positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        x = self.embed(tokens)
+        group = c.num_q_heads // c.num_kv_heads
+        causal = jnp.tril(jnp.ones((tokens.shape[0], tokens.shape[0]), bool))
+        for block in self.layers:
+            q, k, v = block.qkv(x, positions)
+            k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+            logits = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32))
+            logits = jnp.where(causal[None], logits / jnp.sqrt(c.head_dim), -jnp.inf)
+            probs = jax.nn.softmax(logits, axis=-1)
+            attn = jnp.einsum("hqk,khd->qhd", probs, v.astype(jnp.float32)).astype(x.dtype)
+            x = block.finish(x, attn)
+        return self._logits(x)
+
+    def _logits(self, x):
+        return self.embed.attend(self.final_norm(x)).astype(jnp.float32)

@@ -1,0 +1,131 @@
+"""The engine's bookkeeping per request (times, hits, misses) and what it writes to Metrics.
+
+Recorded, all in seconds on the engine's clock or in tokens / blocks:
+
+* at a request's first admission: ``queue_seconds``; its prompt's hit tokens and blocks by
+  tier (``hit_tokens`` / ``hit_blocks``) and the rest by cause (``miss_tokens`` /
+  ``miss_blocks``, see ``kvjax.serving.miss_attribution``). A request re-admitted after a preemption
+  is not looked up again: hit rates count each prompt once;
+* per sampled token: ``ttft_seconds`` (arrival to first token) or ``inter_token_seconds``;
+* at the end: ``request_seconds``; its computed full pages and its template fingerprint are
+  remembered for the miss attribution of later requests;
+* per step: ``prefill_tokens`` and ``decode_tokens`` computed, ``preemptions``,
+  ``rejections``, and the gauges ``running_sequences``, ``queued_requests``,
+  ``pool_occupancy_ratio`` (device: the allocator's occupancy, blocks that are not empty-free
+  / pool blocks, cached KV included, as its watermarks count them) and
+  ``pool_fragmentation_ratio``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvjax.text.canonicalize import Change
+from kvjax.metrics.registry import Metrics
+from kvjax.serving.miss_attribution import MissAttributor
+from kvjax.serving.request import Request
+from kvjax.serving.sampling import SamplingParams
+from kvjax.serving.step_plan import StepPlan
+
+__all__ = ["CacheMetricsView", "EngineObserver", "RequestRecord"]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class RequestRecord:
+    """What the engine keeps about one request until its FinishEvent is emitted."""
+
+    request: Request
+    sampling: SamplingParams
+    seed: int  # u32 seed of sampled draws
+    arrival: float  # seconds
+    fingerprint: str | None = None  # template fingerprint of a text prompt
+    canonical_changes: tuple[Change, ...] = ()
+    admitted: float | None = None  # first admission
+    first_token: float | None = None
+    last_token: float | None = None
+    hit_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    miss_tokens_by_cause: dict[str, int] = dataclasses.field(default_factory=dict)
+    num_computed_tokens: int = 0  # prefill tokens the model computed for it
+
+
+class EngineObserver:
+    """Writes the engine's measurements into ``metrics``; see the module docstring."""
+
+    def __init__(self, metrics: Metrics, page_size: int):
+        self.metrics = metrics
+        self.page_size = page_size
+        self.attributor = MissAttributor(page_size)
+
+    def on_admitted(self, record: RequestRecord, now: float, hit_tokens_by_tier: dict[str, int],
+                    refused_lossy_pages: int = 0) -> None:  # fmt: skip
+        """First admission: queue time, hits by tier, misses by cause (``refused_lossy_pages``:
+        pages after the hits that were cached only lossily and refused)."""
+        record.admitted = now
+        request, metrics = record.request, self.metrics
+        metrics.observe("queue_seconds", max(now - record.arrival, 0.0))
+        prompt = request.prompt_token_ids
+        num_hit = 0
+        for tier, tokens in hit_tokens_by_tier.items():
+            if tokens:
+                metrics.record_hit(tier, tokens=tokens, blocks=tokens // self.page_size)
+                num_hit += tokens
+        record.hit_tokens_by_tier = {tier: n for tier, n in hit_tokens_by_tier.items() if n}
+        causes = self.attributor.attribute(prompt, request.namespace, num_hit, record.fingerprint,
+                                           refused_lossy_pages)  # fmt: skip
+        for cause, (tokens, blocks) in causes.items():
+            metrics.record_miss(cause, tokens=tokens, blocks=blocks)
+        record.miss_tokens_by_cause = {cause: tokens for cause, (tokens, _) in causes.items()}
+
+    def on_token(self, record: RequestRecord, now: float) -> None:
+        if record.first_token is None:
+            record.first_token = now
+            self.metrics.observe("ttft_seconds", max(now - record.arrival, 0.0))
+        else:
+            self.metrics.observe("inter_token_seconds", max(now - record.last_token, 0.0))
+        record.last_token = now
+
+    def on_finish(self, record: RequestRecord, now: float) -> None:
+        """A request ended (finished, cancelled or rejected)."""
+        request = record.request
+        if record.admitted is not None:
+            self.metrics.observe("request_seconds", max(now - record.arrival, 0.0))
+            # Remembered only now: a request admitted while this one still ran missed pages that
+            # were in flight, not evicted.
+            computed = request.token_ids[: request.num_computed_tokens]
+            self.attributor.remember(np.asarray(computed), request.namespace, record.fingerprint)
+
+    def on_step(self, plan: StepPlan, scheduler, cache) -> None:
+        metrics = self.metrics
+        prefill = sum(seq.num_tokens for seq in plan.prefills)
+        if prefill:
+            metrics.inc("prefill_tokens", prefill)
+        if plan.decodes:
+            metrics.inc("decode_tokens", len(plan.decodes))
+        if plan.preempted:
+            metrics.inc("preemptions", len(plan.preempted))
+        if plan.rejected:
+            metrics.inc("rejections", len(plan.rejected))
+        metrics.set("running_sequences", scheduler.num_running)
+        metrics.set("queued_requests", scheduler.num_waiting)
+        metrics.set("pool_occupancy_ratio", cache.allocator.occupancy, tier="device")
+        metrics.set("pool_fragmentation_ratio", cache.fragmentation())
+
+
+class CacheMetricsView:
+    """The engine's ``Metrics`` as a tiered cache should see it: every update passes through
+    except ``record_hit`` / ``record_miss``, which the engine records itself per request (with
+    the miss causes only it can tell). Give it to ``KVCache(metrics=...)``."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def record_hit(self, tier: str, tokens: int, blocks: int) -> None:
+        pass
+
+    def record_miss(self, cause: str, tokens: int, blocks: int) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._metrics, name)

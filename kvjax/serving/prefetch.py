@@ -1,0 +1,67 @@
+"""Prefetch intents: host/disk hits of queued requests, announced before they are admitted.
+
+A waiting request whose longest cached prefix continues past its device pages onto pages
+held only on host or disk is worth warming: the transfer engine can copy those pages up
+while the request waits, so its admission maps them instead of recomputing. Only the best
+``window`` waiting requests are announced (prefetching for a request far back in the queue
+would spend the link and the device pages on KV that may be evicted again before it runs),
+and each extent is announced once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvjax.cache.device_index import MatchResult
+from kvjax.serving.request import Request
+from kvjax.serving.step_plan import PrefetchIntent
+
+__all__ = ["PrefetchPlanner"]
+
+
+class PrefetchPlanner:
+    """Tracks each waiting request's lower-tier hit extent and which extents were announced."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self._pending: dict[str, tuple[int, int, np.ndarray]] = {}  # id -> (first page, pages, tiers)
+        self._announced: dict[str, tuple[int, int]] = {}  # id -> (first page, pages) emitted
+
+    def __bool__(self) -> bool:
+        """Whether any waiting request has host/disk hits (the common no-tier case is False)."""
+        return bool(self._pending)
+
+    def note(self, request_id: str, match: MatchResult) -> None:
+        """Record the host/disk-only pages after the device prefix of a fresh match."""
+        num_lower = match.num_hit_blocks - match.num_device_blocks
+        if num_lower > 0:
+            first = match.num_device_blocks
+            self._pending[request_id] = (first, num_lower, match.tiers[first:])
+        else:
+            self._pending.pop(request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        """The request left the queue (admitted, cancelled, rejected)."""
+        self._pending.pop(request_id, None)
+        self._announced.pop(request_id, None)
+
+    def intents(self, best_waiting: Iterable[Request]) -> list[PrefetchIntent]:
+        """Intents for the given (best) waiting requests whose current extent is not yet announced."""
+        intents = []
+        for request in best_waiting:
+            pending = self._pending.get(request.request_id)
+            if pending is None or self._announced.get(request.request_id) == pending[:2]:
+                continue
+            first, count, tiers = pending
+            self._announced[request.request_id] = (first, count)
+            prefix = request.token_ids[: (first + count) * self.page_size]
+            intents.append(PrefetchIntent(request.request_id, request.namespace, prefix, first, count, tiers))
+        return intents
+
+    def check_invariants(self, waiting_ids: set[str]) -> None:
+        """Raise RuntimeError if a request that is not waiting still has prefetch state."""
+        stray = (self._pending.keys() | self._announced.keys()) - waiting_ids
+        if stray:
+            raise RuntimeError(f"prefetch state kept for requests not waiting: {sorted(stray)}")

@@ -1,0 +1,96 @@
+"""Building an engine's parts from a preset (``configs/<preset>.toml``).
+
+Sections: ``[model]`` (``ModelConfig``), ``[cache]`` (``page_size``, ``num_blocks``, the
+eviction ``policy``, the device pool's watermarks and its page format ``kv_quant`` /
+``kv_scale``), ``[scheduler]`` (``SchedulerConfig``),
+``[tiers]`` (``host_bytes``, ``disk_dir`` ("" = none), ``disk_bytes``, ``write_policy``, and
+lossy compression of a float pool's offloaded pages: ``offload_quant``, ``offload_scale``,
+``accept_lossy``) and
+``[engine]`` (``EngineConfig``). Every section but ``[model]`` and ``[cache]`` is optional.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kvjax.serving.engine_config import EngineConfig
+from kvjax.serving.observer import CacheMetricsView
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.metrics.registry import Metrics
+from kvjax.serving.model import ModelConfig, Transformer, load_config, load_weights
+from kvjax.tiers.page_pool import PoolConfig
+from kvjax.serving.scheduler_config import SchedulerConfig
+
+__all__ = ["build_cache_config", "build_engine_parts", "pool_config"]
+
+_CACHE_KEYS = ("page_size", "num_blocks", "policy", "high_watermark", "low_watermark", "kv_quant",
+               "kv_scale")
+_POOL_KEYS = ("page_size", "num_blocks", "kv_quant", "kv_scale")
+_TIER_KEYS = ("host_bytes", "disk_dir", "disk_bytes", "write_policy", "offload_quant", "offload_scale",
+              "accept_lossy")
+
+
+def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed: int | None = None,
+                       tiers: bool = True, cache_options: dict | None = None,
+                       **engine_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+    """``Engine(**parts)`` arguments for ``preset``.
+
+    ``weights``: an orbax checkpoint directory written by ``kvjax.serving.model.save_weights`` (random
+    weights from ``seed`` otherwise; ``seed`` also seeds sampling). ``tiers=False`` leaves out
+    the host and disk tiers. ``cache_options`` override keys of the preset's ``[cache]``
+    section (e.g. ``{"kv_quant": "int8"}``). Other keyword arguments go to ``Engine``
+    unchanged (they win over the preset: ``scheduler_config=``, ``config=``, ``metrics=``,
+    ``clock=``, ...).
+    """
+    sections = load_config(preset)
+    for required in ("model", "cache"):
+        if required not in sections:
+            raise ValueError(f"preset {preset!r} has no [{required}] section")
+    if cache_options is not None and not isinstance(cache_options, Mapping):
+        raise ValueError(f"cache_options={cache_options!r} must be a mapping of [cache] keys, e.g. "
+                         "{'kv_quant': 'int8'}")
+    sections["cache"] = {**sections["cache"], **(cache_options or {})}
+    model_cfg = ModelConfig.from_dict(sections["model"])
+    engine_cfg = EngineConfig.from_dict(sections.get("engine", {}))
+    if seed is not None:
+        engine_cfg = dataclasses.replace(engine_cfg, seed=seed)
+    model = load_weights(model_cfg, weights) if weights else Transformer(model_cfg, seed=engine_cfg.seed)
+    metrics = engine_kwargs.setdefault("metrics", Metrics(clock=engine_kwargs.get("clock", time.monotonic)))
+    cache_config = build_cache_config(model_cfg, sections["cache"], sections.get("tiers", {}) if tiers else {})
+    cache = KVCache(cache_config, impl=engine_cfg.impl, clock=engine_kwargs.get("clock", time.monotonic),
+                    metrics=CacheMetricsView(metrics))  # fmt: skip
+    parts = {"model": model, "cache": cache, "config": engine_cfg,
+             "scheduler_config": SchedulerConfig.from_dict(sections.get("scheduler", {}))}
+    parts.update(engine_kwargs)
+    return parts
+
+
+def build_cache_config(model_cfg: ModelConfig, cache_section: dict, tier_section: dict) -> KVCacheConfig:
+    """The ``KVCacheConfig`` of a preset's ``[cache]`` and ``[tiers]`` sections (no tiers when
+    ``host_bytes`` is 0 or absent; no disk tier when ``disk_dir`` is "" or absent)."""
+    unknown = sorted(set(cache_section) - set(_CACHE_KEYS)) + sorted(set(tier_section) - set(_TIER_KEYS))
+    if unknown:
+        raise ValueError(f"unknown [cache]/[tiers] keys {unknown}; expected some of "
+                         f"{list(_CACHE_KEYS)} / {list(_TIER_KEYS)}")  # fmt: skip
+    options = {k: v for k, v in cache_section.items() if k not in _POOL_KEYS}
+    options.update({k: v for k, v in tier_section.items() if k != "disk_dir"})
+    if not options.get("host_bytes"):
+        options.pop("disk_bytes", None)
+    elif tier_section.get("disk_dir"):
+        options["disk_dir"] = tier_section["disk_dir"]
+    pool = pool_config(model_cfg, cache_section["page_size"], cache_section["num_blocks"],
+                       kv_quant=cache_section.get("kv_quant"),
+                       kv_scale=cache_section.get("kv_scale", "token"))
+    return KVCacheConfig(pool=pool, vocab_size=model_cfg.vocab_size, **options)
+
+
+def pool_config(model_cfg: ModelConfig, page_size: int, num_blocks: int, *,
+                kv_quant: str | None = None, kv_scale: str = "token") -> PoolConfig:
+    """The page pool that holds ``model_cfg``'s KV in ``num_blocks`` pages of ``page_size``,
+    stored in ``model_cfg.dtype`` or quantized (``kv_quant``, ``kv_scale``)."""
+    return PoolConfig(num_blocks, model_cfg.num_layers, model_cfg.num_kv_heads, page_size,
+                      model_cfg.head_dim, model_cfg.dtype, kv_quant=kv_quant,
+                      kv_scale=kv_scale)  # fmt: skip

@@ -1,0 +1,428 @@
+"""Scheduler: which tokens of which requests the next model step computes, and what moves.
+
+Each ``schedule()`` fills one step under a token budget, in this order:
+
+1. decodes: every running request in decode gets its one token (the budget is at least
+   ``max_num_seqs``, so decode never starves). A decode that crosses into a new page extends
+   its blocks; when the pool cannot supply one, the most recently admitted running request
+   is preempted (possibly the one growing), swapped to host or dropped for recompute as the
+   cost model says (see ``preemption``), until the extension fits.
+2. prefill chunks of running requests still prefilling, in admission order, up to
+   ``max_prefill_chunk`` tokens each.
+3. admissions (none in a step that preempted) from the waiting queue in hit-first-with-aging
+   order (see ``scheduler_queue``): preempted requests first, then by cached-prefix rank and
+   waiting time. Admission stops
+   when the budget or ``max_num_seqs`` is used up, or when admitting the next request would
+   push the blocks held by running sequences past the pool's high watermark (unless nothing
+   runs: then anything that fits goes). The queue head is never skipped, so aging bounds the
+   wait.
+
+``on_step_done`` advances the computed tokens, commits newly completed pages to the prefix
+cache (only pages whose KV the step has written, so a hit never maps unwritten KV), appends
+sampled tokens and finishes requests (``max_new_tokens`` or a stop token).
+
+A hit never covers a prompt's last page: ``PrefixCache.admit`` maps at most
+``(num_tokens - 1) // page_size`` pages, so at least the last token is computed (its logits
+give the next token) and it is written into a private block. A fully cached, page-aligned
+prompt thus recomputes its last page (up to ``page_size`` tokens) rather than writing into a
+shared page. A swapped-out request comes back the same way, with its non-hit pages swapped in.
+
+Running short of memory degrades in steps: admission waits (watermark), running requests
+are preempted, a new request is rejected when the queue already holds ``max_waiting`` or its
+prompt needs more blocks than the pool has, and a lone running request that still cannot
+grow (hard pins hold the rest of the pool) is stopped with a reason. Nothing raises for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Mapping
+
+from kvjax.cache.block_keys import validate_tokens
+from kvjax.serving.prefetch import PrefetchPlanner
+from kvjax.serving.preemption import SwapSpace, choose_preemption
+from kvjax.cache.device_index import MatchResult, PrefixCache
+from kvjax.serving.request import Request, RequestStatus
+from kvjax.serving.scheduler_checks import check_scheduler
+from kvjax.serving.scheduler_config import SchedulerConfig, SchedulerStats
+from kvjax.serving.wait_queue import WaitQueue, hit_rank
+from kvjax.serving.step_plan import ScheduledSeq, StepPlan, pair_tokens
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
+
+_RUNNING, _WAITING, _SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
+
+
+class Scheduler:
+    """Drives requests through a ``PrefixCache``; see the module docstring for one step.
+
+    Protocol: ``plan = schedule()``, run the plan (``step_plan`` says in which order), then
+    ``on_step_done(plan, tokens)``; ``add`` and ``cancel`` may be called at any time.
+    ``clock`` returns seconds (default: the cache's clock).
+    """
+
+    def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None, *,
+                 clock: Callable[[], float] | None = None):  # fmt: skip
+        self.cache = cache
+        self.config = config or SchedulerConfig()
+        self.clock = clock or cache.clock or time.monotonic
+        self.page_size = cache.page_size
+        self.stats = SchedulerStats()
+        self._requests: dict[str, Request] = {}  # live: waiting, swapped or running
+        self._running: dict[str, Request] = {}  # admission order; the last is the next victim
+        self._prefilling: dict[str, Request] = {}  # running requests still prefilling, same order
+        self._waiting = WaitQueue(self.config.aging_seconds)
+        self._swap = SwapSpace(self.config.host_swap_blocks)
+        self._costs = self.config.costs
+        self._refresh = collections.deque()  # waiting request ids, round robin for re-matching
+        self._in_refresh: set[str] = set()  # ids in _refresh (each at most once)
+        self._prefetch = PrefetchPlanner(self.page_size)
+        self._rejected: dict[str, str] = {}  # rejected by add(), reported by the next plan
+        self._in_flight: StepPlan | None = None
+        self._step = 0
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add(self, request: Request) -> bool:
+        """Queue ``request``; False if it is rejected (``finish_reason`` says why).
+
+        Raises ValueError (nothing changed) for a request id already live or token ids outside
+        the cache's vocabulary.
+        """
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id={request.request_id!r} is already queued or running")
+        if request.status is not _WAITING or request.num_output_tokens:
+            raise ValueError(f"request {request.request_id!r} is {request.status.value}; expected a new request")
+        validate_tokens(request.prompt_token_ids, self.cache.vocab_size)
+        if request.arrival_time is None:
+            request.arrival_time = self.clock()
+        reason = self._admission_refusal(request)
+        if reason is not None:
+            request.status, request.finish_reason = RequestStatus.REJECTED, reason
+            self._rejected[request.request_id] = reason
+            self.stats.rejected += 1
+            return False
+        self._requests[request.request_id] = request
+        self._note_match(request, self.cache.match(request.token_ids, request.namespace), urgent=False)
+        self._waiting.push(request)
+        self._queue_refresh(request.request_id)
+        return True
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a live request and release what it holds; False if it is not live (done or unknown).
+
+        Cancelling during a step is allowed: the step may still write the request's KV into the
+        blocks it held, which no plan hands out before the next ``schedule()``; its sampled
+        token, if reported, is ignored.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        if request.status is _RUNNING:
+            self._stop_running(request)
+        else:
+            self._waiting.remove(request_id)
+        self._retire(request, RequestStatus.CANCELLED, "cancelled")
+        self.stats.cancelled += 1
+        return True
+
+    def get(self, request_id: str) -> Request | None:
+        """The live request with this id, or None."""
+        return self._requests.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, swapped ones included."""
+        return len(self._waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step (see the module docstring). Raises RuntimeError if one is in flight."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.step} is still in flight; call on_step_done first")
+        self._swap.flush()
+        plan = StepPlan(self._step)
+        plan.rejected, self._rejected = self._rejected, {}
+        self._schedule_decodes(plan)
+        budget = self._schedule_prefills(plan, self.config.token_budget - len(plan.decodes))
+        self._refresh_ranks()
+        if not plan.preempted:  # memory ran short this step: admitting now would only churn
+            self._admit(plan, budget)
+        self._emit_prefetch(plan)
+        self._check_watermark(plan)
+        self._step += 1
+        self.stats.steps += 1
+        self._in_flight = plan
+        return plan
+
+    def on_step_done(self, plan: StepPlan, new_tokens: Mapping[str, int]) -> dict[str, str]:
+        """Record a finished step: ``new_tokens`` maps each sampling request id to its token.
+
+        Returns {request id: finish reason} for the requests that finished. Raises ValueError
+        (nothing changed) for a plan that is not the one in flight, a missing or unexpected
+        token, or a token id out of range.
+        """
+        if plan is not self._in_flight:
+            raise ValueError(f"plan of step {plan.step} is not the step in flight")
+        # validate everything before changing anything
+        work = pair_tokens(plan, self._running, new_tokens, self.cache.vocab_size or 2**31)
+        self._in_flight = None
+        finished: dict[str, str] = {}
+        prefilling, page_size = self._prefilling, self.page_size
+        for request, seq, token in work:
+            new = seq.start + seq.num_tokens
+            if new // page_size > request.num_computed_tokens // page_size:  # pages completed: hittable now
+                self.cache.commit(request.handle, request.token_buffer[: new - new % page_size])
+            request.num_computed_tokens = new
+            if token is not None and request.append_token(token):
+                self._stop_running(request)
+                self._retire(request, RequestStatus.FINISHED, request.finish_reason)
+                self.stats.finished += 1
+                finished[request.request_id] = request.finish_reason
+            elif request.request_id in prefilling and not request.is_prefill:
+                del prefilling[request.request_id]
+        return finished
+
+    # --- views and checks ----------------------------------------------------------------------
+
+    @property
+    def running(self) -> Mapping[str, Request]:
+        """Running requests by id, in admission order (read-only by convention)."""
+        return self._running
+
+    @property
+    def waiting(self) -> WaitQueue:
+        """The waiting queue (read-only by convention)."""
+        return self._waiting
+
+    @property
+    def in_flight(self) -> StepPlan | None:
+        """The plan scheduled and not yet reported done."""
+        return self._in_flight
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError unless the scheduler and its cache are consistent. Changes nothing.
+
+        Every running request holds a live handle covering its computed tokens (plus, while a
+        step is in flight, its scheduled ones); no request is both waiting and running; the
+        queue is keyed by each request's current rank; swap slots partition the swap space;
+        a plan in flight stays within the token budget and contains every running decode.
+        """
+        self.cache.check_invariants()
+        self._waiting.check_invariants()
+        self._swap.check_invariants([request.swap_slots for request in self._waiting])
+        waiting_ids = {request.request_id for request in self._waiting}
+        self._prefetch.check_invariants(waiting_ids)
+        if len(self._refresh) != len(self._in_refresh) or not waiting_ids <= self._in_refresh:
+            raise RuntimeError("the rank refresh rotation lost a waiting request or holds one twice")
+        check_scheduler(self, self._requests, self._prefilling)
+
+    # --- helpers: decode, prefill, admission --------------------------------------------------
+
+    def _schedule_decodes(self, plan: StepPlan) -> None:
+        prefilling, decodes, page_size = self._prefilling, plan.decodes, self.page_size
+        for request_id, request in list(self._running.items()):
+            if request.status is not _RUNNING or request_id in prefilling:
+                continue  # preempted by an earlier decode of this loop, or still prefilling
+            handle, num_tokens = request.handle, request.num_tokens
+            if num_tokens > handle.num_tokens:  # reserve to the end of the page: one call per page
+                missing = -(-num_tokens // page_size) * page_size - handle.num_tokens
+                if not self.cache.extend(handle, missing) and not self._make_room(request, missing, plan):
+                    continue
+            decodes.append(ScheduledSeq(request_id, num_tokens - 1, 1, request.token_buffer,
+                                        request.handle.block_ids, True))  # fmt: skip
+        self.stats.decode_tokens += len(decodes)
+
+    def _make_room(self, request: Request, missing: int, plan: StepPlan) -> bool:
+        """Preempt from the back until ``request`` can grow by ``missing`` tokens; False if it lost."""
+        while True:
+            victim = next(reversed(self._running.values()))
+            if victim is request and len(self._running) == 1:
+                allocator = self.cache.allocator
+                own = len(request.handle.block_ids)
+                pinned = allocator.num_blocks - allocator.num_free - self.cache.num_reclaimable - own
+                reason = (f"stopped after {request.num_output_tokens} generated tokens: its {own} blocks "
+                          f"and {pinned} pinned ones fill the {allocator.num_blocks}-block pool")  # fmt: skip
+                self._stop_running(request)
+                self._reject(request, reason, plan)
+                return False
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+            if self.cache.extend(request.handle, missing):
+                return True
+
+    def _schedule_prefills(self, plan: StepPlan, budget: int) -> int:
+        for request in self._prefilling.values():
+            if budget <= 0:
+                break
+            budget -= self._schedule_chunk(request, plan, budget)
+        return budget
+
+    def _schedule_chunk(self, request: Request, plan: StepPlan, budget: int) -> int:
+        start, num_tokens = request.num_computed_tokens, request.num_tokens
+        count = min(num_tokens - start, self.config.max_prefill_chunk, budget)
+        seq = ScheduledSeq(request.request_id, start, count, request.token_buffer, request.handle.block_ids,
+                           start + count == num_tokens)  # fmt: skip
+        if start + 1 == num_tokens:  # a swapped-in request resuming its decode
+            plan.decodes.append(seq)
+            self.stats.decode_tokens += 1
+        else:
+            plan.prefills.append(seq)
+            self.stats.prefill_tokens += count
+        return count
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        cache, config, waiting = self.cache, self.config, self._waiting
+        allocator = cache.allocator
+        high = int(allocator.high_watermark * allocator.num_blocks)
+        rekeyed: set[str] = set()
+        while budget > 0 and len(self._running) < config.max_num_seqs:
+            request = waiting.peek()
+            if request is None:
+                break
+            match = cache.match(request.token_ids, request.namespace)
+            urgent = waiting.is_urgent(request.request_id)
+            if hit_rank(match.num_hit_blocks) != request.hit_rank and request.request_id not in rekeyed:
+                rekeyed.add(request.request_id)  # its rank changed: let the queue re-decide
+                self._note_match(request, match, urgent)
+                continue
+            num_pages = -(-request.num_tokens // self.page_size)
+            num_hit = min(match.num_device_blocks, (request.num_tokens - 1) // self.page_size)
+            held = allocator.num_blocks - allocator.num_free - cache.num_reclaimable
+            if self._running and held + num_pages - num_hit > high:
+                break  # high watermark: leave the headroom to running decodes
+            lossy = {} if request.accept_lossy is None else {"accept_lossy": request.accept_lossy}
+            handle = cache.admit(request.token_ids, request.namespace, **lossy)
+            if handle is None:
+                if not self._running:  # even an empty pool cannot take it: pins hold the rest
+                    waiting.pop()
+                    self._reject(request, f"request {request.request_id!r} needs {num_pages - num_hit} free "
+                                 f"blocks; pins leave too few of the pool's {allocator.num_blocks}", plan)  # fmt: skip
+                    continue
+                break
+            waiting.pop()
+            self._start(request, handle, plan)
+            budget -= self._schedule_chunk(request, plan, budget)
+
+    def _start(self, request: Request, handle, plan: StepPlan) -> None:
+        """Bind an admitted request to its blocks; a swapped one gets its non-hit pages back."""
+        request.handle, request.status = handle, _RUNNING
+        hit_tokens = request.num_hit_tokens = handle.num_hit_tokens
+        self._running[request.request_id] = request
+        slots = request.swap_slots
+        if slots and hit_tokens < request.num_computed_tokens:
+            first = hit_tokens // self.page_size  # hits are whole pages; swap in the rest
+            plan.swap_in.extend(zip(slots[first:], handle.block_ids[first : len(slots)].tolist()))
+            self.stats.swap_in_blocks += len(slots) - first
+        else:
+            request.num_computed_tokens = hit_tokens
+        self._swap.release(slots)
+        request.swap_slots = []
+        if request.is_prefill:
+            self._prefilling[request.request_id] = request
+        self._prefetch.forget(request.request_id)
+        self.stats.admitted += 1
+        self.stats.hit_tokens += hit_tokens
+
+    # --- helpers: preemption, retirement ------------------------------------------------------
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        mode, reason = choose_preemption(self.config.preemption, self._costs, victim.num_computed_tokens,
+                                         self.page_size, self._swap.num_free)  # fmt: skip
+        if mode == "swap":
+            num_pages = -(-victim.num_computed_tokens // self.page_size)
+            victim.swap_slots = self._swap.allocate(num_pages)
+            plan.swap_out.extend(zip(victim.handle.block_ids[:num_pages].tolist(), victim.swap_slots))
+            self.stats.swap_out_blocks += num_pages
+            self.stats.preempted_swap += 1
+        else:
+            self.stats.preempted_recompute += 1
+        self._stop_running(victim)
+        victim.status = _SWAPPED if mode == "swap" else _WAITING
+        if mode != "swap":
+            victim.num_computed_tokens = 0  # generated tokens stay: the recompute prefills them too
+        victim.num_preemptions += 1
+        self._waiting.push(victim, urgent=True)
+        self._queue_refresh(victim.request_id)
+        plan.preempted[victim.request_id] = reason
+
+    def _stop_running(self, request: Request) -> None:
+        """Release a running request's blocks (committed pages stay cached)."""
+        self.cache.release(request.handle)
+        request.handle = None
+        del self._running[request.request_id]
+        self._prefilling.pop(request.request_id, None)
+
+    def _reject(self, request: Request, reason: str, plan: StepPlan) -> None:
+        self._retire(request, RequestStatus.REJECTED, reason)
+        plan.rejected[request.request_id] = reason
+        self.stats.rejected += 1
+
+    def _retire(self, request: Request, status: RequestStatus, reason: str) -> None:
+        request.status, request.finish_reason = status, reason
+        self._swap.release(request.swap_slots)
+        request.swap_slots = []
+        del self._requests[request.request_id]
+        self._prefetch.forget(request.request_id)
+
+    def _admission_refusal(self, request: Request) -> str | None:
+        num_pages = -(-request.num_prompt_tokens // self.page_size)
+        num_blocks = self.cache.allocator.num_blocks
+        if num_pages > num_blocks:
+            return (f"prompt of {request.num_prompt_tokens} tokens needs {num_pages} blocks of "
+                    f"{self.page_size} tokens; the device pool has {num_blocks}")  # fmt: skip
+        if len(self._waiting) >= self.config.max_waiting:
+            return (f"waiting queue is full ({len(self._waiting)} requests, max_waiting="
+                    f"{self.config.max_waiting}); {len(self._running)} running")  # fmt: skip
+        return None
+
+    # --- helpers: ranks, prefetch, watermark ---------------------------------------------------
+
+    def _note_match(self, request: Request, match: MatchResult, urgent: bool) -> None:
+        """Store a fresh match's rank (re-keying the queue) and host/disk hits to prefetch."""
+        rank = hit_rank(match.num_hit_blocks)
+        if rank != request.hit_rank:
+            request.hit_rank = rank
+            if request.request_id in self._waiting:
+                self._waiting.push(request, urgent=urgent)
+        self._prefetch.note(request.request_id, match)
+
+    def _queue_refresh(self, request_id: str) -> None:
+        if request_id not in self._in_refresh:
+            self._in_refresh.add(request_id)
+            self._refresh.append(request_id)
+
+    def _refresh_ranks(self) -> None:
+        refresh, waiting = self._refresh, self._waiting
+        for _ in range(min(self.config.rank_refresh_per_step, len(refresh))):
+            request_id = refresh.popleft()
+            request = self._requests.get(request_id)
+            if request is None or request_id not in waiting:
+                self._in_refresh.discard(request_id)  # admitted or gone: queued again if it is requeued
+                continue
+            match = self.cache.match(request.token_ids, request.namespace)
+            self._note_match(request, match, waiting.is_urgent(request_id))
+            refresh.append(request_id)
+
+    def _emit_prefetch(self, plan: StepPlan) -> None:
+        if self._prefetch and self.config.prefetch_window:
+            plan.prefetch = self._prefetch.intents(self._waiting.best(self.config.prefetch_window))
+
+    def _check_watermark(self, plan: StepPlan) -> None:
+        allocator = self.cache.allocator
+        if not allocator.above_high_watermark():
+            return
+        plan.evict_target = min(allocator.blocks_to_low_watermark(), self.cache.num_reclaimable)
+        if self.config.evict_to_low_watermark and plan.evict_target:
+            plan.evicted = self.cache.evict(plan.evict_target)

@@ -1,0 +1,1 @@
+"""Prompt text: canonicalization and tokenizers."""

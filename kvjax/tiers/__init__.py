@@ -1,0 +1,1 @@
+"""The tiered KV cache: device page pool, host and disk tiers, codecs, transfers, KVCache."""

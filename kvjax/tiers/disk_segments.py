@@ -1,0 +1,333 @@
+"""Disk segment files: many KV blocks saved as one orbax checkpoint plus a JSON manifest.
+
+Layout under the disk tier's directory:
+
+    seg-000000000042/       orbax checkpoint {"payload": u8[num_blocks, block_nbytes]}, one
+                            zarr3 chunk per block, uncompressed (KV does not compress)
+    seg-000000000042.json   manifest: block shape, dtype and codec, each block's namespace,
+                            key and checksum; its presence is the segment's commit record
+
+Commit protocol: orbax writes into a temporary directory and renames it when complete
+(`AtomicRenameTemporaryPath`, checked in orbax 0.12.8); then the manifest is written to a
+temporary file, fsynced, renamed, and the directory fsynced. A crash at any point leaves either
+a complete segment or files without a manifest, which `scan_directory` reports as orphans.
+Block data is fsynced only with `sync_data`: after a power cut, data the kernel had not yet
+written fails its checksum, a miss like any other damage.
+
+A block's checksum covers namespace, key and payload, so bytes served under the wrong key or
+namespace, or damaged on disk, fail verification and become a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import os
+import re
+import shutil
+
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+__all__ = [
+    "SegmentManifest",
+    "block_checksum",
+    "make_checkpointer",
+    "read_manifest",
+    "read_verified",
+    "remove_segment",
+    "scan_directory",
+    "segment_name",
+    "write_segment",
+]
+
+MANIFEST_FORMAT = "kvjax-disk-segment-v1"  # checksums: block_checksum
+PAYLOAD = "payload"  # the checkpoint's single array
+_NAME_RE = re.compile(r"^seg-(\d{12})$")
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SegmentManifest:
+    """What one committed segment holds; row i of the payload is block i."""
+
+    name: str
+    block_shape: tuple[int, ...]
+    dtype: str  # numpy/ml_dtypes name, e.g. "bfloat16"
+    block_nbytes: int
+    use_ocdbt: bool
+    namespaces: tuple[bytes, ...]
+    keys: tuple[bytes, ...]
+    checksums: tuple[str, ...]  # block_checksum of (namespace, key, payload row)
+    bytes_on_disk: int  # checkpoint files plus manifest
+    codec: str = "raw"  # how a block's bytes encode pool KV (kvjax.tiers.block_codec); "raw" if absent
+
+
+def segment_name(seq: int) -> str:
+    return f"seg-{seq:012d}"
+
+
+def block_checksum(namespace: bytes, key: bytes, payload_row: np.ndarray) -> str:
+    """SHA-256 (first 128 bits, hex) of length-prefixed namespace and key, then the block.
+
+    SHA-256 rather than blake2b: with the SHA instructions of current x86 and ARM servers it
+    is the fastest hashlib digest (measured 670 MB/s against blake2b's 360 MB/s here).
+    """
+    digest = hashlib.sha256()
+    for part in (namespace, key):
+        digest.update(len(part).to_bytes(4, "little"))
+        digest.update(part)
+    digest.update(np.ascontiguousarray(payload_row).view(np.uint8).data)
+    return digest.hexdigest()[:32]
+
+
+def make_checkpointer(use_ocdbt: bool, sync_data: bool = False) -> ocp.Checkpointer:
+    """A synchronous orbax checkpointer for segments: zarr3, no compression, no defensive copy.
+
+    Orbax deep-copies numpy arrays before an (async) save; the save here is synchronous and
+    the payload is not touched meanwhile, so the copy (64 MiB per segment) is skipped.
+    sync_data=False writes the block data without TensorStore's per-file fsync (four fsyncs
+    per chunk file, about 20 per OCDBT segment): data lost to a power cut fails its checksum
+    and is a miss, so only the manifest, the commit record, is fsynced.
+    """
+    numpy_handler = _SegmentNumpyHandler(sync_data, **_accepted(
+        ocp.type_handlers.NumpyHandler, deepcopy_host_arrays=False))
+    registry = ocp.type_handlers.create_type_handler_registry((np.ndarray, numpy_handler))
+    handler = ocp.PyTreeCheckpointHandler(**_accepted(
+        ocp.PyTreeCheckpointHandler, use_ocdbt=use_ocdbt, use_zarr3=True, use_compression=False,
+        type_handler_registry=registry))
+    return ocp.Checkpointer(handler)
+
+
+def write_segment(checkpointer: ocp.Checkpointer, directory: str, manifest: SegmentManifest,
+                  payload: np.ndarray) -> SegmentManifest:
+    """Writes and commits one segment; returns the manifest with checksums and size filled in.
+
+    payload: u8[num_blocks, block_nbytes]. Checksums are computed on helper threads while
+    orbax writes. Raises OSError (or orbax's error) on failure, after removing what it wrote.
+    """
+    path = os.path.join(directory, manifest.name)
+    checksums = [_hash_pool().submit(block_checksum, ns, key, row)
+                 for ns, key, row in zip(manifest.namespaces, manifest.keys, payload)]
+    try:
+        try:
+            _save_payload(checkpointer, path, payload)
+        finally:
+            concurrent.futures.wait(checksums)
+        manifest = dataclasses.replace(
+            manifest, checksums=tuple(future.result() for future in checksums))
+        size = _tree_bytes(path)
+        size += len(_manifest_to_json(manifest, size))  # the manifest's own size, near enough
+        _write_manifest(directory, manifest.name, _manifest_to_json(manifest, size))
+    except BaseException:
+        remove_segment(directory, manifest.name)
+        raise
+    return dataclasses.replace(manifest, bytes_on_disk=size)
+
+
+def read_manifest(path: str) -> SegmentManifest:
+    """Parses a manifest file; ValueError when it is not a well-formed kvjax manifest."""
+    try:
+        with open(path, "rb") as f:
+            raw = json.loads(f.read())
+        if raw["format"] != MANIFEST_FORMAT:
+            raise ValueError(f"format={raw['format']!r}, expected {MANIFEST_FORMAT!r}")
+        blocks = raw["blocks"]
+        manifest = SegmentManifest(
+            name=str(raw["name"]), block_shape=tuple(int(d) for d in raw["block_shape"]),
+            dtype=str(raw["dtype"]), block_nbytes=int(raw["block_nbytes"]),
+            use_ocdbt=bool(raw["use_ocdbt"]),
+            namespaces=tuple(bytes.fromhex(b["namespace"]) for b in blocks),
+            keys=tuple(bytes.fromhex(b["key"]) for b in blocks),
+            checksums=tuple(str(b["sha256_128"]) for b in blocks),
+            bytes_on_disk=int(raw["bytes_on_disk"]), codec=str(raw.get("codec", "raw")))
+    except (OSError, KeyError, TypeError, ValueError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"segment manifest {path} is unreadable: {err}") from err
+    if os.path.basename(path) != manifest.name + ".json":
+        raise ValueError(f"segment manifest {path} names segment {manifest.name!r}")
+    return manifest
+
+
+def read_verified(checkpointer: ocp.Checkpointer, directory: str, manifest: SegmentManifest,
+                  namespace: bytes, keys: list[bytes], rows: list[int], out: np.ndarray,
+                  out_index: list[int]) -> list[bool]:
+    """Reads segment rows into `out[out_index[i]]` and checks each against its checksum.
+
+    out: u8[m, block_nbytes], written in place. Returns, per row, whether it is the block
+    `keys[i]` of `namespace` as written; a row that fails is zeroed in `out`. Raises when the
+    segment cannot be read at all. TensorStore (orbax's storage layer) copies just the
+    requested chunks into `out`, in groups, and each group is hashed while the next is read;
+    a layout it cannot open falls back to a full orbax restore.
+    """
+    path = os.path.join(directory, manifest.name)
+    expected = (len(manifest.keys), manifest.block_nbytes)
+    try:
+        source = _open_payload(path, manifest.use_ocdbt)
+    except Exception as err:  # noqa: BLE001 - any layout surprise: use orbax's own reader
+        _log.info("segment %s: direct read unavailable (%s); restoring with orbax", path, err)
+        source = _restore_payload(checkpointer, path)
+    if tuple(source.shape) != expected or np.dtype(source.dtype.name) != np.uint8:
+        raise ValueError(f"segment {path} payload is {tuple(source.shape)}, expected {expected}")
+
+    def check(i: int) -> bool:
+        row, target = rows[i], out[out_index[i]]
+        if (manifest.keys[row] == keys[i] and manifest.namespaces[row] == namespace
+                and block_checksum(namespace, keys[i], target) == manifest.checksums[row]):
+            return True
+        target[...] = 0
+        return False
+
+    groups = np.array_split(np.arange(len(rows)), min(len(rows), _READ_GROUPS))
+    copies = [_copy_rows(source, out, [rows[i] for i in group], [out_index[i] for i in group])
+              for group in groups]
+    checks = []
+    try:
+        for group, copy in zip(groups, copies):
+            copy.result()
+            checks += [_hash_pool().submit(check, int(i)) for i in group]
+        return [check.result() for check in checks]
+    finally:  # nothing may touch `out` after we return, even on an error
+        for copy in copies:
+            copy.exception()
+        concurrent.futures.wait(checks)
+
+
+def remove_segment(directory: str, name: str) -> None:
+    """Uncommits (manifest first) and deletes a segment; errors are logged, not raised."""
+    for path in (os.path.join(directory, name + ".json"), os.path.join(directory, name)):
+        try:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+        except OSError as err:
+            _log.warning("disk tier: could not remove %s: %s", path, err)
+
+
+def scan_directory(directory: str) -> tuple[list[tuple[int, str]], list[str]]:
+    """Committed segments as sorted (seq, manifest path) and orphan entries to delete.
+
+    Orphans: segment directories without a manifest, orbax temporary directories, temporary
+    manifests, and manifests whose segment directory is gone.
+    """
+    entries = set(os.listdir(directory))
+    committed, orphans = [], []
+    for entry in sorted(entries):
+        stem = entry[:-len(".json")] if entry.endswith(".json") else entry
+        match = _NAME_RE.match(stem)
+        if entry.endswith(".json") and match:
+            if stem in entries:
+                committed.append((int(match.group(1)), os.path.join(directory, entry)))
+            else:
+                orphans.append(entry)
+        elif match and entry + ".json" not in entries:
+            orphans.append(entry)
+        elif entry.startswith("seg-") and not match and not entry.endswith(".json"):
+            orphans.append(entry)  # orbax's "<name>.orbax-checkpoint-tmp..." and our ".tmp"
+    return committed, orphans
+
+
+def _accepted(callable_, **options):
+    """The options `callable_` accepts (older orbax versions lack some)."""
+    parameters = inspect.signature(callable_).parameters
+    return {name: value for name, value in options.items() if name in parameters}
+
+
+@functools.cache
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    # hashlib releases the GIL on large buffers, so checksums scale with cores.
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvjax-checksum")
+
+
+class _SegmentNumpyHandler(ocp.type_handlers.NumpyHandler):
+    """Orbax's numpy handler, optionally writing through a context without fsync."""
+
+    def __init__(self, sync_data: bool, **kwargs):
+        super().__init__(**kwargs)
+        self._sync_data = sync_data
+
+    async def serialize(self, values, infos, args=None):
+        if not self._sync_data:
+            infos = [_without_fsync(info) for info in infos]
+        return await super().serialize(values, infos, args)
+
+
+def _without_fsync(info):
+    info = copy.copy(info)
+    info.ts_context = ts.Context(ts.Context.Spec({"file_io_sync": False}),
+                                 parent=info.ts_context)
+    return info
+
+
+_READ_GROUPS = 8  # reads in flight per segment, so hashing overlaps reading
+
+
+def _copy_rows(source, out: np.ndarray, rows: list[int], out_rows: list[int]):
+    """Starts copying source rows into out rows; returns a future (TensorStore's or done)."""
+    if isinstance(source, np.ndarray):  # the orbax-restore fallback
+        out[out_rows] = source[rows]
+        future = concurrent.futures.Future()
+        future.set_result(None)
+        return future
+    target = ts.array(out)  # shares `out`'s memory: the read lands in place
+    return target[np.asarray(out_rows, np.int64)].write(source[np.asarray(rows, np.int64)])
+
+
+def _save_payload(checkpointer: ocp.Checkpointer, path: str, payload: np.ndarray) -> None:
+    # One chunk per block (shard_axes=(0,)) lets a read fetch just the blocks it needs.
+    fields = {f.name for f in dataclasses.fields(ocp.SaveArgs)}
+    save_args = ocp.SaveArgs(shard_axes=(0,)) if "shard_axes" in fields else ocp.SaveArgs()
+    checkpointer.save(path, args=ocp.args.PyTreeSave(
+        {PAYLOAD: payload}, save_args={PAYLOAD: save_args}))
+
+
+def _restore_payload(checkpointer: ocp.Checkpointer, path: str) -> np.ndarray:
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        restore_args={PAYLOAD: ocp.RestoreArgs(restore_type=np.ndarray)}))
+    return restored[PAYLOAD]
+
+
+def _open_payload(path: str, use_ocdbt: bool) -> ts.TensorStore:
+    base = "file://" + os.path.abspath(path) + "/"
+    kvstore = ({"driver": "ocdbt", "base": base, "path": PAYLOAD + "/"} if use_ocdbt
+               else base + PAYLOAD + "/")
+    return ts.open({"driver": "zarr3", "kvstore": kvstore}, open=True, read=True).result()
+
+
+def _manifest_to_json(manifest: SegmentManifest, bytes_on_disk: int) -> bytes:
+    blocks = [{"namespace": ns.hex(), "key": key.hex(), "sha256_128": checksum}
+              for ns, key, checksum in zip(manifest.namespaces, manifest.keys,
+                                           manifest.checksums)]
+    return json.dumps({
+        "format": MANIFEST_FORMAT, "name": manifest.name,
+        "block_shape": list(manifest.block_shape), "dtype": manifest.dtype,
+        "block_nbytes": manifest.block_nbytes, "codec": manifest.codec,
+        "use_ocdbt": manifest.use_ocdbt, "bytes_on_disk": bytes_on_disk, "blocks": blocks}).encode()
+
+
+def _write_manifest(directory: str, name: str, content: bytes) -> None:
+    final = os.path.join(directory, name + ".json")
+    temporary = final + ".tmp"
+    with open(temporary, "wb") as f:
+        f.write(content)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, final)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # makes the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f))
+               for root, _, files in os.walk(path) for f in files)

@@ -1,0 +1,424 @@
+"""Disk tier: cold KV blocks in orbax-written segments, indexed in memory, rebuilt on reopen.
+
+Blocks arrive in batches; each batch is written as segments of at most `segment_bytes` (one
+orbax save per segment, so its ~15 ms fixed cost is paid per segment, not per block). The
+index maps (namespace, key) to (segment, row) and is rebuilt from the segments' manifests when
+the directory is reopened, so a restarted process serves what the last one spilled.
+
+Failure policy: a write that fails (full disk, read-only directory, any I/O error) drops the
+batch from the disk tier, counts the error and logs it; a read that fails or whose checksum
+does not match is a miss and a metric, and the broken block or segment leaves the index. No
+I/O error escapes `put` or `get`.
+
+Capacity: bytes on disk (checkpoint files plus manifest). Eviction removes whole segments,
+least recently used first, never one that a `lock` or a running read pins; there is no
+compaction, so a segment whose blocks were partly discarded keeps its bytes until all its
+blocks are discarded or it is evicted. `discard` is not persisted: after a reopen, blocks of
+segments still on disk are served again (a key always names the same content).
+
+One process per directory: reopening removes the files of uncommitted segments.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import logging
+import os
+import threading
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.tiers import disk_segments as seg
+
+__all__ = ["DiskRead", "DiskTier", "DiskTierStats"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class DiskTierStats:
+    """Counters since this process opened the directory; bytes are bytes on disk."""
+
+    capacity_bytes: int
+    bytes_used: int
+    segments: int
+    blocks: int
+    recovered_segments: int = 0  # committed segments found when opening
+    orphans_removed: int = 0  # uncommitted leftovers of a crashed write, deleted on open
+    skipped_segments: int = 0  # unreadable manifest, another block shape/dtype or codec
+    codec_mismatch_segments: int = 0  # of those: written with another codec (kvjax.tiers.block_codec)
+    put_blocks: int = 0
+    duplicate_blocks: int = 0
+    rejected_blocks: int = 0  # did not fit (everything else pinned) or their write failed
+    written_segments: int = 0
+    write_errors: int = 0
+    enospc_errors: int = 0  # write errors that were a full disk
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    corrupt_blocks: int = 0  # checksum mismatch: served as a miss
+    read_errors: int = 0  # segment unreadable (truncated, deleted, ...): its blocks are misses
+    evicted_segments: int = 0
+    evicted_blocks: int = 0
+    discarded_blocks: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DiskRead:
+    """Result of `DiskTier.get`: `blocks[i]` is valid only where `hits[i]`."""
+
+    blocks: np.ndarray  # [n, *block_shape], zeros where missed
+    hits: np.ndarray  # bool[n]
+
+
+@dataclasses.dataclass(slots=True)
+class _Segment:
+    manifest: seg.SegmentManifest
+    live_rows: set[int]
+    pins: int = 0  # locks plus reads in progress
+
+
+class DiskTier:
+    """Blocks on disk in checksummed orbax segments, with whole-segment LRU eviction."""
+
+    def __init__(self, directory: str, block_shape: Sequence[int], dtype, capacity_bytes: int,
+                 *, segment_bytes: int = 64 << 20, use_ocdbt: bool = True,
+                 sync_data: bool = False, codec: str = "raw"):
+        """Opens (creating if needed) `directory` and indexes the segments already in it.
+
+        Segments of another block shape, dtype or codec are skipped (left on disk, counted in
+        `skipped_segments`): their bytes would not mean the same KV.
+
+        segment_bytes: payload bytes per segment; a segment holds at least one block.
+        use_ocdbt: orbax's OCDBT layout (a few files per segment) rather than one file per
+          block; about as fast (benchmarks/bench_tiers.py), fewer files and fsyncs, and
+          orbax logs a warning on every non-OCDBT save.
+        sync_data: fsync block data too, not only the manifest (see
+          `disk_segments.make_checkpointer`; without it a power cut costs misses, never
+          wrong blocks).
+        codec: name of the encoding of a block's bytes (`kvjax.tiers.block_codec`), recorded in
+          every manifest; "raw" for blocks stored as the pool holds them.
+        """
+        self.block_shape = tuple(int(d) for d in block_shape)
+        if not self.block_shape or min(self.block_shape) <= 0:
+            raise ValueError(f"{block_shape=} must be a non-empty shape of positive sizes")
+        if capacity_bytes < 0 or segment_bytes <= 0:
+            raise ValueError(f"{capacity_bytes=} must be >= 0 and {segment_bytes=} > 0")
+        self.dtype = jnp.dtype(dtype)
+        if not isinstance(codec, str) or not codec:
+            raise ValueError(f"{codec=} must be a non-empty codec name")
+        self.codec = codec
+        self.block_nbytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
+        self.directory = os.path.abspath(directory)
+        self.capacity_bytes = int(capacity_bytes)
+        self.blocks_per_segment = max(1, segment_bytes // self.block_nbytes)
+        self.use_ocdbt = use_ocdbt
+        self._checkpointer = seg.make_checkpointer(use_ocdbt, sync_data)
+        self._lock = threading.RLock()  # index state
+        self._write_lock = threading.Lock()  # one segment write at a time
+        self._segments: collections.OrderedDict[str, _Segment] = collections.OrderedDict()
+        self._blocks: dict[tuple[bytes, bytes], tuple[str, int]] = {}
+        self._locks: dict[tuple[bytes, bytes], list[str]] = {}  # segments pinned per lock
+        self._stats = DiskTierStats(self.capacity_bytes, 0, 0, 0)
+        self._next_seq = 0
+        os.makedirs(self.directory, exist_ok=True)
+        self._open_directory()
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def bytes_used(self) -> int:
+        with self._lock:
+            return sum(s.manifest.bytes_on_disk for s in self._segments.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._blocks)
+
+    def contains(self, key: bytes, namespace: bytes) -> bool:
+        with self._lock:
+            return (namespace, key) in self._blocks
+
+    def stats(self) -> DiskTierStats:
+        with self._lock:
+            return dataclasses.replace(self._stats, bytes_used=self.bytes_used,
+                                       segments=len(self._segments), blocks=len(self._blocks))
+
+    # ---- data path -----------------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], blocks, namespaces: bytes | Sequence[bytes]
+            ) -> list[bytes]:
+        """Writes blocks `[n, *block_shape]` in committed segments; returns the keys stored.
+
+        namespaces: one namespace digest for all blocks, or one per block. Blocks already on
+        disk are skipped; blocks whose segment does not fit or fails to write are dropped.
+        """
+        keys, namespaces = _check_keys(keys, namespaces)
+        blocks = np.asarray(blocks)
+        expected = (len(keys), *self.block_shape)
+        if blocks.shape != expected or blocks.dtype != self.dtype:
+            raise ValueError(f"blocks shape {blocks.shape} dtype {blocks.dtype} must be "
+                             f"{expected} {self.dtype}")
+        payload = np.ascontiguousarray(blocks).reshape(len(keys), -1).view(np.uint8)
+        with self._lock:
+            rows = [r for r in range(len(keys)) if (namespaces[r], keys[r]) not in self._blocks]
+            self._stats.duplicate_blocks += len(keys) - len(rows)
+        stored = []
+        for start in range(0, len(rows), self.blocks_per_segment):
+            chunk = rows[start:start + self.blocks_per_segment]
+            contiguous = chunk[-1] - chunk[0] == len(chunk) - 1  # then a view, not a copy
+            segment = payload[chunk[0]:chunk[-1] + 1] if contiguous else payload[chunk]
+            if self._write(segment, [namespaces[r] for r in chunk], [keys[r] for r in chunk]):
+                stored.extend(keys[r] for r in chunk)
+            else:
+                with self._lock:
+                    self._stats.rejected_blocks += len(chunk)
+        return stored
+
+    def get(self, keys: Sequence[bytes], namespace: bytes) -> DiskRead:
+        """Reads blocks of one namespace; checksum-verified, misses where absent or broken."""
+        keys, _ = _check_keys(keys, namespace)
+        hits = np.zeros(len(keys), bool)
+        with self._lock:
+            by_segment: dict[str, list[tuple[int, int]]] = {}  # name -> [(index, row)]
+            for i, key in enumerate(keys):
+                ref = self._blocks.get((namespace, key))
+                if ref is not None:
+                    by_segment.setdefault(ref[0], []).append((i, ref[1]))
+            for name in by_segment:
+                self._segments[name].pins += 1  # no eviction while its files are read
+                self._segments.move_to_end(name)
+        out = np.zeros((len(keys), self.block_nbytes), np.uint8)
+        try:
+            for name, wanted in by_segment.items():
+                verified = self._read_segment(name, [(keys[i], row) for i, row in wanted],
+                                              namespace, out, [i for i, _ in wanted])
+                hits[[i for i, _ in wanted]] = verified
+        finally:
+            with self._lock:
+                for name in by_segment:
+                    self._unpin(name)
+                self._stats.hit_blocks += int(hits.sum())
+                self._stats.miss_blocks += len(keys) - int(hits.sum())
+        return DiskRead(out.view(self.dtype).reshape(len(keys), *self.block_shape), hits)
+
+    # ---- lifetime ------------------------------------------------------------------------
+
+    def discard(self, keys: Sequence[bytes], namespace: bytes) -> int:
+        """Forgets blocks; a segment's bytes go when all its blocks are gone. Returns count."""
+        keys, _ = _check_keys(keys, namespace)
+        with self._lock:
+            dropped = 0
+            for key in keys:
+                ref = self._blocks.pop((namespace, key), None)
+                if ref is not None:
+                    dropped += 1
+                    self._segments[ref[0]].live_rows.discard(ref[1])
+                    self._drop_if_unused(ref[0])
+            self._stats.discarded_blocks += dropped
+            return dropped
+
+    def lock(self, keys: Sequence[bytes], namespace: bytes) -> bool:
+        """Pins the segments holding the keys against eviction; False if any key is absent."""
+        keys, _ = _check_keys(keys, namespace)
+        with self._lock:
+            refs = [self._blocks.get((namespace, key)) for key in keys]
+            if any(ref is None for ref in refs):
+                return False
+            for key, (name, _) in zip(keys, refs):
+                self._segments[name].pins += 1
+                self._locks.setdefault((namespace, key), []).append(name)
+            return True
+
+    def unlock(self, keys: Sequence[bytes], namespace: bytes) -> None:
+        """Releases one `lock` of each key (also after the key was discarded)."""
+        keys, _ = _check_keys(keys, namespace)
+        with self._lock:
+            for key in keys:
+                if not self._locks.get((namespace, key)):
+                    raise ValueError(f"key={key.hex()} is not locked in the disk tier")
+            for key in keys:
+                names = self._locks[(namespace, key)]
+                self._unpin(names.pop())
+                if not names:
+                    del self._locks[(namespace, key)]
+
+    def check_invariants(self) -> None:
+        """Raises RuntimeError when the index is inconsistent."""
+        with self._lock:
+            if self.bytes_used > self.capacity_bytes:
+                raise RuntimeError(f"{self.bytes_used=} exceeds {self.capacity_bytes=}")
+            live = {(name, row) for name, s in self._segments.items() for row in s.live_rows}
+            if live != set(self._blocks.values()):
+                raise RuntimeError("segment live rows and the block index disagree")
+            for name, segment in self._segments.items():
+                if segment.pins < 0 or (not segment.live_rows and not segment.pins):
+                    raise RuntimeError(f"segment {name} {segment.pins=} with no live blocks")
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _write(self, payload: np.ndarray, namespaces: list[bytes], keys: list[bytes]) -> bool:
+        estimate = payload.nbytes
+        with self._lock:
+            if not self._evict_until_free(estimate):
+                return False
+            name = seg.segment_name(self._next_seq)
+            self._next_seq += 1
+        manifest = seg.SegmentManifest(
+            name=name, block_shape=self.block_shape, dtype=self.dtype.name,
+            block_nbytes=self.block_nbytes, use_ocdbt=self.use_ocdbt,
+            namespaces=tuple(namespaces), keys=tuple(keys), checksums=(), bytes_on_disk=0,
+            codec=self.codec)
+        try:
+            with self._write_lock:
+                manifest = seg.write_segment(self._checkpointer, self.directory, manifest,
+                                             payload)
+        except Exception as err:  # noqa: BLE001 - any write failure drops the batch
+            enospc = _errno_in_chain(err) == errno.ENOSPC
+            with self._lock:
+                self._stats.write_errors += 1
+                self._stats.enospc_errors += enospc
+            _log.warning("disk tier: dropping %d blocks, writing %s failed: %r",
+                         len(keys), name, err)
+            return False
+        with self._lock:
+            self._add_segment(manifest)
+            self._segments[name].pins += 1  # the new segment is not its own eviction victim
+            fits = self._evict_until_free(0)
+            self._unpin(name)
+            if not fits:
+                self._drop_segment(name)
+                return False
+            self._stats.written_segments += 1
+            self._stats.put_blocks += len(keys)
+        return True
+
+    def _read_segment(self, name: str, wanted: list[tuple[bytes, int]], namespace: bytes,
+                      out: np.ndarray, out_index: list[int]) -> list[bool]:
+        """Reads (key, row) pairs of a pinned segment into `out`; returns which verified."""
+        manifest = self._segments[name].manifest
+        keys = [key for key, _ in wanted]
+        rows = [row for _, row in wanted]
+        try:
+            verified = seg.read_verified(self._checkpointer, self.directory, manifest,
+                                         namespace, keys, rows, out, out_index)
+        except Exception as err:  # noqa: BLE001 - unreadable segment: all its blocks miss
+            _log.warning("disk tier: segment %s unreadable, dropping it: %r", name, err)
+            out[out_index] = 0
+            with self._lock:
+                self._stats.read_errors += 1
+                self._forget_segment(name)
+            return [False] * len(wanted)
+        for key, row, ok in zip(keys, rows, verified):
+            if ok:
+                continue
+            _log.warning("disk tier: checksum mismatch for key %s in %s", key.hex(), name)
+            with self._lock:
+                self._stats.corrupt_blocks += 1
+                if self._blocks.get((namespace, key)) == (name, row):
+                    del self._blocks[(namespace, key)]
+                    self._segments[name].live_rows.discard(row)
+        return verified
+
+    def _open_directory(self) -> None:
+        committed, orphans = seg.scan_directory(self.directory)
+        for entry in orphans:
+            seg.remove_segment(self.directory, entry)
+        self._stats.orphans_removed = len(orphans)
+        for seq, path in committed:
+            self._next_seq = max(self._next_seq, seq + 1)
+            try:
+                manifest = seg.read_manifest(path)
+            except ValueError as err:
+                _log.warning("disk tier: skipping segment: %s", err)
+                self._stats.skipped_segments += 1
+                continue
+            if (manifest.block_shape, manifest.dtype) != (self.block_shape, self.dtype.name):
+                _log.warning("disk tier: skipping %s: blocks %s %s, this tier holds %s %s",
+                             path, manifest.block_shape, manifest.dtype, self.block_shape,
+                             self.dtype.name)
+                self._stats.skipped_segments += 1
+                continue
+            if manifest.codec != self.codec:
+                _log.warning("disk tier: skipping %s: written with codec %r, this tier reads %r",
+                             path, manifest.codec, self.codec)
+                self._stats.skipped_segments += 1
+                self._stats.codec_mismatch_segments += 1
+                continue
+            self._add_segment(manifest)
+            self._stats.recovered_segments += 1
+        self._evict_until_free(0)
+
+    def _add_segment(self, manifest: seg.SegmentManifest) -> None:
+        live = set()
+        for row, (ns, key) in enumerate(zip(manifest.namespaces, manifest.keys)):
+            old = self._blocks.get((ns, key))
+            if old is not None:  # a newer copy replaces the older one
+                self._segments[old[0]].live_rows.discard(old[1])
+                self._drop_if_unused(old[0])
+            self._blocks[(ns, key)] = (manifest.name, row)
+            live.add(row)
+        self._segments[manifest.name] = _Segment(manifest, live)
+
+    def _evict_until_free(self, nbytes: int) -> bool:
+        """Evicts unpinned segments, least recently used first, until `nbytes` more fit."""
+        used = self.bytes_used
+        for name in list(self._segments):
+            if used + nbytes <= self.capacity_bytes:
+                break
+            segment = self._segments[name]
+            if segment.pins:
+                continue
+            used -= segment.manifest.bytes_on_disk
+            self._stats.evicted_segments += 1
+            self._stats.evicted_blocks += len(segment.live_rows)
+            self._drop_segment(name)
+        return used + nbytes <= self.capacity_bytes
+
+    def _unpin(self, name: str) -> None:
+        self._segments[name].pins -= 1
+        self._drop_if_unused(name)
+
+    def _drop_if_unused(self, name: str) -> None:
+        segment = self._segments[name]
+        if not segment.live_rows and not segment.pins:
+            self._drop_segment(name)
+
+    def _forget_segment(self, name: str) -> None:
+        segment = self._segments[name]
+        for row in segment.live_rows:
+            self._blocks.pop((segment.manifest.namespaces[row], segment.manifest.keys[row]))
+        segment.live_rows.clear()  # files go when the last pin is released
+
+    def _drop_segment(self, name: str) -> None:
+        segment = self._segments.pop(name)
+        for row in segment.live_rows:
+            self._blocks.pop((segment.manifest.namespaces[row], segment.manifest.keys[row]))
+        seg.remove_segment(self.directory, name)
+
+
+def _check_keys(keys: Sequence[bytes], namespaces) -> tuple[list[bytes], list[bytes]]:
+    keys = list(keys)
+    if isinstance(namespaces, bytes):
+        namespaces = [namespaces] * len(keys)
+    namespaces = list(namespaces)
+    if len(namespaces) != len(keys):
+        raise ValueError(f"{len(namespaces)=} must be 1 or len(keys)={len(keys)}")
+    for value in (*keys, *namespaces):
+        if not isinstance(value, bytes) or not value:
+            raise ValueError(f"block key or namespace {value!r} must be non-empty bytes")
+    if len(set(zip(namespaces, keys))) != len(keys):
+        raise ValueError(f"keys contain duplicates: {len(keys)=}")
+    return keys, namespaces
+
+
+def _errno_in_chain(err: BaseException | None) -> int | None:
+    """The errno of the first OSError in an exception's cause/context chain."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno is not None:
+            return err.errno
+        err = err.__cause__ or err.__context__
+    return None

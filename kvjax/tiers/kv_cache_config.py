@@ -1,0 +1,110 @@
+"""Configuration of the tiered KV cache: the device pool, host and disk capacities, policies."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from kvjax.tiers.block_codec import make_codec
+from pallas_kernels.kv_format import parse_quant
+from kvjax.cache.eviction import POLICIES
+from kvjax.cache.eviction_adaptive import DEFAULT_POLICY
+from kvjax.cache.cost_model import FetchCostModel
+from kvjax.tiers.page_pool import PoolConfig
+
+__all__ = ["DEFAULT_POLICY", "WRITE_POLICIES", "KVCacheConfig"]
+
+
+WRITE_POLICIES = ("write_through", "write_back", "selective")
+"""When a device page gets a host copy:
+
+* ``write_through``: when it is committed (the copy runs in the background);
+* ``write_back``: when it is evicted from the device (the gather is issued before the block
+  is reused, the copy completes in the background);
+* ``selective``: like write_through, but only once the page has been hit
+  ``selective_min_hits`` times (hot prefixes), so one-off prompts never use the link.
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVCacheConfig:
+    """What a ``KVCache`` holds and how it moves pages between tiers.
+
+    ``host_bytes`` / ``disk_bytes``: capacities in bytes of block payload (host) and bytes on
+    disk (disk, checkpoint files included); 0 host bytes means no lower tiers. A disk tier
+    needs a host tier (disk blocks are staged through host memory). Watermarks are fractions
+    of the device pool (see ``BlockAllocator``) and, for host memory, of ``host_bytes``: above
+    the high one, host pages without a disk copy are spilled down to the low one.
+
+    ``offload_quant`` (None, "int8", "fp8_e4m3", "fp8_e5m2"; float pools only): quantize a
+    block when it leaves the device, with ``offload_scale`` ("token" or "page") scales, so the
+    same host and disk bytes hold 2-4x the blocks; lossy, so off by default. Pages whose KV
+    went through it are marked lossy in the trie; ``accept_lossy=False`` makes admissions
+    stop their match before the first lossy page (recomputing it) unless ``admit`` says
+    otherwise. A quantized pool's blocks always travel bit-exact (``kvjax.tiers.block_codec``).
+    """
+
+    pool: PoolConfig
+    host_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    policy: str = DEFAULT_POLICY
+    write_policy: str = "write_back"
+    selective_min_hits: int = 2
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
+    vocab_size: int | None = None
+    cost_model: FetchCostModel = FetchCostModel()
+    disk_segment_bytes: int = 64 << 20
+    offload_quant: str | None = None
+    offload_scale: str = "token"
+    accept_lossy: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.pool, PoolConfig):
+            raise ValueError(f"pool={self.pool!r} must be a PoolConfig")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write_policy {self.write_policy!r}; valid: {list(WRITE_POLICIES)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {self.policy!r}; valid policies: {sorted(POLICIES)}")
+        for name in ("host_bytes", "disk_bytes", "disk_segment_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0 (bytes)")
+        if self.disk_dir is not None and (self.host_bytes == 0 or self.disk_bytes == 0):
+            raise ValueError(f"a disk tier (disk_dir={self.disk_dir!r}) needs host_bytes > 0 and "
+                             f"disk_bytes > 0; got {self.host_bytes=}, {self.disk_bytes=}")
+        if not isinstance(self.selective_min_hits, int) or self.selective_min_hits < 1:
+            raise ValueError(f"selective_min_hits={self.selective_min_hits!r} must be an int >= 1")
+        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError(f"watermarks must satisfy 0 <= low_watermark={self.low_watermark} "
+                             f"<= high_watermark={self.high_watermark} <= 1")
+        if not isinstance(self.cost_model, FetchCostModel):
+            raise ValueError(f"cost_model={self.cost_model!r} must be a FetchCostModel")
+        make_codec(self.pool, self.offload_quant, self.offload_scale)  # raises naming a bad value
+        object.__setattr__(self, "offload_quant", parse_quant(self.offload_quant, "offload_quant"))
+        if self.offload_quant is not None and not self.tiered:
+            raise ValueError(f"offload_quant={self.offload_quant!r} compresses pages leaving the device "
+                             f"and needs a host tier; got host_bytes={self.host_bytes}")  # fmt: skip
+        if not isinstance(self.accept_lossy, bool):
+            raise ValueError(f"accept_lossy={self.accept_lossy!r} must be a bool")
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> KVCacheConfig:
+        """Builds a config from a mapping (e.g. a TOML table); ``pool`` and ``cost_model`` may
+        be nested mappings. Unknown keys are an error."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown KV cache config keys {unknown}; expected some of {known}")
+        values = dict(values)
+        if isinstance(values.get("pool"), Mapping):
+            values["pool"] = PoolConfig.from_dict(values["pool"])
+        if isinstance(values.get("cost_model"), Mapping):
+            values["cost_model"] = FetchCostModel.from_dict(values["cost_model"])
+        return cls(**values)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether pages have anywhere to go below the device."""
+        return self.host_bytes > 0

@@ -1,0 +1,407 @@
+"""Moving pages between the tiers for ``KVCache``: copies down, fetches up, progress.
+
+Down (device -> host -> disk):
+
+* ``offload(node, indices)`` copies device pages to host (write-through at commit, write-back
+  from the trie's ``before_evict`` hook). The pool gather is issued at once, so the block may
+  be reused right after; the page gets its HOST bit immediately (a pending copy) so eviction
+  keeps it indexed, and a fetch of it waits for the copy to finish.
+* ``spill_host()`` copies host pages without a disk copy to disk when host memory passes its
+  high watermark (and everything on ``flush``); they stay on host, now cheap to evict.
+
+Up (disk -> host -> device): ``start_fetch`` builds ``FetchJob``s for a ``Waiter`` (see
+``kv_cache_fetch``), joining jobs already in flight for the same pages.
+
+Blocks travel encoded by the cache's codec (``kvjax.tiers.block_codec``): the transfer engine's
+gather encodes them, and a fetch's blocks are decoded here before they are scattered.
+
+Completions are handled only in ``poll`` (the caller's thread): transfer workers resolve
+futures, never touch the trie or the pool.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvjax.tiers.block_codec import BlockCodec
+from kvjax.tiers.fetch_jobs import FetchJob, Waiter, pow2_runs, resolved_future
+from kvjax.tiers.tier_index import TierIndex
+from kvjax.metrics.registry import Metrics
+from kvjax.tiers.page_pool import PagePool
+from kvjax.cache.device_index import PrefixCache
+from kvjax.tiers.transfer import Priority, TransferResult
+from kvjax.cache.trie_node import LOWER_TIERS, Node, Tier
+
+__all__ = ["TierMover"]
+
+_HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
+
+
+class TierMover:
+    """Submits transfers and applies their results; see the module docstring."""
+
+    def __init__(self, prefix: PrefixCache, pool: PagePool, index: TierIndex, transfer,
+                 metrics: Metrics | None, high_watermark: float, low_watermark: float,
+                 codec: BlockCodec):  # fmt: skip
+        self.prefix, self.pool, self.index, self.transfer = prefix, pool, index, transfer
+        self.metrics = metrics
+        self.codec = codec
+        self.block_nbytes = codec.block_nbytes  # bytes a block moves and takes below the device
+        self.spill_high = int(high_watermark * index.host_capacity)
+        self.spill_low = int(low_watermark * index.host_capacity)
+        self.waiters: dict[int, Waiter] = {}  # seq_id -> waiter
+        self.jobs: dict[bytes, tuple[FetchJob, int]] = {}  # key in flight -> (job, row)
+        self.copies: dict[bytes, concurrent.futures.Future] = {}  # pending host copies
+        self.live_jobs: dict[int, FetchJob] = {}  # id -> every job not finished
+        self.spills: dict[int, list[bytes]] = {}  # id -> host keys of a host -> disk copy in flight
+        self.counts = dict(offloaded=0, spilled=0, fetched_host=0, fetched_disk=0,
+                           fetch_failures=0, disk_errors=0, fetched_lossy=0)  # fmt: skip
+        self._callbacks: list[tuple[concurrent.futures.Future, Callable]] = []
+        self._disk_errors_seen = 0
+
+    # --- progress --------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Apply every finished transfer (and what it unblocks) without waiting."""
+        while self._callbacks:
+            done, waiting = [], []
+            for item in self._callbacks:
+                (done if item[0].done() else waiting).append(item)
+            if not done:
+                return
+            self._callbacks = waiting  # callbacks below may append to it
+            for future, callback in done:
+                callback(future.result())
+
+    def wait_any(self, timeout: float) -> None:
+        """Block until some transfer finishes or ``timeout`` seconds pass."""
+        futures = [future for future, _ in self._callbacks]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._callbacks)
+
+    # --- down: device -> host -> disk --------------------------------------------------------
+
+    def offload(self, node: Node, indices: list[int], exclude: tuple[bytes, ...] = ()) -> int:
+        """Start host copies of device pages ``indices`` of ``node`` that have none; return
+        how many got one (the leading ones, as host room allows)."""
+        keys = self.prefix.trie.page_keys(node)
+        index = self.index
+        todo = []
+        for i in indices:
+            entry = index.host_entries.get(keys[i])
+            if entry is None:
+                todo.append(i)
+            elif entry.dropped:  # its old page left the trie, the copy is still good
+                index.add_host(keys[i], entry.namespace, node, i, ready=entry.ready)
+        if not todo:
+            return 0
+        namespace = self.prefix.trie.namespace_of(node).digest()
+        fit = index.make_host_room(len(todo), exclude=exclude or [keys[i] for i in todo])
+        todo = todo[:fit]
+        if not todo:
+            return 0
+        todo_keys = [keys[i] for i in todo]
+        for i, key in zip(todo, todo_keys):
+            index.add_host(key, namespace, node, i, ready=False)
+        blocks = node.blocks[todo]
+        for start, size in pow2_runs(len(todo)):
+            run_keys = todo_keys[start : start + size]
+            future = self.transfer.offload(self.pool.kv_pages, blocks[start : start + size], run_keys,
+                                           namespace=namespace, priority=Priority.SPILL)  # fmt: skip
+            for key in run_keys:
+                self.copies[key] = future
+            self._on_done(future, lambda result, run_keys=run_keys: self._copied_down(run_keys, result))
+        return len(todo)
+
+    def before_evict(self, node: Node, num_pages: int) -> None:
+        """Write-back hook: host copies for the leaving pages that have no lower copy."""
+        first = node.num_pages - num_pages
+        tiers = node.tiers
+        indices = [i for i in range(first, node.num_pages)
+                   if tiers is None or not int(tiers[i]) & LOWER_TIERS]  # fmt: skip
+        if indices:
+            keys = self.prefix.trie.page_keys(node)
+            self.offload(node, indices, exclude=tuple(keys[first:]))
+
+    def spill_host(self, everything: bool = False) -> None:
+        """Copy host pages without a disk copy to disk, LRU first: above the high watermark,
+        until at most the low watermark's worth lacks one (``everything``: all of them)."""
+        index = self.index
+        if index.disk is None or (not everything and (self.spills or index.host_used <= self.spill_high)):
+            return
+        want = len(index.undisked) - (0 if everything else self.spill_low)
+        keys = []
+        for key in index.undisked:
+            if len(keys) >= want:
+                break
+            entry = index.host_entries[key]
+            if entry.ready and not entry.busy:
+                keys.append(key)
+        if not keys:
+            return
+        index.hold_host(keys)
+        future = self.transfer.spill(keys, priority=Priority.SPILL)
+        self.spills[id(keys)] = keys
+        self._on_done(future, lambda result: self._spilled(keys, result))
+
+    # --- up: disk -> host -> device --------------------------------------------------------
+
+    def hold(self, pages: list[bytes]) -> list[bytes]:
+        """Keep the host copies of ``pages`` from eviction until ``unhold`` (a fetch being
+        planned); returns the keys held, for ``unhold``."""
+        held = [key for key in pages if self.index.host_state(key)]
+        self.index.hold_host(held)
+        return held
+
+    def unhold(self, held: list[bytes]) -> None:
+        for key in held:
+            self.index.release_host(key)
+
+    def start_fetch(self, waiter: Waiter, pages: list[bytes], namespace: bytes,
+                    priority: Priority) -> int:  # fmt: skip
+        """Bring ``pages`` into ``waiter``'s blocks; return how many of the leading pages will
+        be fetched (the rest do not fit in host memory: recompute them)."""
+        self.waiters[waiter.handle.seq_id] = waiter
+        offset, covered = 0, len(pages)
+        while offset < covered:
+            joined = self.device_job(pages[offset])
+            count = 1
+            if joined is not None:
+                job, row = joined
+                while (offset + count < covered and row + count < len(job.keys)
+                       and job.keys[row + count] == pages[offset + count]):  # fmt: skip
+                    count += 1
+            else:
+                while offset + count < covered and self.device_job(pages[offset + count]) is None:
+                    count += 1
+                job, row = self._new_job(pages[offset : offset + count], namespace, priority, True), 0
+                if len(job.keys) < count:  # host room ran out: recompute from there on
+                    covered = offset + len(job.keys)
+                    count = len(job.keys)
+            if count:
+                job.consumers.append((waiter, offset, row, count))
+                waiter.segments.append((job, offset, row, count))
+                waiter.outstanding += 1
+            offset += count
+        waiter.num_pages = covered
+        waiter.from_disk = waiter.from_disk[:covered]
+        if not waiter.outstanding:
+            del self.waiters[waiter.handle.seq_id]
+        return covered
+
+    def restore_only(self, pages: list[bytes], namespace: bytes) -> None:
+        """Prefetch without device room: restore disk-only ``pages`` into host memory."""
+        pages = [key for key in pages if key not in self.jobs]
+        if pages:
+            self._new_job(pages, namespace, Priority.PREFETCH, False)
+
+    # --- helpers: jobs -----------------------------------------------------------------------
+
+    def _new_job(self, pages: list[bytes], namespace: bytes, priority: Priority,
+                 to_device: bool) -> FetchJob:  # fmt: skip
+        """A job for ``pages`` (none in flight); it may cover only a leading part of them."""
+        index = self.index
+        keys, disk_rows = [], []
+        for key in pages:  # up to a page that is in no tier (it left the trie meanwhile)
+            if index.host_state(key) is None:
+                if self._disk_page(namespace, key) is None:
+                    break
+                disk_rows.append(len(keys))
+            keys.append(key)
+        fit = index.make_host_room(len(disk_rows), exclude=keys) if disk_rows else 0
+        # Making room may have split trie nodes (or dropped pages): locate the pages only now.
+        disk_pages = [self._disk_page(namespace, keys[row]) for row in disk_rows[:fit]]
+        fit = next((i for i, located in enumerate(disk_pages) if located is None), fit)
+        if fit < len(disk_rows):  # pages past the first one without host room are not fetched
+            keys = keys[: disk_rows[fit]]
+            disk_rows = disk_rows[:fit]
+        from_disk = np.zeros(len(keys), bool)
+        from_disk[disk_rows] = True
+        job = FetchJob(namespace, keys, from_disk, priority, to_device, time.monotonic())
+        self.live_jobs[id(job)] = job
+        for row, key in enumerate(keys):
+            self.jobs[key] = (job, row)
+        if disk_rows:
+            self._restore(job, [keys[row] for row in disk_rows], disk_pages[: len(disk_rows)])
+        job.held = list(keys)
+        index.hold_host(keys)
+        prereqs = {id(f): f for f in (self.copies.get(key) for key in keys) if f is not None}
+        for future in prereqs.values():
+            job.prereqs += 1
+            self._on_done(future, lambda result, job=job: self._prereq_done(job))
+        if not prereqs:
+            self._submit_fetch(job)
+        return job
+
+    def _restore(self, job: FetchJob, keys: list[bytes], pages: list[tuple[Node, int]]) -> None:
+        for key, (node, index) in zip(keys, pages):
+            self.index.add_host(key, job.namespace, node, index, ready=False)
+        future = self.transfer.restore(keys, namespace=job.namespace, priority=job.priority)
+        for key in keys:
+            self.copies[key] = future
+        self._on_done(future, lambda result: self._restored(keys, job.namespace, result))
+
+    def _disk_page(self, namespace: bytes, key: bytes) -> tuple[Node, int] | None:
+        """(node, index) of the trie page of ``key``'s disk copy now, or None."""
+        ref = self.index.disk_entries.get((namespace, key))
+        return None if ref is None else ref.resolve()
+
+    def device_job(self, key: bytes) -> tuple[FetchJob, int] | None:
+        """The job bringing ``key`` to the device now, with its row, or None."""
+        joined = self.jobs.get(key)
+        return joined if joined is not None and joined[0].to_device else None
+
+    def _prereq_done(self, job: FetchJob) -> None:
+        job.prereqs -= 1
+        if job.prereqs == 0:
+            self._submit_fetch(job)
+
+    def _submit_fetch(self, job: FetchJob) -> None:
+        valid = 0
+        for key in job.keys:
+            entry = self.index.host_state(key)
+            if entry is None or not entry.ready:
+                break
+            valid += 1
+        if not job.to_device or valid == 0:  # at the next poll: never inside the job's creator
+            self._on_done(resolved_future(), lambda _: self._finish(job, 0 if job.to_device else valid))
+            return
+        for start, size in pow2_runs(valid):
+            future = self.transfer.fetch(job.keys[start : start + size], priority=job.priority)
+            job.pending += 1
+            self._on_done(future, lambda result, start=start: self._fetched(job, start, result))
+
+    def _fetched(self, job: FetchJob, start: int, result: TransferResult) -> None:
+        job.chunks[start] = self.codec.decode(result.blocks) if result.ok else None
+        job.pending -= 1
+        if job.pending:
+            return
+        if self.metrics is not None:
+            self.metrics.observe("fetch_seconds", time.monotonic() - job.started, tier=job.tier)
+        valid = 0
+        for start in sorted(job.chunks):  # leading chunks that arrived
+            if job.chunks[start] is None:
+                break
+            valid += job.chunks[start].shape[0]
+        self._finish(job, valid)
+
+    def _finish(self, job: FetchJob, valid: int) -> None:
+        job.valid = valid
+        del self.live_jobs[id(job)]
+        if valid < len(job.keys) and job.to_device:
+            self.counts["fetch_failures"] += 1
+            if self.metrics is not None:
+                self.metrics.inc("fetch_failures")
+        for key in job.keys:
+            if self.jobs.get(key, (None,))[0] is job:
+                del self.jobs[key]
+        for key in job.held:
+            self.index.release_host(key)
+        self._scatter(job)
+        job.chunks = {}
+        for waiter, _, _, _ in job.consumers:
+            waiter.outstanding -= 1
+            if waiter.outstanding == 0:
+                self._finalize(waiter)
+
+    def _scatter(self, job: FetchJob) -> None:
+        """Each arrived chunk into the blocks of every live consumer of its rows."""
+        for start, blocks in job.chunks.items():
+            if blocks is None or start >= job.valid:
+                continue
+            end = start + blocks.shape[0]
+            for waiter, offset, row, count in job.consumers:
+                low, high = max(row, start), min(row + count, end)
+                if low >= high or not waiter.handle.alive:
+                    continue
+                first = waiter.first + offset + low - row
+                part = blocks if (low, high) == (start, end) else blocks[low - start : high - start]
+                self.pool.scatter(waiter.handle.block_ids[first : first + high - low], part)
+
+    def _finalize(self, waiter: Waiter) -> None:
+        del self.waiters[waiter.handle.seq_id]
+        handle = waiter.handle
+        if not handle.alive:
+            return
+        valid = waiter.valid_pages()
+        page_size = self.prefix.page_size
+        handle.num_hit_tokens = (waiter.first + valid) * page_size
+        if valid:
+            tokens = np.frombuffer(handle._tokens, "<i4", (waiter.first + valid) * page_size)
+            self.prefix.commit(handle, tokens, lossy=self.codec.lossy)
+        from_disk = int(waiter.from_disk[:valid].sum())
+        self.counts["fetched_disk"] += from_disk
+        self.counts["fetched_host"] += valid - from_disk
+        if not waiter.prefetch:
+            self.counts["fetched_lossy"] += valid if self.codec.lossy else 0
+            if self.metrics is not None:
+                self._record_fetch_hits(waiter, valid, from_disk)
+        if waiter.prefetch:
+            self.prefix.release(handle)
+
+    def _record_fetch_hits(self, waiter: Waiter, valid: int, from_disk: int) -> None:
+        page_size = self.prefix.page_size
+        if valid - from_disk:
+            self.metrics.record_hit("host", (valid - from_disk) * page_size, valid - from_disk)
+        if from_disk:
+            self.metrics.record_hit("disk", from_disk * page_size, from_disk)
+        if valid < waiter.num_pages:
+            lost = waiter.num_pages - valid
+            self.metrics.record_miss("evicted", lost * page_size, lost)
+
+    # --- helpers: copies down ----------------------------------------------------------------
+
+    def _copied_down(self, keys: list[bytes], result: TransferResult) -> None:
+        done = 0
+        for key in keys:
+            if self.copies.get(key) is not None:
+                del self.copies[key]
+            self.index.host_done(key)
+            done += self.index.host.contains(key)
+        self.counts["offloaded"] += done
+        if self.metrics is not None and done:
+            self.metrics.record_spill("device_to_host", done, done * self.block_nbytes)
+
+    def _restored(self, keys: list[bytes], namespace: bytes, result: TransferResult) -> None:
+        for key in keys:
+            self.copies.pop(key, None)
+            self.index.host_done(key)
+            if not self.index.disk.contains(key, namespace):  # corrupt or unreadable: gone
+                self.index.forget_disk(key, namespace)
+        self._count_disk_errors()
+
+    def _spilled(self, keys: list[bytes], result: TransferResult) -> None:
+        del self.spills[id(keys)]
+        index = self.index
+        done = set(result.done_keys)
+        for key in keys:
+            entry = index.host_entries.get(key)
+            located = None if entry is None or entry.dropped else entry.ref.resolve()
+            if key in done and located is not None:
+                index.add_disk(key, entry.namespace, *located)
+            index.release_host(key)
+        self.counts["spilled"] += len(done)
+        if self.metrics is not None and done:
+            self.metrics.record_spill("host_to_disk", len(done), len(done) * self.block_nbytes)
+        index.reconcile_disk()
+        self._count_disk_errors()
+
+    def _count_disk_errors(self) -> None:
+        stats = self.index.disk.stats()
+        errors = stats.write_errors + stats.corrupt_blocks + stats.read_errors
+        if errors > self._disk_errors_seen:
+            self.counts["disk_errors"] += errors - self._disk_errors_seen
+            if self.metrics is not None:
+                self.metrics.inc("disk_errors", errors - self._disk_errors_seen)
+            self._disk_errors_seen = errors
+
+    def _on_done(self, future: concurrent.futures.Future, callback: Callable) -> None:
+        self._callbacks.append((future, callback))

@@ -1,0 +1,1 @@
+"""Tools: command line, demo, built-in workload, trace replay."""
