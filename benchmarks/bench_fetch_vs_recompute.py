@@ -12,7 +12,7 @@ A prompt of ``P`` tokens (whole pages) runs on the tiny model (``configs/tiny.to
 Every configuration runs once untimed first (compilations), then ``--repeats`` times
 interleaved; the table shows the fastest run (a shared machine only ever adds time).
 
-The fit turns the rows into a ``FetchCostModel`` (recompute: ``a + b*P + c*P**2/2`` seconds;
+The fit turns the rows into a ``CostModel`` (recompute: ``a + b*P + c*P**2/2`` seconds;
 fetch: fixed latency plus bytes over bandwidth, beyond the last page's step) and reports
 the break-even prompt length: measured (first ``P`` where fetching wins) and modelled.
 
@@ -33,7 +33,7 @@ Measured here (CPU, 2 cores shared with other jobs, load ~3; ``--repeats 7``), m
 
 Break-even: host from the first size (32 tokens: one cached page, within the noise), disk
 from 128 tokens measured (64 modelled). The fitted models of this and one more run are the
-defaults of ``kvjax.cache.cost_model.FetchCostModel``.
+defaults of ``kvjax.cache.cost_model.CostModel``.
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvjax.cache.cost_model import FetchCostModel  # noqa: E402
+from kvjax.cache.cost_model import CostModel  # noqa: E402
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
 from kvjax.serving.model import BatchInputs, ModelConfig, Transformer, load_config  # noqa: E402
 from kvjax.tiers.page_pool import Buckets, PoolConfig  # noqa: E402
 
-ALWAYS_FETCH = FetchCostModel(seconds_per_token=1.0)  # the benchmark decides, not the cache
+ALWAYS_FETCH = CostModel(recompute_seconds_per_token=1.0)  # the benchmark decides, not the cache
 
 
 def main() -> None:
@@ -188,7 +188,7 @@ def print_table(best, lengths, modes, page_size, block_bytes) -> None:
 
 
 def print_fit(best, lengths, modes, page_size, block_bytes) -> None:
-    """Least-squares FetchCostModel from the rows, and the break-even prompt lengths."""
+    """Least-squares CostModel from the rows, and the break-even prompt lengths."""
     n = np.array(lengths, np.float64)
     recompute = np.array([best[("recompute", int(k))] for k in lengths])
     a, b, c = np.linalg.lstsq(np.stack([np.ones_like(n), n, n * n / 2], 1), recompute, rcond=None)[0]
@@ -196,13 +196,13 @@ def print_fit(best, lengths, modes, page_size, block_bytes) -> None:
     blocks = n / page_size - 1
     host = np.array([best[("host", int(k))] for k in lengths]) - last_page
     latency, per_block = np.linalg.lstsq(np.stack([np.ones_like(blocks), blocks], 1), host, rcond=None)[0]
-    fields = dict(seconds_per_token=max(b, 1e-9), seconds_per_token_position=max(c, 0.0),
-                  fetch_latency=max(latency, 0.0), host_bytes_per_second=block_bytes / max(per_block, 1e-12))
+    fields = dict(recompute_seconds_per_token=max(b, 1e-9), recompute_seconds_per_token_position=max(c, 0.0),
+                  fetch_latency_seconds=max(latency, 0.0), host_bytes_per_second=block_bytes / max(per_block, 1e-12))
     if "disk" in modes:
         disk = np.array([best[("disk", int(k))] - best[("host", int(k))] for k in lengths])
         d_latency, d_per_block = np.linalg.lstsq(np.stack([np.ones_like(blocks), blocks], 1), disk, rcond=None)[0]
-        fields.update(disk_latency=max(d_latency, 0.0), disk_bytes_per_second=block_bytes / max(d_per_block, 1e-12))
-    model = FetchCostModel(**{k: float(f"{v:.3g}") for k, v in fields.items()})
+        fields.update(disk_latency_seconds=max(d_latency, 0.0), disk_bytes_per_second=block_bytes / max(d_per_block, 1e-12))
+    model = CostModel(**{k: float(f"{v:.3g}") for k, v in fields.items()})
     print(f"\nfitted: {model}")
     for mode in [m for m in modes if m != "recompute"]:
         wins = [k for k in lengths if best[(mode, k)] < best[("recompute", k)]]

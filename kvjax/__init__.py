@@ -6,7 +6,7 @@ from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import FinishEvent, RunSummary, TokenEvent
 from kvjax.serving.observer import CacheMetricsView
-from kvjax.cache.cost_model import FetchCostModel
+from kvjax.cache.cost_model import CostModel
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.model import ModelConfig, Transformer, load_config, load_weights, save_weights
@@ -25,7 +25,7 @@ __all__ = [
     "CanonicalizeConfig",
     "Engine",
     "EngineConfig",
-    "FetchCostModel",
+    "CostModel",
     "FinishEvent",
     "KVCache",
     "KVCacheConfig",

@@ -20,7 +20,7 @@ from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.observer import CacheMetricsView
 from kvjax.serving.preset import pool_config
-from kvjax.cache.cost_model import FetchCostModel
+from kvjax.cache.cost_model import CostModel
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.model import ModelConfig, Transformer
@@ -31,7 +31,7 @@ PAGE, BLOCKS, MAX_LEN = 8, 64, 384
 BUCKETS = (16, 64)
 SCHEDULER = SchedulerConfig(max_num_seqs=4, token_budget=64, max_prefill_chunk=32)
 ATOL = 1e-4  # float32 logits, paged vs dense (different summation order)
-FETCH_ALWAYS = FetchCostModel(seconds_per_token=1.0)  # recomputing is never cheaper: every lower-tier hit is fetched
+FETCH_ALWAYS = CostModel(recompute_seconds_per_token=1.0)  # recomputing is never cheaper: every lower-tier hit is fetched
 
 
 @functools.lru_cache(maxsize=None)

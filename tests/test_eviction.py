@@ -2,7 +2,9 @@
 
 import pytest
 
-from kvjax.cache.eviction import POLICIES, CostAwarePolicy, CostModel, EvictionPolicy, LRUPolicy, make_policy
+from kvjax.cache.cost_model import CostModel
+from kvjax.cache.eviction import EvictionPolicy
+from kvjax.cache.policies import POLICIES, CostAwarePolicy, LRUPolicy, make_policy
 from kvjax.cache.device_index import PrefixCache
 from kvjax.cache.prefix_trie import Tier
 
@@ -102,7 +104,7 @@ def deep_and_shallow(policy, **kwargs):
     return cache, block_of(cache, deep), block_of(cache, [20, 21, 22, 23])
 
 
-ATTENTION_BOUND = CostModel(params_per_layer=1.0)  # cost grows with position only
+ATTENTION_BOUND = CostModel(recompute_seconds_per_token=0.0)  # cost grows with position only
 
 
 def test_cost_aware_keeps_expensive_deep_pages_that_lru_would_evict():
@@ -113,7 +115,7 @@ def test_cost_aware_keeps_expensive_deep_pages_that_lru_would_evict():
 
 
 def test_cost_aware_evicts_pages_with_a_host_copy_first():
-    fast_link = CostModel(params_per_layer=1.0, transfer_bytes_per_second=1e18)
+    fast_link = CostModel(recompute_seconds_per_token=0.0, fetch_latency_seconds=0.0, host_bytes_per_second=1e18)
     cache, deep_tail, shallow = deep_and_shallow("cost_aware", cost_model=fast_link)
     cache.set_tier(list(range(16)), None, 3, Tier.HOST)  # a miss now costs only a fetch
     assert cache.evict(1) == [deep_tail]
@@ -136,26 +138,17 @@ def test_cost_aware_prefers_recent_and_frequently_hit_pages():
 
 def test_cost_model_grows_with_depth_and_counts_attention():
     model = CostModel()
-    costs = [model.recompute_seconds(page, 16) for page in (0, 10, 1000)]
+    costs = [model.recompute_seconds(page * 16, 16) for page in (0, 10, 1000)]
     assert costs[0] < costs[1] < costs[2]
-    # Page 1000 starts at token 16000: attention adds 4 * hidden * positions FLOPs per layer.
+    # Page 1000 starts at token 16000: each of its tokens attends to every earlier position.
     positions = 16 * 16000 + 16 * 15 / 2
-    expected = model.num_layers * (2 * model.params_per_layer * 16 + 4 * model.hidden_size * positions)
-    assert costs[2] == pytest.approx(expected / model.flops_per_second)
-    assert model.transfer_seconds(16) == pytest.approx(16 * model.kv_bytes_per_token / 2e10)
-
-
-def test_node_recompute_cost_is_the_sum_of_its_pages():
-    cache, clock = make_cache("lru", page_size=4)
-    run(cache, clock, list(range(12)), at=1.0)
-    run(cache, clock, list(range(4)) + [50, 51, 52, 53], at=2.0)  # splits after page 0
-    model = CostModel()
-    for node in cache.trie.nodes():
-        pages = range(node.first_page, node.first_page + node.num_pages)
-        expected = sum(model.recompute_seconds(page, 4) for page in pages)
-        assert node.recompute_seconds(4) == pytest.approx(expected)
-    deep = max(cache.trie.nodes(), key=lambda n: n.first_page)
-    assert deep.recompute_seconds(4) > model.recompute_seconds(0, 4, deep.num_pages)
+    expected = 16 * model.recompute_seconds_per_token + positions * model.recompute_seconds_per_token_position
+    assert costs[2] == pytest.approx(expected)
+    # A miss on a page with a host copy costs at most its fetch.
+    fetch = model.fetch_latency_seconds + 4096 / model.host_bytes_per_second
+    assert model.miss_seconds(1000, 16, 4096, lower_copy=True) == pytest.approx(min(costs[2], fetch))
+    assert model.miss_seconds(1000, 16, 4096, lower_copy=False) == pytest.approx(costs[2])
+    assert model.swap_seconds(3, 4096) == pytest.approx(2 * 3 * 4096 / model.host_bytes_per_second)
 
 
 def test_cost_aware_ordering_does_not_depend_on_now():
@@ -170,7 +163,7 @@ def test_cost_aware_ordering_does_not_depend_on_now():
     orders = {tuple(sorted(range(3), key=lambda i: policy.priority(nodes[i], now))) for now in (5, 50, 5000)}
     assert len(orders) == 1
     # value = (hits + 1) * 2 ** -(age / half_life) * loss, compared at now=6.
-    loss = [policy.cost_model.recompute_seconds(n.first_page, 16) for n in nodes]
+    loss = [policy.cost_model.recompute_seconds(n.first_page * 16, 16) for n in nodes]
     value = [(n.hits + 1) * 2 ** (-(6 - n.last_access) / 3.0) * l for n, l in zip(nodes, loss)]
     assert orders == {tuple(sorted(range(3), key=value.__getitem__))}
 

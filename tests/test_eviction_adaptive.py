@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvjax.cache.eviction import POLICIES, make_policy
-from kvjax.cache.eviction_adaptive import DEFAULT_POLICY, AdaptiveSegmentedPolicy, SegmentedPolicy
+from kvjax.cache.cost_model import CostModel
+from kvjax.cache.policies import DEFAULT_POLICY, POLICIES, AdaptiveSegmentedPolicy, SegmentedPolicy, make_policy
 from kvjax.cache.device_index import PrefixCache
 from kvjax.tools.replay import replay_trace
 from kvjax.tools.trace import TraceRequest
@@ -24,7 +24,7 @@ class FakeNode:
 
 
 def _bound(policy):
-    policy.bind(1)
+    policy.bind(1, 0, CostModel())
     return policy
 
 

@@ -14,15 +14,15 @@ from kv_cache_cases import ManualTransfer, MemoryDisk, page_content, serve_from_
 from tier_cases import DTYPES, random_blocks, same_bits
 
 from kvjax.tiers.disk_tier import DiskTier
-from kvjax.cache.cost_model import FetchCostModel
+from kvjax.cache.cost_model import CostModel
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.metrics.registry import Metrics
 from kvjax.tiers.page_pool import PoolConfig
 from kvjax.cache.trie_node import Tier
 
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
-ALWAYS_FETCH = FetchCostModel(seconds_per_token=1.0)
-NEVER_FETCH = FetchCostModel(fetch_latency=1.0)
+ALWAYS_FETCH = CostModel(recompute_seconds_per_token=1.0)
+NEVER_FETCH = CostModel(fetch_latency_seconds=1.0)
 TIMEOUT = 30.0
 
 
@@ -151,8 +151,8 @@ def test_cost_model_chooses_recompute_for_cheap_prefixes():
 
 
 def test_cost_model_fetches_the_prefix_that_saves_most():
-    model = FetchCostModel(seconds_per_token=1e-3, seconds_per_token_position=0.0, fetch_latency=5e-3,
-                           host_bytes_per_second=1e9, disk_latency=1.0)  # fmt: skip
+    model = CostModel(recompute_seconds_per_token=1e-3, recompute_seconds_per_token_position=0.0, fetch_latency_seconds=5e-3,
+                           host_bytes_per_second=1e9, disk_latency_seconds=1.0)  # fmt: skip
     host_only = np.zeros(4, bool)
     assert model.pages_to_fetch(0, 4, host_only, 4096) == 4  # 16 ms of recompute vs ~5 ms
     assert model.pages_to_fetch(0, 1, host_only[:3], 4096) == 0  # 3 ms of recompute vs ~5 ms
@@ -289,7 +289,7 @@ def test_namespaces_never_share_pages_in_any_tier():
     (dict(disk_dir="/tmp/x", disk_bytes=1 << 20), r"a disk tier \(disk_dir='/tmp/x'\) needs host_bytes > 0"),
     (dict(selective_min_hits=0), r"selective_min_hits=0 must be an int >= 1"),
     (dict(high_watermark=0.5, low_watermark=0.6), r"watermarks must satisfy 0 <= low_watermark=0.6"),
-    (dict(cost_model="fast"), r"cost_model='fast' must be a FetchCostModel"),
+    (dict(cost_model="fast"), r"cost_model='fast' must be a CostModel"),
 ])  # fmt: skip
 def test_bad_config_is_rejected_with_a_message(values, message):
     with pytest.raises(ValueError, match=message):
@@ -299,16 +299,20 @@ def test_bad_config_is_rejected_with_a_message(values, message):
 def test_config_from_dict_builds_nested_sections():
     config = KVCacheConfig.from_dict({
         "pool": dict(num_blocks=4, num_layers=1, num_kv_heads=1, page_size=2, head_dim=4, dtype="bfloat16"),
-        "host_bytes": 1024, "cost_model": {"fetch_latency": 0.5}, "write_policy": "selective"})  # fmt: skip
-    assert config.pool.dtype == "bfloat16" and config.cost_model.fetch_latency == 0.5 and config.tiered
+        "host_bytes": 1024, "cost_model": {"fetch_latency_seconds": 0.5}, "write_policy": "selective"})  # fmt: skip
+    assert config.pool.dtype == "bfloat16" and config.cost_model.fetch_latency_seconds == 0.5 and config.tiered
     with pytest.raises(ValueError, match=r"unknown KV cache config keys \['hosts'\]"):
         KVCacheConfig.from_dict({"pool": config.pool, "hosts": 1})
     with pytest.raises(ValueError, match=r"unknown cost model keys \['latency'\]"):
         KVCacheConfig.from_dict({"pool": config.pool, "cost_model": {"latency": 1}})
-    with pytest.raises(ValueError, match=r"fetch_latency=-1 must be a number >= 0"):
-        FetchCostModel(fetch_latency=-1)
+    with pytest.raises(ValueError, match=r"fetch_latency_seconds=-1 must be a number >= 0"):
+        CostModel(fetch_latency_seconds=-1)
     with pytest.raises(ValueError, match=r"host_bytes_per_second=0 must be > 0"):
-        FetchCostModel(host_bytes_per_second=0)
+        CostModel(host_bytes_per_second=0)
+    with pytest.raises(ValueError, match=r"recompute_seconds_per_token=nan must be a number >= 0"):
+        CostModel(recompute_seconds_per_token=float("nan"))
+    with pytest.raises(ValueError, match=r"disk_bytes_per_second=True must be a number >= 0"):
+        CostModel(disk_bytes_per_second=True)
 
 
 def test_bad_requests_raise_and_change_nothing():

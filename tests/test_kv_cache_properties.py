@@ -29,7 +29,7 @@ from scheduler_cases import Clock
 
 from kvjax.tiers.block_codec import make_codec
 from kvjax.cache.block_keys import as_namespace
-from kvjax.cache.cost_model import FetchCostModel
+from kvjax.cache.cost_model import CostModel
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.kv_cache_config import WRITE_POLICIES
 from kvjax.tiers.page_pool import PoolConfig
@@ -45,7 +45,7 @@ tokens_st = st.builds(lambda story, cut, tail: list(story[:cut]) + tail, st.samp
                       st.integers(1, 9), st.lists(st.integers(0, 2), max_size=2))  # fmt: skip
 namespace_st = st.sampled_from(NAMESPACES[:1] * 3 + NAMESPACES[1:])
 index_st = st.integers(0, 1000)
-COST_MODELS = (FetchCostModel(seconds_per_token=1.0), FetchCostModel(fetch_latency=1.0))  # always / never
+COST_MODELS = (CostModel(recompute_seconds_per_token=1.0), CostModel(fetch_latency_seconds=1.0))  # always / never
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from kv_cache_cases import MemoryDisk, serve_from_each_tier
 from tier_cases import random_blocks, same_bits
 
 from kvjax.tiers.block_codec import IdentityCodec, make_codec
-from kvjax.cache.cost_model import FetchCostModel
+from kvjax.cache.cost_model import CostModel
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PagePool, PoolConfig
 from kvjax.serving.swap_store import SwapStore
@@ -28,7 +28,7 @@ from pallas_kernels.testing import QUANT_ERROR_BOUNDS
 
 SHAPE = dict(num_blocks=8, num_layers=2, num_kv_heads=2, page_size=4, head_dim=8)
 FLOAT_POOL = PoolConfig(**SHAPE, dtype="float32")
-ALWAYS_FETCH = FetchCostModel(seconds_per_token=1.0)
+ALWAYS_FETCH = CostModel(recompute_seconds_per_token=1.0)
 TIMEOUT = 30.0
 TOKENS = np.arange(9, dtype=np.int32)  # two full pages and one token (always computed)
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvjax.cache.eviction import POLICIES
+from kvjax.cache.policies import POLICIES
 from kvjax.cache.device_index import PrefixCache
 from kvjax.cache.prefix_trie import Tier
 

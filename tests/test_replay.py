@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax.__main__ import main
-from kvjax.cache.eviction import POLICIES
+from kvjax.cache.policies import POLICIES
 from kvjax.tools.replay import DEFAULT_POLICY, replay_report, replay_trace
 from kvjax.tools.replay_bounds import (
     intern_block_paths,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from scheduler_cases import Clock, FakeEngine, reference_output
 
-from kvjax.serving.preemption import PreemptionCosts, SwapSpace, choose_preemption
+from kvjax.cache.cost_model import CostModel
+from kvjax.serving.preemption import SwapSpace, choose_preemption
 from kvjax.cache.device_index import PrefixCache
 from kvjax.cache.prefix_trie import Tier
 from kvjax.serving.request import Request, RequestStatus
@@ -321,8 +322,6 @@ def test_evict_target_above_the_high_watermark():
         ({"aging_seconds": float("inf")}, r"aging_seconds=inf must be a finite"),
         ({"preemption": "drop"}, r"preemption='drop' is not one of \('auto', 'swap', 'recompute'\)"),
         ({"host_swap_blocks": -1}, "host_swap_blocks=-1 must be >= 0"),
-        ({"bytes_per_block": 0}, "bytes_per_block=0 must be a positive number"),
-        ({"host_bytes_per_second": float("nan")}, "host_bytes_per_second=nan must be a positive number"),
         ({"max_waiting": 0}, "max_waiting=0 must be >= 1"),
         ({"rank_refresh_per_step": -1}, "rank_refresh_per_step=-1 must be >= 0"),
         ({"prefetch_window": -2}, "prefetch_window=-2 must be >= 0"),
@@ -431,15 +430,16 @@ def test_wait_queue_without_aging_bonus_is_first_come_first_served():
     ],
 )
 def test_choose_preemption_by_cost_and_room(mode, tokens, free_slots, chosen, reason):
-    costs = PreemptionCosts(recompute_seconds_per_token=5e-5, host_bytes_per_second=2e10, bytes_per_block=2_000_000)
-    got, why = choose_preemption(mode, costs, tokens, 16, free_slots)
+    costs = CostModel(recompute_seconds_per_token=5e-5, recompute_seconds_per_token_position=0.0,
+                      host_bytes_per_second=2e10)
+    got, why = choose_preemption(mode, costs, 2_000_000, tokens, 16, free_slots)
     assert got == chosen
     assert re.match(reason, why), why
 
 
 def test_choose_preemption_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match=r"preemption mode='evict' is not one of \('auto', 'swap', 'recompute'\)"):
-        choose_preemption("evict", PreemptionCosts(), 4, 16, 0)
+        choose_preemption("evict", CostModel(), 1 << 20, 4, 16, 0)
 
 
 def test_swap_space_reuses_released_slots_only_after_flush():

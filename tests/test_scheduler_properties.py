@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_cases import Clock, FakeEngine, reference_output
 
+from kvjax.cache.cost_model import CostModel
 from kvjax.cache.device_index import PrefixCache
 from kvjax.cache.prefix_trie import Tier
 from kvjax.serving.request import Request, RequestStatus
@@ -49,13 +50,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, num_blocks, page_size, high, max_num_seqs, extra_budget, max_prefill_chunk, preemption,
               host_swap_blocks, aging_seconds, evict, refresh, window):  # fmt: skip
         self.clock = Clock()
-        cache = PrefixCache(num_blocks, page_size, vocab_size=VOCAB, clock=self.clock,
-                            high_watermark=high, low_watermark=high / 2)  # fmt: skip
+        cost_model = CostModel(recompute_seconds_per_token=1e-4 if preemption == "auto" else 5e-5,
+                               recompute_seconds_per_token_position=0.0, host_bytes_per_second=2e10)
+        cache = PrefixCache(num_blocks, page_size, vocab_size=VOCAB, clock=self.clock, high_watermark=high,
+                            low_watermark=high / 2, cost_model=cost_model, block_nbytes=2 << 20)  # fmt: skip
         config = SchedulerConfig(
             max_num_seqs=max_num_seqs, token_budget=max_num_seqs + extra_budget, max_prefill_chunk=max_prefill_chunk,
             aging_seconds=aging_seconds, preemption=preemption, host_swap_blocks=host_swap_blocks,
             max_waiting=12, rank_refresh_per_step=refresh, prefetch_window=window, evict_to_low_watermark=evict,
-            recompute_seconds_per_token=1e-4 if preemption == "auto" else 5e-5,
         )  # fmt: skip
         self.scheduler = Scheduler(cache, config)
         self.engine = FakeEngine(self.scheduler, VOCAB)

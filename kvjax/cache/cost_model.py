@@ -1,28 +1,38 @@
-"""Fetch or recompute: what bringing a cached prefix back from host or disk costs, against
-computing its KV again.
+"""The one cost model of cached KV: seconds to recompute it, to fetch it back, to swap it.
 
-A request whose prefix continues past its device pages onto pages held only on host or disk
-can either fetch those pages (copy them up, then scatter them into the pool) or recompute
-them in its prefill. Recomputing ``n`` tokens starting at position ``s`` costs
+Every decision that weighs recomputing KV against moving it uses this model, in seconds:
 
-    n * seconds_per_token + seconds_per_token_position * (s*n + n*(n-1)/2)
+* fetch or recompute (``KVCache`` admissions and prefetches): a request whose prefix runs on
+  past its device pages onto pages held only on host or disk fetches the leading pages whose
+  fetch saves the most time (:meth:`CostModel.pages_to_fetch`);
+* eviction value (the ``cost_aware`` policy): what a miss on a page would cost, its recompute
+  or, when a host/disk copy survives, the cheaper of that and its fetch
+  (:meth:`CostModel.miss_seconds`);
+* preemption (the scheduler): swap a victim's pages to host and back, or recompute them
+  (:meth:`CostModel.swap_seconds` against :meth:`CostModel.recompute_seconds`).
 
-(dense work per token, plus attention over every earlier position); fetching ``b`` blocks,
-``d`` of which must first be read from disk, costs
+Recomputing ``n`` tokens starting at position ``s`` costs
 
-    fetch_latency + b * block_bytes / host_bytes_per_second
-    + (d > 0) * disk_latency + d * block_bytes / disk_bytes_per_second.
+    n * recompute_seconds_per_token
+    + recompute_seconds_per_token_position * (s*n + n*(n-1)/2)
 
-The prefill of the prompt's tail runs either way, so only the marginal recompute cost
-counts. :meth:`FetchCostModel.pages_to_fetch` picks the number of leading lower-tier pages
-whose fetch saves the most time (0: recompute them all).
+(dense work per token, plus attention over every earlier position, so deep pages cost more
+than shallow ones); fetching ``b`` blocks, ``d`` of which must first be read from disk, costs
+
+    fetch_latency_seconds + b * block_bytes / host_bytes_per_second
+    + (d > 0) * disk_latency_seconds + d * block_bytes / disk_bytes_per_second.
+
+Block bytes are not part of the model: they are the pool's (or its offload codec's), and the
+cache passes them in.
 
 The defaults were measured on CPU with the tiny model (``configs/tiny.toml``, 16 KiB pages)
 by ``benchmarks/bench_fetch_vs_recompute.py --repeats 5`` on a shared 2-core machine (fits
 of two runs, rounded): fetching from host pays off from one page (a 32-token prompt, where
 the two are within 15% of each other; 2.2-2.9x at 128 tokens, 16-19x at 2048), from disk
-from about three pages. A deployment measures its own model and links and passes its own
-``FetchCostModel`` (``KVCacheConfig.cost_model``).
+from about three pages. Their ratio of attention to dense cost per position (4e-5) is the
+one of a 7B-class model (4 * hidden / (2 * params per layer) with hidden 4096 and 2e8
+parameters per layer). A deployment measures its own model and links and passes its own
+``CostModel`` (``KVCacheConfig.cost_model``, or ``[cache.cost_model]`` in a preset).
 """
 
 from __future__ import annotations
@@ -32,51 +42,61 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["FetchCostModel"]
+from kvjax.config.from_mapping import config_from_dict
+
+__all__ = ["CostModel"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class FetchCostModel:
-    """Seconds to recompute tokens or fetch blocks; see the module docstring for the formulas."""
+class CostModel:
+    """Seconds to recompute tokens or move blocks; see the module docstring for the formulas."""
 
-    seconds_per_token: float = 2.5e-4
-    seconds_per_token_position: float = 1.0e-8
-    fetch_latency: float = 2.5e-3  # one host->device fetch: thread hand-offs, copy-in, scatter
-    host_bytes_per_second: float = 9.0e7  # one small device_put per block on CPU
-    disk_latency: float = 6.0e-3  # one restore (segment read and checksum), before any byte
+    recompute_seconds_per_token: float = 2.5e-4
+    recompute_seconds_per_token_position: float = 1.0e-8
+    fetch_latency_seconds: float = 2.5e-3  # one host->device fetch: hand-offs, copy-in, scatter
+    host_bytes_per_second: float = 9.0e7  # host <-> device
+    disk_latency_seconds: float = 6.0e-3  # one restore (segment read and checksum), before any byte
     disk_bytes_per_second: float = 5.5e7
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, (int, float)) or value < 0 or value != value:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{field.name}={value!r} must be a number >= 0")
         for name in ("host_bytes_per_second", "disk_bytes_per_second"):
             if getattr(self, name) == 0:
                 raise ValueError(f"{name}=0 must be > 0 bytes per second")
 
     @classmethod
-    def from_dict(cls, values: Mapping) -> FetchCostModel:
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown cost model keys {unknown}; expected some of {known}")
-        return cls(**values)
+    def from_dict(cls, values: Mapping) -> CostModel:
+        """Build from a mapping (a TOML table); unknown keys raise ValueError naming the known ones."""
+        return config_from_dict(cls, values, "cost model")
 
     def recompute_seconds(self, first_token: int, num_tokens: int) -> float:
         """Seconds to recompute tokens ``first_token .. first_token + num_tokens - 1``."""
         positions = first_token * num_tokens + num_tokens * (num_tokens - 1) / 2
-        return num_tokens * self.seconds_per_token + positions * self.seconds_per_token_position
+        return num_tokens * self.recompute_seconds_per_token + positions * self.recompute_seconds_per_token_position
 
     def fetch_seconds(self, num_blocks: int, num_disk_blocks: int, block_bytes: int) -> float:
         """Seconds to bring ``num_blocks`` blocks to the device, ``num_disk_blocks`` of them
         read from disk first (0 seconds for no blocks)."""
         if num_blocks == 0:
             return 0.0
-        seconds = self.fetch_latency + num_blocks * block_bytes / self.host_bytes_per_second
+        seconds = self.fetch_latency_seconds + num_blocks * block_bytes / self.host_bytes_per_second
         if num_disk_blocks:
-            seconds += self.disk_latency + num_disk_blocks * block_bytes / self.disk_bytes_per_second
+            seconds += self.disk_latency_seconds + num_disk_blocks * block_bytes / self.disk_bytes_per_second
         return seconds
+
+    def swap_seconds(self, num_blocks: int, block_bytes: int) -> float:
+        """Seconds to copy ``num_blocks`` blocks to host and later back (a preempted sequence)."""
+        return 2 * num_blocks * block_bytes / self.host_bytes_per_second
+
+    def miss_seconds(self, page: int, page_size: int, block_bytes: int, *, lower_copy: bool) -> float:
+        """What a miss on page ``page`` (pages of ``page_size`` tokens from position 0) costs:
+        its recompute or, when a host/disk copy survives (``lower_copy``), the cheaper of that
+        and fetching it from host."""
+        seconds = self.recompute_seconds(page * page_size, page_size)
+        return min(seconds, self.fetch_seconds(1, 0, block_bytes)) if lower_copy else seconds
 
     def pages_to_fetch(self, first_page: int, page_size: int, on_disk: np.ndarray,
                        block_bytes: int) -> int:  # fmt: skip
@@ -99,11 +119,11 @@ class FetchCostModel:
         k = np.arange(1, len(on_disk) + 1, dtype=np.float64)
         tokens = k * page_size
         start = first_page * page_size
-        recompute = tokens * self.seconds_per_token + (
-            start * tokens + tokens * (tokens - 1) / 2) * self.seconds_per_token_position
+        recompute = tokens * self.recompute_seconds_per_token + (
+            start * tokens + tokens * (tokens - 1) / 2) * self.recompute_seconds_per_token_position
         disk = np.cumsum(np.asarray(on_disk, bool))
-        fetch = self.fetch_latency + k * block_bytes / self.host_bytes_per_second
-        fetch = fetch + (disk > 0) * self.disk_latency + disk * block_bytes / self.disk_bytes_per_second
+        fetch = self.fetch_latency_seconds + k * block_bytes / self.host_bytes_per_second
+        fetch = fetch + (disk > 0) * self.disk_latency_seconds + disk * block_bytes / self.disk_bytes_per_second
         return recompute - fetch
 
     def break_even_tokens(self, page_size: int, block_bytes: int, *, from_disk: bool = False,

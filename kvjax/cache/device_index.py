@@ -26,7 +26,9 @@ import numpy as np
 from kvjax.cache.allocator import BLOCK_DTYPE, BlockAllocator, fragmentation
 from kvjax.cache.block_keys import TOKEN_DTYPE, Namespace, as_namespace, token_bytes, validate_tokens
 from kvjax.cache.records import CacheStats, MatchResult, SeqHandle
-from kvjax.cache.eviction import EvictionPolicy, make_policy
+from kvjax.cache.cost_model import CostModel
+from kvjax.cache.eviction import EvictionPolicy
+from kvjax.cache.policies import make_policy
 from kvjax.cache.prefix_trie import Node, PrefixTrie, Tier
 
 __all__ = ["CacheStats", "MatchResult", "PrefixCache", "SeqHandle"]
@@ -40,7 +42,8 @@ class PrefixCache:
     """Refcounted device blocks indexed by a prefix trie, evicted by a named policy.
 
     ``page_size`` tokens per block; ``vocab_size`` bounds token ids (None: any int32 >= 0);
-    ``clock`` returns seconds (monotonic). See the module docstring for the request path.
+    ``clock`` returns seconds (monotonic); ``cost_model`` and ``block_nbytes`` (bytes a block
+    moves between tiers) are what a cost-aware eviction policy weighs. See the module docstring for the request path.
     """
 
     def __init__(
@@ -53,6 +56,8 @@ class PrefixCache:
         clock: Callable[[], float] = time.monotonic,
         high_watermark: float = 0.9,
         low_watermark: float = 0.7,
+        cost_model: CostModel | None = None,
+        block_nbytes: int = 0,
     ):
         if page_size <= 0:
             raise ValueError(f"{page_size=} must be a positive number of tokens")
@@ -62,7 +67,11 @@ class PrefixCache:
         self.vocab_size = vocab_size
         self.clock = clock
         self.allocator = BlockAllocator(num_blocks, high_watermark=high_watermark, low_watermark=low_watermark)
-        self.trie = PrefixTrie(page_size, make_policy(policy), clock)
+        self.cost_model = cost_model or CostModel()
+        self.block_nbytes = block_nbytes
+        policy = make_policy(policy)
+        policy.bind(page_size, block_nbytes, self.cost_model)
+        self.trie = PrefixTrie(page_size, policy, clock)
         self.allocator.reclaimer = self
         self._stats = CacheStats()
         self._handles: dict[int, SeqHandle] = {}

@@ -49,8 +49,7 @@ class PrefixTrie:
     def __init__(self, page_size: int, policy: EvictionPolicy, clock: Callable[[], float]):
         self.page_size = page_size
         self.page_bytes = 4 * page_size
-        self.policy = policy
-        policy.bind(page_size)
+        self.policy = policy  # bound by the owner (see EvictionPolicy.bind)
         self.queue = EvictionQueue(policy)
         self.clock = clock
         self.num_evictable = 0  # device pages in unlocked, unpinned nodes

@@ -7,7 +7,7 @@ array for it), ``lossy`` (per page: the KV a hit on it gets is not the KV that w
 because it came through a lossy offload codec; None while no page is, the common case),
 ``lock`` (running sequences holding the node), ``hits`` (admissions that used it),
 ``last_access`` (clock seconds), ``hard_pins`` and a soft pin that expires at
-``soft_until``. ``recompute_seconds()`` estimates what recomputing the node's pages costs.
+``soft_until``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import enum
 import numpy as np
 
 from kvjax.cache.block_keys import Namespace
-from kvjax.cache.eviction import CostModel
 
 __all__ = ["LOWER_TIERS", "Node", "Tier"]
 
@@ -71,11 +70,6 @@ class Node:
     @property
     def tail_tiers(self) -> int:
         return int(Tier.DEVICE) if self.tiers is None else int(self.tiers[-1])
-
-    def recompute_seconds(self, page_size: int, cost_model: CostModel | None = None) -> float:
-        """Estimated seconds to recompute all of this node's pages (deep pages cost more)."""
-        model = cost_model or CostModel()
-        return model.recompute_seconds(self.first_page, page_size, len(self.blocks))
 
     def page_lossy(self) -> np.ndarray:
         """Lossy flag of every page, bool ``[num_pages]`` (a fresh array when lossy is None)."""

@@ -3,10 +3,11 @@
 The scheduler picks the victim (the most recently admitted running request); this module
 decides how to preempt it and keeps the host swap space it needs.
 
-Cost model (seconds, per victim with ``n`` computed tokens on ``p = ceil(n / page_size)`` pages)::
+Costs come from the cache's one cost model (``kvjax.cache.cost_model``), in seconds, for a
+victim with ``n`` computed tokens on ``p = ceil(n / page_size)`` pages of ``block_nbytes``::
 
-    swap      = 2 * p * bytes_per_block / host_bytes_per_second   # out now, back in on resume
-    recompute = n * recompute_seconds_per_token                   # prefill again on resume
+    swap      = cost_model.swap_seconds(p, block_nbytes)   # out now, back in on resume
+    recompute = cost_model.recompute_seconds(0, n)         # prefill again on resume
 
 A recompute may hit pages the victim committed (they stay cached after release), so the
 recompute figure is an upper bound; swap restores every page regardless of eviction.
@@ -14,38 +15,15 @@ recompute figure is an upper bound; swap restores every page regardless of evict
 
 from __future__ import annotations
 
-import dataclasses
+from kvjax.cache.cost_model import CostModel
 
-__all__ = ["PREEMPTION_MODES", "PreemptionCosts", "SwapSpace", "choose_preemption"]
+__all__ = ["PREEMPTION_MODES", "SwapSpace", "choose_preemption"]
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN = 5e-5
-DEFAULT_HOST_BYTES_PER_SECOND = 2e10
-DEFAULT_BYTES_PER_BLOCK = 2 * 1024 * 1024
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PreemptionCosts:
-    """Inputs of the swap-vs-recompute choice.
-
-    Defaults: a 7B-class model (2 * 7e9 FLOP per token at ~300 TFLOP/s sustained prefill,
-    so ~5e-5 s per token), 16-token pages of 128 KiB of KV per token (2 MiB per block) and a
-    20 GB/s host link.
-    """
-
-    recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN
-    host_bytes_per_second: float = DEFAULT_HOST_BYTES_PER_SECOND
-    bytes_per_block: int = DEFAULT_BYTES_PER_BLOCK
-
-    def swap_seconds(self, num_pages: int) -> float:
-        return 2 * num_pages * self.bytes_per_block / self.host_bytes_per_second
-
-    def recompute_seconds(self, num_tokens: int) -> float:
-        return num_tokens * self.recompute_seconds_per_token
-
-
-def choose_preemption(mode: str, costs: PreemptionCosts, num_computed_tokens: int, page_size: int,
-                      free_swap_slots: int) -> tuple[str, str]:  # fmt: skip
+def choose_preemption(mode: str, cost_model: CostModel, block_nbytes: int, num_computed_tokens: int,
+                      page_size: int, free_swap_slots: int) -> tuple[str, str]:  # fmt: skip
     """Return ("swap" | "recompute", reason) for a victim with ``num_computed_tokens`` tokens of KV.
 
     ``mode="swap"`` and ``"auto"`` fall back to recompute when the host swap space lacks room;
@@ -54,8 +32,8 @@ def choose_preemption(mode: str, costs: PreemptionCosts, num_computed_tokens: in
     if mode not in PREEMPTION_MODES:
         raise ValueError(f"preemption {mode=!r} is not one of {PREEMPTION_MODES}")
     num_pages = -(-num_computed_tokens // page_size)
-    swap_s = costs.swap_seconds(num_pages)
-    recompute_s = costs.recompute_seconds(num_computed_tokens)
+    swap_s = cost_model.swap_seconds(num_pages, block_nbytes)
+    recompute_s = cost_model.recompute_seconds(0, num_computed_tokens)
     figures = (f"swap {num_pages} blocks ~{swap_s * 1e3:.3g} ms vs recompute "
                f"{num_computed_tokens} tokens ~{recompute_s * 1e3:.3g} ms")  # fmt: skip
     if mode == "recompute" or num_pages == 0:

@@ -74,7 +74,6 @@ class Scheduler:
         self._prefilling: dict[str, Request] = {}  # running requests still prefilling, same order
         self._waiting = WaitQueue(self.config.aging_seconds)
         self._swap = SwapSpace(self.config.host_swap_blocks)
-        self._costs = self.config.costs
         self._refresh = collections.deque()  # waiting request ids, round robin for re-matching
         self._in_refresh: set[str] = set()  # ids in _refresh (each at most once)
         self._prefetch = PrefetchPlanner(self.page_size)
@@ -338,8 +337,9 @@ class Scheduler:
     # --- helpers: preemption, retirement ------------------------------------------------------
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
-        mode, reason = choose_preemption(self.config.preemption, self._costs, victim.num_computed_tokens,
-                                         self.page_size, self._swap.num_free)  # fmt: skip
+        cache = self.cache
+        mode, reason = choose_preemption(self.config.preemption, cache.cost_model, cache.block_nbytes,
+                                         victim.num_computed_tokens, self.page_size, self._swap.num_free)  # fmt: skip
         if mode == "swap":
             num_pages = -(-victim.num_computed_tokens // self.page_size)
             victim.swap_slots = self._swap.allocate(num_pages)

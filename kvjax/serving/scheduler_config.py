@@ -9,13 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvjax.config.from_mapping import config_from_dict
-from kvjax.serving.preemption import (
-    DEFAULT_BYTES_PER_BLOCK,
-    DEFAULT_HOST_BYTES_PER_SECOND,
-    DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN,
-    PREEMPTION_MODES,
-    PreemptionCosts,
-)
+from kvjax.serving.preemption import PREEMPTION_MODES
 
 __all__ = ["SchedulerConfig", "SchedulerStats"]
 
@@ -32,11 +26,8 @@ class SchedulerConfig:
     token_budget: int = 2048  # tokens per step: decodes (1 each) + prefill chunks; >= max_num_seqs
     max_prefill_chunk: int = 512  # tokens of one sequence's prefill per step
     aging_seconds: float = 0.5  # seconds of waiting worth one hit rank (0: first come first served)
-    preemption: str = "auto"  # "auto" (cost model) | "swap" | "recompute"
+    preemption: str = "auto"  # "auto" (the cache's cost model) | "swap" | "recompute"
     host_swap_blocks: int = 0  # host slots for swapped-out KV (0: swap disabled)
-    recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN
-    host_bytes_per_second: float = DEFAULT_HOST_BYTES_PER_SECOND
-    bytes_per_block: int = DEFAULT_BYTES_PER_BLOCK
     max_waiting: int = 4096  # queued requests; a new one beyond this is rejected
     rank_refresh_per_step: int = 4  # waiting requests re-matched per step (round robin)
     prefetch_window: int = 16  # best waiting requests whose host/disk hits are prefetched
@@ -53,9 +44,6 @@ class SchedulerConfig:
         _require(self.preemption in PREEMPTION_MODES,
                  f"preemption={self.preemption!r} is not one of {PREEMPTION_MODES}")  # fmt: skip
         _require(self.host_swap_blocks >= 0, f"host_swap_blocks={self.host_swap_blocks} must be >= 0")
-        for name in ("recompute_seconds_per_token", "host_bytes_per_second", "bytes_per_block"):
-            value = getattr(self, name)
-            _require(math.isfinite(value) and value > 0, f"{name}={value} must be a positive number")
         _require(self.max_waiting >= 1, f"max_waiting={self.max_waiting} must be >= 1")
         _require(self.rank_refresh_per_step >= 0, f"rank_refresh_per_step={self.rank_refresh_per_step} must be >= 0")
         _require(self.prefetch_window >= 0, f"prefetch_window={self.prefetch_window} must be >= 0")
@@ -64,10 +52,6 @@ class SchedulerConfig:
     def from_dict(cls, values: Mapping[str, Any]) -> SchedulerConfig:
         """Build from a mapping (e.g. a parsed config file); unknown keys raise ValueError."""
         return config_from_dict(cls, values, "scheduler config")
-
-    @property
-    def costs(self) -> PreemptionCosts:
-        return PreemptionCosts(self.recompute_seconds_per_token, self.host_bytes_per_second, self.bytes_per_block)
 
 
 @dataclasses.dataclass(slots=True)

@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.cache.cost_model import FetchCostModel
+from kvjax.cache.cost_model import CostModel
 from kvjax.cache.trie_node import Node, Tier
 
 __all__ = ["FetchPlan", "HitSources", "plan_fetch"]
@@ -39,7 +39,7 @@ class FetchPlan:
     device_lossy: np.ndarray | None  # bool [first], None unless the offload codec is lossy
 
 
-def plan_fetch(matched: list[tuple[Node, int]], *, cost_model: FetchCostModel, page_size: int,
+def plan_fetch(matched: list[tuple[Node, int]], *, cost_model: CostModel, page_size: int,
                block_nbytes: int, lossy_codec: bool, accept_lossy: bool) -> FetchPlan:  # fmt: skip
     """The plan of ``matched``; ``block_nbytes`` is what one page moves between tiers
     (the codec's bytes), ``lossy_codec`` whether lower-tier copies are lossy."""

@@ -91,7 +91,8 @@ class KVCache:
         self.prefix = PrefixCache(pool.num_blocks, pool.page_size, policy=config.policy,
                                   vocab_size=config.vocab_size, clock=clock,
                                   high_watermark=config.high_watermark,
-                                  low_watermark=config.low_watermark)  # fmt: skip
+                                  low_watermark=config.low_watermark, cost_model=config.cost_model,
+                                  block_nbytes=self.codec.block_nbytes)  # fmt: skip
         self.host_tier: HostTier | None = None
         self.disk_tier: DiskTier | None = disk_tier
         self.transfer: TransferEngine | None = None
@@ -115,6 +116,15 @@ class KVCache:
     @property
     def clock(self) -> Callable[[], float]:
         return self.prefix.clock
+
+    @property
+    def cost_model(self):
+        return self.prefix.cost_model
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes one block moves between tiers (the codec's)."""
+        return self.codec.block_nbytes
 
     @property
     def allocator(self):

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 
 from kvjax.tiers.block_codec import make_codec
 from pallas_kernels.kv_format import parse_quant
-from kvjax.cache.eviction import POLICIES
-from kvjax.cache.eviction_adaptive import DEFAULT_POLICY
-from kvjax.cache.cost_model import FetchCostModel
+from kvjax.cache.policies import POLICIES
+from kvjax.cache.policies import DEFAULT_POLICY
+from kvjax.cache.cost_model import CostModel
 from kvjax.tiers.page_pool import PoolConfig
 
 __all__ = ["DEFAULT_POLICY", "WRITE_POLICIES", "KVCacheConfig"]
@@ -54,7 +54,7 @@ class KVCacheConfig:
     high_watermark: float = 0.9
     low_watermark: float = 0.7
     vocab_size: int | None = None
-    cost_model: FetchCostModel = FetchCostModel()
+    cost_model: CostModel = CostModel()
     disk_segment_bytes: int = 64 << 20
     offload_quant: str | None = None
     offload_scale: str = "token"
@@ -79,8 +79,8 @@ class KVCacheConfig:
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
             raise ValueError(f"watermarks must satisfy 0 <= low_watermark={self.low_watermark} "
                              f"<= high_watermark={self.high_watermark} <= 1")
-        if not isinstance(self.cost_model, FetchCostModel):
-            raise ValueError(f"cost_model={self.cost_model!r} must be a FetchCostModel")
+        if not isinstance(self.cost_model, CostModel):
+            raise ValueError(f"cost_model={self.cost_model!r} must be a CostModel")
         make_codec(self.pool, self.offload_quant, self.offload_scale)  # raises naming a bad value
         object.__setattr__(self, "offload_quant", parse_quant(self.offload_quant, "offload_quant"))
         if self.offload_quant is not None and not self.tiered:
@@ -101,7 +101,7 @@ class KVCacheConfig:
         if isinstance(values.get("pool"), Mapping):
             values["pool"] = PoolConfig.from_dict(values["pool"])
         if isinstance(values.get("cost_model"), Mapping):
-            values["cost_model"] = FetchCostModel.from_dict(values["cost_model"])
+            values["cost_model"] = CostModel.from_dict(values["cost_model"])
         return cls(**values)
 
     @property

@@ -46,7 +46,7 @@ import numpy as np
 
 from kvjax.cache.block_keys import Namespace
 from kvjax.cache.eviction import EvictionPolicy
-from kvjax.cache.eviction_adaptive import DEFAULT_POLICY
+from kvjax.cache.policies import DEFAULT_POLICY
 from kvjax.cache.device_index import PrefixCache
 from kvjax.tools.replay_bounds import (
     HitCounter,

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from kvjax.cache.eviction import POLICIES
+from kvjax.cache.policies import POLICIES
 from kvjax.tools.replay_tiers import DEFAULT_TIER_POLICY, TIER_POLICIES
 from kvjax.tools.replay import DEFAULT_POLICY, ReplayReport, replay_report
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, load_trace

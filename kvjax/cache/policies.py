@@ -1,6 +1,15 @@
-"""Scan-resistant eviction: probation and protected segments, a ghost history, adaptive balance.
+"""Eviction policies by name: which unlocked, unpinned leaf of the prefix trie goes first.
 
-Leaves of the prefix trie fall into two segments:
+Each policy is a small ``EvictionPolicy`` (see ``kvjax.cache.eviction``) with one
+``priority(node, now)``; ``make_policy`` builds one by name and ``POLICIES`` lists them. Add
+one by subclassing ``EvictionPolicy`` here and registering it in ``POLICIES``.
+
+* ``lru``: least recently used first; ``lfu``: fewest hits first, then LRU;
+* ``cost_aware``: smallest expected loss (reuse likelihood x the cost model's miss seconds);
+* ``segmented`` and ``adaptive``: scan-resistant segments, below.
+
+Scan resistance (``segmented``, ``adaptive``): probation and protected segments, a ghost
+history, an adaptive balance. Leaves of the prefix trie fall into two segments:
 - probation: pages used by one request only so far (``hits == 0``), e.g. a one-off long
   document or the newest turn of a chat;
 - protected: pages used again, either while cached (``hits >= 1``) or after they had been
@@ -33,12 +42,75 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-from kvjax.cache.eviction import POLICIES, EvictionPolicy
+from kvjax.cache.cost_model import CostModel
+from kvjax.cache.eviction import EvictionPolicy
 
-__all__ = ["DEFAULT_POLICY", "AdaptiveSegmentedPolicy", "SegmentedPolicy"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "AdaptiveSegmentedPolicy",
+    "CostAwarePolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "SegmentedPolicy",
+    "make_policy",
+]
 
-DEFAULT_POLICY = "adaptive"
-"""The eviction policy the CLI, the replay and the engine use unless told otherwise."""
+_LOWER_TIERS = 2 | 4  # Tier.HOST | Tier.DISK (kvjax.cache.trie_node): a copy below the device
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first (``last_access``, seconds)."""
+
+    name = "lru"
+
+    def priority(self, node: Any, now: float) -> float:
+        return node.last_access
+
+
+class LFUPolicy(EvictionPolicy):
+    """Fewest hits first; equal hit counts fall back to least recently used."""
+
+    name = "lfu"
+
+    def priority(self, node: Any, now: float) -> float:
+        return float(node.hits)
+
+
+class CostAwarePolicy(EvictionPolicy):
+    """Evict the page whose expected loss is smallest.
+
+    value = reuse likelihood x cost of a miss on that page, where
+      reuse likelihood = (hits + 1) * 2 ** -((now - last_access) / half_life_s)
+      cost of a miss   = ``CostModel.miss_seconds`` of the page: its recompute (grows with its
+                         depth), or, if a copy survives on host or disk, the cheaper of
+                         recomputing and fetching it.
+    Priority is log2(value); the ``now`` term is common to all nodes, so it is dropped and
+    the ordering is time-invariant (the heap stays valid as time passes).
+    ``cost_model`` None: the cache's (given at ``bind``).
+    """
+
+    name = "cost_aware"
+
+    def __init__(self, *, half_life_s: float = 60.0, cost_model: CostModel | None = None):
+        if half_life_s <= 0:
+            raise ValueError(f"{half_life_s=} must be > 0 seconds")
+        self.half_life_s = half_life_s
+        self.cost_model = cost_model or CostModel()
+        self._own_model = cost_model is not None
+        self._page_size, self._block_nbytes = 16, 0
+
+    def bind(self, page_size: int, block_nbytes: int, cost_model: CostModel) -> None:
+        self._page_size, self._block_nbytes = page_size, block_nbytes
+        if not self._own_model:
+            self.cost_model = cost_model
+
+    def priority(self, node: Any, now: float) -> float:
+        tail_page = node.first_page + node.num_pages - 1
+        loss = self.cost_model.miss_seconds(tail_page, self._page_size, self._block_nbytes,
+                                            lower_copy=bool(node.tail_tiers & _LOWER_TIERS))  # fmt: skip
+        return math.log2(node.hits + 1) + node.last_access / self.half_life_s + math.log2(max(loss, 1e-300))
+
 
 _PROBATION, _PROTECTED = 0, 1
 
@@ -58,7 +130,7 @@ class SegmentedPolicy(EvictionPolicy):
         self._ghost: OrderedDict[tuple[int, bytes], tuple[float, int]] = OrderedDict()
         self._population = [0, 0]  # ghost records per segment: [probation, protected]
 
-    def bind(self, page_size: int) -> None:
+    def bind(self, page_size: int, block_nbytes: int, cost_model: CostModel) -> None:
         self._page_bytes = 4 * page_size  # int32 tokens
 
     def priority(self, node: Any, now: float) -> float:
@@ -197,5 +269,21 @@ class AdaptiveSegmentedPolicy(SegmentedPolicy):
             self.omega = max(0.0, self.omega - self.step * weight)
 
 
-POLICIES[SegmentedPolicy.name] = SegmentedPolicy
-POLICIES[AdaptiveSegmentedPolicy.name] = AdaptiveSegmentedPolicy
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    policy.name: policy
+    for policy in (LRUPolicy, LFUPolicy, CostAwarePolicy, SegmentedPolicy, AdaptiveSegmentedPolicy)
+}
+
+DEFAULT_POLICY = "adaptive"
+"""The eviction policy the CLI, the replay and the engine use unless told otherwise."""
+
+
+def make_policy(name: str | EvictionPolicy, **kwargs: Any) -> EvictionPolicy:
+    """Build the policy registered as ``name`` (an instance is returned unchanged)."""
+    if isinstance(name, EvictionPolicy):
+        return name
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; valid policies: {sorted(POLICIES)}")
+    return POLICIES[name](**kwargs)
