@@ -47,18 +47,25 @@ class PrefetchPlanner:
         self._pending.pop(request_id, None)
         self._announced.pop(request_id, None)
 
+    def due(self, best_waiting: Iterable[Request]) -> list[Request]:
+        """Those of the given (best) waiting requests whose noted extent is not yet announced."""
+        return [request for request in best_waiting if self._unannounced(request.request_id)]
+
     def intents(self, best_waiting: Iterable[Request]) -> list[PrefetchIntent]:
         """Intents for the given (best) waiting requests whose current extent is not yet announced."""
         intents = []
         for request in best_waiting:
-            pending = self._pending.get(request.request_id)
-            if pending is None or self._announced.get(request.request_id) == pending[:2]:
+            if not self._unannounced(request.request_id):
                 continue
-            first, count, tiers = pending
+            first, count, tiers = self._pending[request.request_id]
             self._announced[request.request_id] = (first, count)
             prefix = request.token_ids[: (first + count) * self.page_size]
             intents.append(PrefetchIntent(request.request_id, request.namespace, prefix, first, count, tiers))
         return intents
+
+    def _unannounced(self, request_id: str) -> bool:
+        pending = self._pending.get(request_id)
+        return pending is not None and self._announced.get(request_id) != pending[:2]
 
     def check_invariants(self, waiting_ids: set[str]) -> None:
         """Raise RuntimeError if a request that is not waiting still has prefetch state."""

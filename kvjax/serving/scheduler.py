@@ -416,8 +416,15 @@ class Scheduler:
             refresh.append(request_id)
 
     def _emit_prefetch(self, plan: StepPlan) -> None:
-        if self._prefetch and self.config.prefetch_window:
-            plan.prefetch = self._prefetch.intents(self._waiting.best(self.config.prefetch_window))
+        if not (self._prefetch and self.config.prefetch_window):
+            return
+        # An extent is announced once, so it is matched afresh just before: pages noted when
+        # the request arrived may have reached the device (or left every tier) since.
+        due = self._prefetch.due(self._waiting.best(self.config.prefetch_window))
+        for request in due:
+            match = self.cache.match(request.token_ids, request.namespace)
+            self._note_match(request, match, self._waiting.is_urgent(request.request_id))
+        plan.prefetch = self._prefetch.intents(due)
 
     def _check_watermark(self, plan: StepPlan) -> None:
         allocator = self.cache.allocator
