@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvjax.serving.engine import Engine  # noqa: E402
 from kvjax.serving.engine_config import EngineConfig  # noqa: E402
 from kvjax.serving.preset import build_engine_parts  # noqa: E402
-from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
 from kvjax.serving.scheduler_config import SchedulerConfig  # noqa: E402
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
 
 PHASES = ("schedule", "inputs", "model", "on_step_done", "events + metrics")
 

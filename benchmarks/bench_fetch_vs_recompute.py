@@ -52,8 +52,8 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvjax.cache.cost_model import CostModel  # noqa: E402
-from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
 from kvjax.serving.model import BatchInputs, ModelConfig, Transformer, load_config  # noqa: E402
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
 from kvjax.tiers.page_pool import Buckets, PoolConfig  # noqa: E402
 
 ALWAYS_FETCH = CostModel(recompute_seconds_per_token=1.0)  # the benchmark decides, not the cache

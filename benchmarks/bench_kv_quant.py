@@ -38,9 +38,16 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kv_quant_common import (
+    ALL_FORMATS,
+    GIB,
+    LLAMA3_8B,
+    blocks_in,
+    command_line,
+    format_table,
+    tiny_shape,
+)
 
-from kv_quant_common import ALL_FORMATS, GIB, LLAMA3_8B, blocks_in, command_line, format_table
-from kv_quant_common import tiny_shape
 from pallas_kernels import paged_attention, paged_attention_reference, write_kv
 from pallas_kernels.kv_format import KVFormat, empty_pool, relative_error
 from pallas_kernels.testing import QUANT_FORMATS, make_case, quantize_case

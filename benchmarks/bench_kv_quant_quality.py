@@ -45,13 +45,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-
 from kv_quant_common import ALL_FORMATS, command_line, format_table
-from kvjax.tools.demo import enable_compile_cache
+
 from kvjax.serving.engine import Engine
-from kvjax.serving.model import BatchInputs, ModelConfig, Transformer, load_config, load_weights
-from kvjax.serving.model import save_weights
+from kvjax.serving.model import (
+    BatchInputs,
+    ModelConfig,
+    Transformer,
+    load_config,
+    load_weights,
+    save_weights,
+)
 from kvjax.tiers.page_pool import Buckets, bucket, build_batch
+from kvjax.tools.demo import enable_compile_cache
 from kvjax.tools.workload import WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import KVFormat, empty_pool
 

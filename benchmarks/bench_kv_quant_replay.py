@@ -26,8 +26,16 @@ import sys
 import time
 from pathlib import Path
 
-from kv_quant_common import ALL_FORMATS, GIB, LLAMA3_8B, ModelShape, blocks_in, command_line
-from kv_quant_common import format_table
+from kv_quant_common import (
+    ALL_FORMATS,
+    GIB,
+    LLAMA3_8B,
+    ModelShape,
+    blocks_in,
+    command_line,
+    format_table,
+)
+
 from kvjax.tools.replay import replay_trace
 from kvjax.tools.replay_bounds import HitCounts, unlimited_replay
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, load_trace

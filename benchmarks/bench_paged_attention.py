@@ -40,9 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from paged_attention_report import render_markdown  # noqa: E402  (benchmarks/, beside this file)
+
 from pallas_kernels import paged_attention  # noqa: E402
 from pallas_kernels.kv_format import KVFormat, quantize_pool, relative_error  # noqa: E402
-from paged_attention_report import render_markdown  # noqa: E402  (benchmarks/, beside this file)
 
 DECODE_BATCHES = (8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (512, 2048, 4096, 8192, 32768)

@@ -30,7 +30,11 @@ from synthetic_traces import chat_trace, scan_trace  # noqa: E402
 
 from kvjax.cache.policies import POLICIES  # noqa: E402
 from kvjax.tools.replay import DEFAULT_POLICY, replay_trace  # noqa: E402
-from kvjax.tools.replay_bounds import offline_replay, reuse_oracle_lru_replay, unlimited_replay  # noqa: E402
+from kvjax.tools.replay_bounds import (  # noqa: E402
+    offline_replay,
+    reuse_oracle_lru_replay,
+    unlimited_replay,
+)
 from kvjax.tools.trace import load_trace  # noqa: E402
 
 _SHARED = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"

@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_host_path import python_speed_us  # noqa: E402
+
 from kvjax.cache.device_index import PrefixCache  # noqa: E402
 from kvjax.serving.request import Request  # noqa: E402
 from kvjax.serving.scheduler import Scheduler, SchedulerConfig  # noqa: E402

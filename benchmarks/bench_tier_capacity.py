@@ -33,9 +33,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kv_quant_common import (
+    ALL_FORMATS,
+    GIB,
+    LLAMA3_8B,
+    ModelShape,
+    blocks_in,
+    command_line,
+    format_table,
+    tiny_shape,
+)
 
-from kv_quant_common import ALL_FORMATS, GIB, LLAMA3_8B, ModelShape, blocks_in, command_line
-from kv_quant_common import format_table, tiny_shape
 from kvjax.tiers.block_codec import BlockCodec, make_codec
 from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.host_tier import HostTier

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvjax.serving.engine import Engine  # noqa: E402
 from kvjax.serving.engine_config import EngineConfig  # noqa: E402
 from kvjax.serving.engine_events import FinishEvent  # noqa: E402
-from kvjax.serving.model_runner import ModelRunner  # noqa: E402
 from kvjax.serving.model import ModelConfig  # noqa: E402
+from kvjax.serving.model_runner import ModelRunner  # noqa: E402
 from kvjax.serving.scheduler_config import SchedulerConfig  # noqa: E402
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvjax.serving.preset import pool_config  # noqa: E402
 from kvjax.serving.model import ModelConfig, load_config  # noqa: E402
+from kvjax.serving.preset import pool_config  # noqa: E402
 from kvjax.tiers.page_pool import PoolConfig  # noqa: E402
 from pallas_kernels.kv_format import KVFormat  # noqa: E402
 from pallas_kernels.testing import QUANT_FORMATS  # noqa: E402

@@ -1,21 +1,31 @@
 """kvjax: computed KV as a reusable asset for JAX/Flax serving loops."""
 
 from kvjax.cache.block_keys import Namespace
-from kvjax.text.canonicalize import CanonicalizeConfig, canonicalize, template_fingerprint
+from kvjax.cache.cost_model import CostModel
+from kvjax.cache.device_index import PrefixCache
+from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import FinishEvent, RunSummary, TokenEvent
+from kvjax.serving.model import (
+    ModelConfig,
+    Transformer,
+    load_config,
+    load_weights,
+    save_weights,
+)
 from kvjax.serving.observer import CacheMetricsView
-from kvjax.cache.cost_model import CostModel
-from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
-from kvjax.metrics.registry import Metrics
-from kvjax.serving.model import ModelConfig, Transformer, load_config, load_weights, save_weights
-from kvjax.tiers.page_pool import PagePool, PoolConfig, build_batch
-from kvjax.cache.device_index import PrefixCache
 from kvjax.serving.request import Request
 from kvjax.serving.sampling import SamplingParams
 from kvjax.serving.scheduler import Scheduler, SchedulerConfig
+from kvjax.text.canonicalize import (
+    CanonicalizeConfig,
+    canonicalize,
+    template_fingerprint,
+)
 from kvjax.text.tokenizer import ByteTokenizer, as_tokenizer
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.tiers.page_pool import PagePool, PoolConfig, build_batch
 from kvjax.tools.workload import WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import KVFormat, QuantizedPages
 

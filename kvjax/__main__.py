@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Modules that contribute a subcommand, in the order `--help` lists them.
-COMMAND_MODULES = ("kvjax.tools.demo", "kvjax.tools.replay")
+COMMAND_MODULES = ("kvjax.tools.demo", "kvjax.tools.replay_cli")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,11 @@ from pallas_kernels.reference import (
     scatter_blocks_reference,
     write_kv_reference,
 )
-from pallas_kernels.validation import check_paged_attention_metadata, check_slot_mapping
-from pallas_kernels.validation import check_block_ids
+from pallas_kernels.validation import (
+    check_block_ids,
+    check_paged_attention_metadata,
+    check_slot_mapping,
+)
 
 __all__ = [
     "FORMATS",

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.copy_common import (
-    on_bits,
     largest_pow2_divisor,
+    on_bits,
     run_copies,
     tpu_interpret_mode,
     triton_params,

@@ -12,7 +12,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-
 __all__ = ["Plan", "make_plan", "num_work_items", "work_items", "group_rows", "ungroup_rows",
            "combine_splits"]
 

@@ -16,15 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax.cache.cost_model import CostModel
+from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
+from kvjax.serving.model import ModelConfig, Transformer
 from kvjax.serving.observer import CacheMetricsView
 from kvjax.serving.preset import pool_config
-from kvjax.cache.cost_model import CostModel
-from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
-from kvjax.metrics.registry import Metrics
-from kvjax.serving.model import ModelConfig, Transformer
 from kvjax.serving.scheduler_config import SchedulerConfig
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 
 MODEL = ModelConfig(num_layers=2, d_model=64, num_q_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
 PAGE, BLOCKS, MAX_LEN = 8, 64, 384

@@ -67,8 +67,12 @@ def check_quantized_block_copies(fmt, shape, ids, *, seed: int, **kernel_kwargs)
     """Gather and scatter of a quantized pool of ``shape`` move data and scales together,
     bit-exactly for any bit pattern (NaN payloads included); a padding id gathers zero data
     and zero scales and is skipped by scatter. Compared with the references."""
-    from pallas_kernels import (gather_blocks, gather_blocks_reference, scatter_blocks,
-                                scatter_blocks_reference)
+    from pallas_kernels import (
+        gather_blocks,
+        gather_blocks_reference,
+        scatter_blocks,
+        scatter_blocks_reference,
+    )
     from pallas_kernels.kv_format import QuantizedPages
 
     rng = np.random.default_rng(seed)

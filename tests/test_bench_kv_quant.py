@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_kv_quant_quality import greedy_agreement, heldout_sequences  # noqa: E402
 from bench_kv_quant_replay import tier_blocks, trace_block_bytes  # noqa: E402
 from kv_quant_common import GIB, LLAMA3_8B, blocks_in, format_table  # noqa: E402
+
 from pallas_kernels.kv_format import KVFormat  # noqa: E402
 
 

@@ -5,16 +5,16 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pool_cases import IMPLS, assert_same_bytes, lower_for, random_bytes, shapes_of
 
 from pallas_kernels import (
+    block_copy_pallas,
     check_block_ids,
     gather_blocks,
     gather_blocks_reference,
     scatter_blocks,
     scatter_blocks_reference,
 )
-from pallas_kernels import block_copy_pallas
-from pool_cases import IMPLS, assert_same_bytes, lower_for, random_bytes, shapes_of
 
 NUM_BLOCKS = 7
 # One block: (num_layers, 2, num_kv_heads, page_size, head_dim). The second block's

@@ -2,12 +2,12 @@
 
 import dataclasses
 import doctest
+import importlib
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import importlib
 from kvjax.text.canonicalize import (
     COMMON_DYNAMIC_FIELDS,
     RULES,

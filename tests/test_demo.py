@@ -3,8 +3,8 @@
 import io
 
 import pytest
-
 from engine_cases import BLOCKS, BUCKETS, MAX_LEN, MODEL, PAGE, SCHEDULER
+
 from kvjax.__main__ import main
 from kvjax.tools.demo import run_demo
 from kvjax.tools.workload import WorkloadSpec

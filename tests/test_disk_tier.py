@@ -12,14 +12,13 @@ import hypothesis
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+import tier_cases
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tier_cases import DTYPES, same_bits
+from tier_cases import int_keys as keys
 
 from kvjax.tiers import disk_segments
 from kvjax.tiers.disk_tier import DiskTier
-
-import tier_cases
-from tier_cases import DTYPES, same_bits
-from tier_cases import int_keys as keys
 
 BLOCK_SHAPE = (2, 2, 4, 8)
 NS = b"N" * 16

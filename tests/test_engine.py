@@ -5,23 +5,33 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_cases import (
+    BUCKETS,
+    MAX_LEN,
+    MODEL,
+    PAGE,
+    SCHEDULER,
+    dense_greedy,
+    make_engine,
+    model,
+    random_prompts,
+)
 
-from engine_cases import BUCKETS, MAX_LEN, MODEL, PAGE, SCHEDULER, dense_greedy, make_engine, model, random_prompts
-from kvjax.text.canonicalize import CanonicalizeConfig
+from kvjax.cache.device_index import PrefixCache
+from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import FinishEvent, RunSummary, TokenEvent
-from kvjax.serving.observer import CacheMetricsView
-from kvjax.serving.preset import build_engine_parts, pool_config
-from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
-from kvjax.metrics.registry import Metrics
 from kvjax.serving.miss_attribution import MissAttributor
 from kvjax.serving.model import ModelConfig, load_weights, save_weights
-from kvjax.tiers.page_pool import PagePool
-from kvjax.cache.device_index import PrefixCache
+from kvjax.serving.observer import CacheMetricsView
+from kvjax.serving.preset import build_engine_parts, pool_config
 from kvjax.serving.sampling import SamplingBatch, SamplingParams, sample
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.serving.swap_store import SwapStore
+from kvjax.text.canonicalize import CanonicalizeConfig
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.tiers.page_pool import PagePool
 from kvjax.tools.workload import WorkloadSpec
 
 

@@ -8,8 +8,16 @@ recomputed) resume exactly.
 
 import numpy as np
 import pytest
+from engine_cases import (
+    ATOL,
+    BLOCKS,
+    PAGE,
+    dense_greedy,
+    dense_logits,
+    make_engine,
+    random_prompts,
+)
 
-from engine_cases import ATOL, BLOCKS, PAGE, dense_greedy, dense_logits, make_engine, random_prompts
 from kvjax.serving.engine_events import FinishEvent, TokenEvent
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.tools.workload import WorkloadSpec, build_workload, drive

@@ -9,8 +9,8 @@ closeness holds: logits within a bound set by the format's precision.
 
 import numpy as np
 import pytest
-
 from engine_cases import PAGE, dense_greedy, dense_logits, make_engine, random_prompts
+
 from kvjax.serving.engine_events import FinishEvent, TokenEvent
 from kvjax.tools.workload import WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import QuantizedPages

@@ -12,17 +12,17 @@ forward.
 
 import numpy as np
 import pytest
+from engine_cases import MODEL, PAGE, dense_greedy, make_engine, model
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine_cases import MODEL, PAGE, dense_greedy, make_engine, model
 from kvjax.cache.block_keys import as_namespace
+from kvjax.cache.cost_model import CostModel
+from kvjax.cache.device_index import PrefixCache
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import FinishEvent
-from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import PrefixCache
 from kvjax.serving.scheduler_config import SchedulerConfig
 
 _MASK = (1 << 61) - 1

@@ -3,9 +3,9 @@
 import pytest
 
 from kvjax.cache.cost_model import CostModel
+from kvjax.cache.device_index import PrefixCache
 from kvjax.cache.eviction import EvictionPolicy
 from kvjax.cache.policies import POLICIES, CostAwarePolicy, LRUPolicy, make_policy
-from kvjax.cache.device_index import PrefixCache
 from kvjax.cache.prefix_trie import Tier
 
 

@@ -9,8 +9,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.policies import DEFAULT_POLICY, POLICIES, AdaptiveSegmentedPolicy, SegmentedPolicy, make_policy
 from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    AdaptiveSegmentedPolicy,
+    SegmentedPolicy,
+    make_policy,
+)
 from kvjax.tools.replay import replay_trace
 from kvjax.tools.trace import TraceRequest
 

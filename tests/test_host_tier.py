@@ -8,13 +8,12 @@ import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
+import tier_cases
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tier_cases import DTYPES, same_bits
 
 from kvjax.tiers import host_tier
 from kvjax.tiers.host_tier import HostTier
-
-import tier_cases
-from tier_cases import DTYPES, same_bits
 
 BLOCK_SHAPE = (2, 2, 1, 4, 8)  # [num_layers, 2, num_kv_heads, page_size, head_dim]
 

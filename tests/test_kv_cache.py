@@ -10,15 +10,20 @@ import os
 
 import numpy as np
 import pytest
-from kv_cache_cases import ManualTransfer, MemoryDisk, page_content, serve_from_each_tier
+from kv_cache_cases import (
+    ManualTransfer,
+    MemoryDisk,
+    page_content,
+    serve_from_each_tier,
+)
 from tier_cases import DTYPES, random_blocks, same_bits
 
-from kvjax.tiers.disk_tier import DiskTier
 from kvjax.cache.cost_model import CostModel
-from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
-from kvjax.metrics.registry import Metrics
-from kvjax.tiers.page_pool import PoolConfig
 from kvjax.cache.trie_node import Tier
+from kvjax.metrics.registry import Metrics
+from kvjax.tiers.disk_tier import DiskTier
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.tiers.page_pool import PoolConfig
 
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
 ALWAYS_FETCH = CostModel(recompute_seconds_per_token=1.0)

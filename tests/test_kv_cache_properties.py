@@ -23,17 +23,23 @@ import jax
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 from kv_cache_cases import ManualTransfer, MemoryDisk, page_content
 from scheduler_cases import Clock
 
-from kvjax.tiers.block_codec import make_codec
 from kvjax.cache.block_keys import as_namespace
 from kvjax.cache.cost_model import CostModel
+from kvjax.cache.trie_node import Tier
+from kvjax.tiers.block_codec import make_codec
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.kv_cache_config import WRITE_POLICIES
 from kvjax.tiers.page_pool import PoolConfig
-from kvjax.cache.trie_node import Tier
 from pallas_kernels.kv_format import QuantizedPages, quantize, relative_error
 from pallas_kernels.testing import QUANT_ERROR_BOUNDS
 

@@ -17,12 +17,12 @@ import pytest
 from kv_cache_cases import MemoryDisk, serve_from_each_tier
 from tier_cases import random_blocks, same_bits
 
-from kvjax.tiers.block_codec import IdentityCodec, make_codec
 from kvjax.cache.cost_model import CostModel
+from kvjax.cache.trie_node import Tier
+from kvjax.serving.swap_store import SwapStore
+from kvjax.tiers.block_codec import IdentityCodec, make_codec
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PagePool, PoolConfig
-from kvjax.serving.swap_store import SwapStore
-from kvjax.cache.trie_node import Tier
 from pallas_kernels.kv_format import FORMATS, QuantizedPages, relative_error
 from pallas_kernels.testing import QUANT_ERROR_BOUNDS
 

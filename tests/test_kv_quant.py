@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pool_cases import check_quantized_block_copies
 
 import pallas_kernels
-from pool_cases import check_quantized_block_copies
 from kvjax.tiers.page_pool import PagePool, PoolConfig
 from pallas_kernels import kv_format as kf
 from pallas_kernels.kv_format import KVFormat, QuantizedPages

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pool_cases import IMPLS, assert_same_bytes, lower_for, random_bytes, shapes_of
 
 from pallas_kernels import check_slot_mapping, write_kv, write_kv_reference
 from pallas_kernels.kv_write_pallas import write_kv_gpu, write_kv_tpu
-from pool_cases import IMPLS, assert_same_bytes, lower_for, random_bytes, shapes_of
 
 NUM_BLOCKS, NUM_LAYERS = 6, 3
 # The shape most tests share, so they reuse the grid's compiled programs (compiles dominate

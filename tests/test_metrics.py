@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import kvjax.metrics.registry
-from kvjax.metrics.registry import METRICS, MISS_CAUSES, SPILL_LINKS, TIERS, Metrics
+from kvjax.metrics.registry import Metrics
+from kvjax.metrics.specs import METRICS, MISS_CAUSES, SPILL_LINKS, TIERS
 
 
 class FakeClock:

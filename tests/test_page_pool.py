@@ -7,8 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from pool_cases import assert_same_bytes
 
-from kvjax.tiers.page_pool import BatchMetadata, Buckets, PagePool, PoolConfig, bucket, build_batch
+from kvjax.tiers.page_pool import (
+    BatchMetadata,
+    Buckets,
+    PagePool,
+    PoolConfig,
+    bucket,
+    build_batch,
+)
 from pallas_kernels import (
     gather_blocks_reference,
     paged_attention,
@@ -16,7 +24,6 @@ from pallas_kernels import (
     scatter_blocks_reference,
     write_kv_reference,
 )
-from pool_cases import assert_same_bytes
 
 CONFIG = PoolConfig(num_blocks=8, num_layers=2, num_kv_heads=2, page_size=4, head_dim=16,
                     dtype="float32")

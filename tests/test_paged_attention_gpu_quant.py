@@ -15,14 +15,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from paged_attention_cases import (DECODE, PREFILL_EDGES, QUANT_FORMATS,
-                                   assert_quantized_matches, make_case, quantize_case)
-from pallas_kernels import paged_attention, paged_attention_reference, write_kv, write_kv_reference
-from pallas_kernels.kv_format import (KVFormat, QuantizedPages, dequantize, quantize,
-                                      relative_error)
+from paged_attention_cases import (
+    DECODE,
+    PREFILL_EDGES,
+    QUANT_FORMATS,
+    assert_quantized_matches,
+    make_case,
+    quantize_case,
+)
 from pool_cases import assert_same_bytes, check_quantized_block_copies
+
 import pallas_kernels.paged_attention_gpu as gpu_module
+from pallas_kernels import (
+    paged_attention,
+    paged_attention_reference,
+    write_kv,
+    write_kv_reference,
+)
+from pallas_kernels.kv_format import (
+    KVFormat,
+    QuantizedPages,
+    dequantize,
+    quantize,
+    relative_error,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

@@ -16,14 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from paged_attention_cases import (
+    DECODE,
+    PREFILL_EDGES,
+    QUANT_FORMATS,
+    assert_quantized_matches,
+    make_case,
+    quantize_case,
+)
+from pool_cases import assert_same_bytes, check_quantized_block_copies
 
-from paged_attention_cases import (DECODE, PREFILL_EDGES, QUANT_FORMATS,
-                                   assert_quantized_matches, make_case, quantize_case)
 from pallas_kernels import paged_attention, write_kv, write_kv_reference
 from pallas_kernels.kv_format import KVFormat, QuantizedPages, dequantize, quantize
 from pallas_kernels.paged_attention_tpu import paged_attention_tpu
 from pallas_kernels.tpu_layout import check_tpu_layout
-from pool_cases import assert_same_bytes, check_quantized_block_copies
 
 _TPU = dict(impl="pallas_tpu", interpret=True)
 

@@ -3,9 +3,13 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from paged_attention_cases import make_case
-from pallas_kernels import check_paged_attention_metadata, check_slot_mapping, paged_attention
+
+from pallas_kernels import (
+    check_paged_attention_metadata,
+    check_slot_mapping,
+    paged_attention,
+)
 from pallas_kernels.backend import resolve_impl, resolve_interpret
 
 

@@ -3,8 +3,14 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_attention_cases import (
+    DECODE,
+    GRID,
+    PREFILL_EDGES,
+    assert_matches_reference,
+    make_case,
+)
 
-from paged_attention_cases import DECODE, GRID, PREFILL_EDGES, assert_matches_reference, make_case
 from pallas_kernels import paged_attention
 
 

@@ -15,10 +15,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from kvjax.cache.policies import POLICIES
 from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.policies import POLICIES
 from kvjax.cache.prefix_trie import Tier
 
 VOCAB = 3  # tiny: prefixes collide often

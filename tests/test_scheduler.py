@@ -7,9 +7,9 @@ import pytest
 from scheduler_cases import Clock, FakeEngine, reference_output
 
 from kvjax.cache.cost_model import CostModel
-from kvjax.serving.preemption import SwapSpace, choose_preemption
 from kvjax.cache.device_index import PrefixCache
 from kvjax.cache.prefix_trie import Tier
+from kvjax.serving.preemption import SwapSpace, choose_preemption
 from kvjax.serving.request import Request, RequestStatus
 from kvjax.serving.scheduler import Scheduler, SchedulerConfig
 from kvjax.serving.wait_queue import WaitQueue, hit_rank

@@ -13,7 +13,13 @@ import itertools
 import numpy as np
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 from scheduler_cases import Clock, FakeEngine, reference_output
 
 from kvjax.cache.cost_model import CostModel

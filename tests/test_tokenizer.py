@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvjax.text.tokenizer
-from kvjax.text.tokenizer import BYTE_VOCAB, ByteTokenizer, Tokenizer, TokenizerAdapter, as_tokenizer
+from kvjax.text.tokenizer import (
+    BYTE_VOCAB,
+    ByteTokenizer,
+    Tokenizer,
+    TokenizerAdapter,
+    as_tokenizer,
+)
 
 
 def test_docstring_examples_hold():

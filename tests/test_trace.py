@@ -6,7 +6,6 @@ import pytest
 
 from kvjax.tools.trace import TraceRequest, load_trace, parse_trace_lines
 
-
 _MISSING = object()  # a field value meaning "leave the field out"
 
 

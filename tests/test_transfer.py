@@ -8,6 +8,9 @@ import threading
 import jax
 import jax.numpy as jnp
 import pytest
+import tier_cases
+from tier_cases import DTYPES, same_bits
+from tier_cases import int_keys as keys
 
 from kvjax.tiers import disk_segments
 from kvjax.tiers.disk_tier import DiskTier
@@ -15,10 +18,6 @@ from kvjax.tiers.host_tier import HostTier
 from kvjax.tiers.token_bucket import TokenBucket
 from kvjax.tiers.transfer import Link, LinkBudget, Priority, TransferEngine
 from pallas_kernels import gather_blocks, scatter_blocks
-
-import tier_cases
-from tier_cases import DTYPES, same_bits
-from tier_cases import int_keys as keys
 
 BLOCK_SHAPE = (2, 2, 1, 4, 8)  # [num_layers, 2, num_kv_heads, page_size, head_dim]
 NS = b"N" * 16

@@ -24,12 +24,18 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvjax.cache.allocator import BLOCK_DTYPE, BlockAllocator, fragmentation
-from kvjax.cache.block_keys import TOKEN_DTYPE, Namespace, as_namespace, token_bytes, validate_tokens
-from kvjax.cache.records import CacheStats, MatchResult, SeqHandle
+from kvjax.cache.block_keys import (
+    TOKEN_DTYPE,
+    Namespace,
+    as_namespace,
+    token_bytes,
+    validate_tokens,
+)
 from kvjax.cache.cost_model import CostModel
 from kvjax.cache.eviction import EvictionPolicy
 from kvjax.cache.policies import make_policy
 from kvjax.cache.prefix_trie import Node, PrefixTrie, Tier
+from kvjax.cache.records import CacheStats, MatchResult, SeqHandle
 
 __all__ = ["CacheStats", "MatchResult", "PrefixCache", "SeqHandle"]
 
@@ -312,7 +318,9 @@ class PrefixCache:
         page's block is owned by the trie (not free, not private to a sequence); locked and
         pinned nodes are still on device (the trie's own checks cover structure and counters).
         """
-        from kvjax.cache.invariants import check_cache  # the checker imports this module
+        from kvjax.cache.invariants import (
+            check_cache,  # the checker imports this module
+        )
 
         check_cache(self)
 

@@ -17,7 +17,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from kvjax.metrics.registry import METRICS, QUANTILE_KEYS, QUANTILES, TIERS, MetricSpec
+from kvjax.metrics.specs import METRICS, QUANTILE_KEYS, QUANTILES, TIERS, MetricSpec
 
 __all__ = ["MetricsServer", "PrometheusExporter", "summary_table"]
 

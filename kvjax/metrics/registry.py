@@ -1,6 +1,6 @@
-"""Metrics for the engine and the cache: counters, gauges, latency percentiles, derived rates.
+"""The metrics registry: counters, gauges, latency percentiles and derived rates.
 
-Every metric is declared once in ``METRICS`` (name with its unit, kind, at most one label and
+Every metric is declared once in ``kvjax.metrics.specs.METRICS`` (name with its unit, kind, at most one label and
 the label's valid values); an update naming anything else is a ValueError that lists the valid
 choices, and bad input never changes state. One lock serialises updates and snapshots, so the
 engine, the transfer workers and a Prometheus scrape can share one ``Metrics``.
@@ -21,86 +21,24 @@ then log buckets with relative error <= 1%).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 import threading
 import time
 from collections.abc import Callable, Mapping
 
+from kvjax.metrics.export import PrometheusExporter, summary_table
 from kvjax.metrics.latency_histogram import LatencyHistogram
-
-__all__ = [
-    "FETCH_TIERS",
-    "METRICS",
-    "MISS_CAUSES",
-    "QUANTILES",
-    "QUANTILE_KEYS",
-    "SPILL_LINKS",
-    "TIERS",
-    "MetricSpec",
-    "Metrics",
-]
-
-TIERS = ("device", "host", "disk")
-MISS_CAUSES = ("never_seen", "evicted", "other_namespace", "different_template", "lossy_refused")
-SPILL_LINKS = ("device_to_host", "host_to_disk")
-FETCH_TIERS = ("host", "disk")
-QUANTILES = (0.5, 0.9, 0.99)
-QUANTILE_KEYS = ("p50", "p90", "p99")
-"""JSON keys of ``QUANTILES``."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class MetricSpec:
-    """One metric: ``kind`` is "counter" (monotonic int), "gauge" (float) or "latency" (seconds).
-
-    ``name`` carries the unit (``_tokens``, ``_blocks``, ``_bytes``, ``_seconds``, ``_ratio``).
-    ``ratio`` gauges must lie in [0, 1]; other gauges must be >= 0.
-    """
-
-    name: str
-    kind: str
-    help: str
-    label: str | None = None
-    label_values: tuple[str, ...] = ()
-    ratio: bool = False
-
-
-METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("hit_tokens", "counter", "Prompt tokens served from cached KV, by tier that held it",
-               "tier", TIERS),
-    MetricSpec("hit_blocks", "counter", "Cached blocks reused by a request, by tier that held them",
-               "tier", TIERS),
-    MetricSpec("miss_tokens", "counter", "Prompt tokens prefilled without a cached match, by cause",
-               "cause", MISS_CAUSES),
-    MetricSpec("miss_blocks", "counter", "Prompt blocks prefilled without a cached match, by cause",
-               "cause", MISS_CAUSES),
-    MetricSpec("spilled_blocks", "counter", "Blocks copied down a tier link", "link", SPILL_LINKS),
-    MetricSpec("spilled_bytes", "counter", "Bytes copied down a tier link", "link", SPILL_LINKS),
-    MetricSpec("preemptions", "counter", "Running sequences preempted to free device blocks"),
-    MetricSpec("rejections", "counter", "Requests rejected at admission"),
-    MetricSpec("compilations", "counter", "Compilations of a model step (a new bucketed shape)"),
-    MetricSpec("prefill_tokens", "counter",
-               "Tokens the model computed in prefill chunks (recomputation included)"),
-    MetricSpec("decode_tokens", "counter", "Tokens the model computed in decode steps"),
-    MetricSpec("fetch_failures", "counter", "Block fetches from host or disk that failed"),
-    MetricSpec("disk_errors", "counter", "Disk tier read, write or checksum errors"),
-    MetricSpec("pool_occupancy_ratio", "gauge", "Fraction of a tier's blocks in use", "tier",
-               TIERS, ratio=True),
-    MetricSpec("pool_fragmentation_ratio", "gauge", "Device pool fragmentation (0 = none)",
-               ratio=True),
-    MetricSpec("queued_requests", "gauge", "Requests waiting for admission"),
-    MetricSpec("running_sequences", "gauge", "Sequences in the running batch"),
-    MetricSpec("generated_tokens_per_second", "gauge",
-               "Tokens generated per second of wall time over the last engine run"),
-    MetricSpec("ttft_seconds", "latency", "Time from a request's arrival to its first token"),
-    MetricSpec("inter_token_seconds", "latency", "Time between consecutive tokens of a sequence"),
-    MetricSpec("queue_seconds", "latency", "Time from a request's arrival to its admission"),
-    MetricSpec("request_seconds", "latency", "Time from a request's arrival to its last token"),
-    MetricSpec("fetch_seconds", "latency", "Time to bring blocks to the device, by source tier",
-               "tier", FETCH_TIERS),
+from kvjax.metrics.specs import (
+    METRICS,
+    QUANTILE_KEYS,
+    QUANTILES,
+    SPILL_LINKS,
+    TIERS,
+    MetricSpec,
 )
+
+__all__ = ["Metrics"]
 
 _SPECS = {spec.name: spec for spec in METRICS}
 _KIND_VERB = {"counter": "inc", "gauge": "set", "latency": "observe"}
@@ -140,7 +78,7 @@ class Metrics:
             for s in METRICS
             if s.kind == "latency"
         }
-        self._exporter = None  # kvjax.metrics.export.PrometheusExporter, made on first use
+        self._exporter: PrometheusExporter | None = None  # made on first use
 
     # -- updates ----------------------------------------------------------------------------
 
@@ -220,8 +158,6 @@ class Metrics:
 
         ``other`` is another ``Metrics`` or a ``to_json()`` snapshot (e.g. loaded from a file).
         """
-        from kvjax.metrics.export import summary_table  # keeps formatting out of this module
-
         snapshots = [self.to_json()]
         if other is not None:
             snapshots.append(other.to_json() if isinstance(other, Metrics) else other)
@@ -247,9 +183,7 @@ class Metrics:
             self._counters[f"{prefix}_tokens"][key] += tokens
             self._counters[f"{prefix}_blocks"][key] += blocks
 
-    def _prometheus_exporter(self):
-        from kvjax.metrics.export import PrometheusExporter
-
+    def _prometheus_exporter(self) -> PrometheusExporter:
         with self._lock:
             if self._exporter is None:
                 self._exporter = PrometheusExporter(self.to_json)

@@ -28,21 +28,22 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from flax import nnx
 
-from kvjax.text.canonicalize import CanonicalizeConfig, canonicalize as canonicalize_text, template_fingerprint
+from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import Event, FinishEvent, RunSummary, TokenEvent
+from kvjax.serving.model_runner import ModelRunner
 from kvjax.serving.observer import EngineObserver, RequestRecord
 from kvjax.serving.preset import build_engine_parts, pool_config
-from kvjax.serving.model_runner import ModelRunner
-from kvjax.metrics.registry import Metrics
-from kvjax.tiers.page_pool import PagePool
 from kvjax.serving.request import Request
 from kvjax.serving.sampling import GREEDY, SamplingParams
 from kvjax.serving.scheduler import Scheduler
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.serving.step_plan import ScheduledSeq, StepPlan
 from kvjax.serving.swap_store import SwapStore
+from kvjax.text.canonicalize import CanonicalizeConfig, template_fingerprint
+from kvjax.text.canonicalize import canonicalize as canonicalize_text
 from kvjax.text.tokenizer import ByteTokenizer, as_tokenizer
+from kvjax.tiers.page_pool import PagePool
 
 __all__ = ["Engine"]
 

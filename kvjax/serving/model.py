@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.config.from_mapping import config_from_dict
 import pallas_kernels
+from kvjax.config.from_mapping import config_from_dict
 
 __all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_config", "load_weights", "save_weights"]
 

@@ -34,9 +34,9 @@ import numpy as np
 from flax import nnx
 
 from kvjax.serving.model import BatchInputs
-from kvjax.tiers.page_pool import Buckets, PagePool, bucket, build_batch
 from kvjax.serving.sampling import SamplingBatch, SamplingParams, sample, sampling_batch
 from kvjax.serving.step_plan import ScheduledSeq
+from kvjax.tiers.page_pool import Buckets, PagePool, bucket, build_batch
 
 __all__ = ["ModelRunner", "default_token_buckets"]
 

@@ -22,12 +22,12 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.text.canonicalize import Change
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.miss_attribution import MissAttributor
 from kvjax.serving.request import Request
 from kvjax.serving.sampling import SamplingParams
 from kvjax.serving.step_plan import StepPlan
+from kvjax.text.canonicalize import Change
 
 __all__ = ["CacheMetricsView", "EngineObserver", "RequestRecord"]
 

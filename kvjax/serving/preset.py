@@ -16,13 +16,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from kvjax.serving.engine_config import EngineConfig
-from kvjax.serving.observer import CacheMetricsView
-from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.metrics.registry import Metrics
+from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.model import ModelConfig, Transformer, load_config, load_weights
-from kvjax.tiers.page_pool import PoolConfig
+from kvjax.serving.observer import CacheMetricsView
 from kvjax.serving.scheduler_config import SchedulerConfig
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.tiers.page_pool import PoolConfig
 
 __all__ = ["build_cache_config", "build_engine_parts", "pool_config"]
 

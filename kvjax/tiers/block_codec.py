@@ -41,7 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.tiers.page_pool import PoolConfig
-from pallas_kernels.kv_format import KVFormat, QuantizedPages, dequantize, parse_quant, quantize
+from pallas_kernels.kv_format import (
+    KVFormat,
+    QuantizedPages,
+    dequantize,
+    parse_quant,
+    quantize,
+)
 
 __all__ = ["BlockCodec", "IdentityCodec", "LossyCodec", "PackedCodec", "exact_codec", "make_codec"]
 

@@ -46,22 +46,22 @@ from collections.abc import Callable
 import numpy as np
 
 import pallas_kernels
-from kvjax.tiers.block_codec import make_codec
 from kvjax.cache.block_keys import Namespace, as_namespace, token_bytes
+from kvjax.cache.device_index import NamespaceLike, PrefixCache, TokensLike
 from kvjax.cache.records import KVCacheStats, MatchResult, SeqHandle
+from kvjax.cache.trie_node import Node, Tier
+from kvjax.metrics.registry import Metrics
+from kvjax.tiers.block_codec import make_codec
 from kvjax.tiers.disk_tier import DiskTier
+from kvjax.tiers.fetch_jobs import Waiter
+from kvjax.tiers.fetch_plan import FetchPlan, HitSources, plan_fetch
 from kvjax.tiers.host_tier import HostTier
 from kvjax.tiers.kv_cache_config import KVCacheConfig
-from kvjax.tiers.fetch_jobs import Waiter
 from kvjax.tiers.kv_cache_metrics import record_admission, record_occupancy
 from kvjax.tiers.mover import TierMover
-from kvjax.tiers.fetch_plan import FetchPlan, HitSources, plan_fetch
-from kvjax.tiers.tier_index import TierIndex
-from kvjax.metrics.registry import Metrics
 from kvjax.tiers.page_pool import PagePool
-from kvjax.cache.device_index import NamespaceLike, PrefixCache, TokensLike
+from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferEngine
-from kvjax.cache.trie_node import Node, Tier
 
 __all__ = ["KVCache", "KVCacheConfig", "KVCacheStats"]
 

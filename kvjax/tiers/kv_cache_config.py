@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from kvjax.tiers.block_codec import make_codec
-from pallas_kernels.kv_format import parse_quant
-from kvjax.cache.policies import POLICIES
-from kvjax.cache.policies import DEFAULT_POLICY
 from kvjax.cache.cost_model import CostModel
+from kvjax.cache.policies import DEFAULT_POLICY, POLICIES
+from kvjax.tiers.block_codec import make_codec
 from kvjax.tiers.page_pool import PoolConfig
+from pallas_kernels.kv_format import parse_quant
 
 __all__ = ["DEFAULT_POLICY", "WRITE_POLICIES", "KVCacheConfig"]
 

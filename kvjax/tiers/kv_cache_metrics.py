@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from kvjax.cache.allocator import BlockAllocator
 from kvjax.cache.records import SeqHandle
-from kvjax.tiers.tier_index import TierIndex
 from kvjax.metrics.registry import Metrics
+from kvjax.tiers.tier_index import TierIndex
 
 __all__ = ["record_admission", "record_occupancy"]
 

@@ -27,14 +27,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.trie_node import LOWER_TIERS, Node, Tier
+from kvjax.metrics.registry import Metrics
 from kvjax.tiers.block_codec import BlockCodec
 from kvjax.tiers.fetch_jobs import FetchJob, Waiter, pow2_runs, resolved_future
-from kvjax.tiers.tier_index import TierIndex
-from kvjax.metrics.registry import Metrics
 from kvjax.tiers.page_pool import PagePool
-from kvjax.cache.device_index import PrefixCache
+from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferResult
-from kvjax.cache.trie_node import LOWER_TIERS, Node, Tier
 
 __all__ = ["TierMover"]
 

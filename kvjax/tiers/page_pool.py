@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config.from_mapping import config_from_dict
 import pallas_kernels
+from kvjax.config.from_mapping import config_from_dict
 from pallas_kernels.kv_format import KVFormat, QuantizedPages, empty_pool, parse_quant
 from pallas_kernels.validation import check_block_ids, check_slot_mapping
 

@@ -32,10 +32,10 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
-from kvjax.tiers.disk_tier import DiskTier
-from kvjax.tiers.host_tier import HostTier
 from kvjax.cache.prefix_trie import PrefixTrie
 from kvjax.cache.trie_node import Node, Tier
+from kvjax.tiers.disk_tier import DiskTier
+from kvjax.tiers.host_tier import HostTier
 
 __all__ = ["HostEntry", "PageRef", "TierIndex"]
 

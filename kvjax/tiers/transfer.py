@@ -37,10 +37,10 @@ from typing import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.host_tier import HostTier
 from kvjax.tiers.token_bucket import TokenBucket
-import pallas_kernels
 
 __all__ = ["Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult"]
 

@@ -23,10 +23,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from kvjax.serving.engine import Engine
 from kvjax.tools.demo_kernels import kernel_checks
 from kvjax.tools.demo_report import ProgressLine, headline, plot_ttft
-from kvjax.serving.engine import Engine
-from kvjax.tools.workload import Session, WorkloadResult, WorkloadSpec, build_workload, drive
+from kvjax.tools.workload import (
+    Session,
+    WorkloadResult,
+    WorkloadSpec,
+    build_workload,
+    drive,
+)
 from pallas_kernels.kv_format import FORMATS, GRANULARITIES
 
 __all__ = ["DemoResult", "add_subcommand", "run_demo"]

@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 
 from kvjax.cache.block_keys import Namespace
+from kvjax.cache.device_index import PrefixCache
 from kvjax.cache.eviction import EvictionPolicy
 from kvjax.cache.policies import DEFAULT_POLICY
-from kvjax.cache.device_index import PrefixCache
 from kvjax.tools.replay_bounds import (
     HitCounter,
     HitCounts,
@@ -58,7 +58,7 @@ from kvjax.tools.replay_bounds import (
 from kvjax.tools.replay_tiers import DEFAULT_TIER_POLICY, LowerTiers
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["DEFAULT_POLICY", "ReplayReport", "add_subcommand", "replay_report", "replay_trace"]
+__all__ = ["DEFAULT_POLICY", "ReplayReport", "replay_report", "replay_trace"]
 
 _NAMESPACE = Namespace(tenant="trace-replay")
 _SENTINEL = 0  # token admitted after the hash ids; never matched (admit stops before it)
@@ -173,13 +173,6 @@ def replay_report(
         unlimited=unlimited_replay(requests, block_tokens=block_tokens),
         **tiers,
     )
-
-
-def add_subcommand(subparsers) -> None:
-    """Registers ``python -m kvjax replay`` (the command line lives in ``kvjax.tools.replay_cli``)."""
-    from kvjax.tools.replay_cli import add_replay_subcommand  # late: replay_cli imports this module
-
-    add_replay_subcommand(subparsers)
 
 
 def _admit_and_commit(cache: PrefixCache, blocks: Sequence[int], device_hits: int) -> None:

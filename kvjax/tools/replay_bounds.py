@@ -21,8 +21,8 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from kvjax.cache.trie_node import Tier
+from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = [
     "HitCounter",

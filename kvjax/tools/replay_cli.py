@@ -16,14 +16,14 @@ import json
 import sys
 
 from kvjax.cache.policies import POLICIES
-from kvjax.tools.replay_tiers import DEFAULT_TIER_POLICY, TIER_POLICIES
 from kvjax.tools.replay import DEFAULT_POLICY, ReplayReport, replay_report
+from kvjax.tools.replay_tiers import DEFAULT_TIER_POLICY, TIER_POLICIES
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, load_trace
 
-__all__ = ["add_replay_subcommand", "format_report", "run_replay"]
+__all__ = ["add_subcommand", "format_report", "run_replay"]
 
 
-def add_replay_subcommand(subparsers) -> None:
+def add_subcommand(subparsers) -> None:
     """Registers the ``replay`` parser; its ``func`` returns the exit status."""
     replay = subparsers.add_parser(
         "replay",
