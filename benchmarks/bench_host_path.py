@@ -2,7 +2,7 @@
 
 Each request runs admit (validate + match + lock + allocate/evict) -> commit (insert the
 prompt's full pages) -> release (unlock + free the partial page), one at a time, against
-kvjax.PrefixCache and against a plain per-page dict-of-children trie with the same semantics
+kvjax.DeviceIndex and against a plain per-page dict-of-children trie with the same semantics
 (LRU over unlocked leaves, lazy reclaim), in the same process. Token ids are synthesised per
 trace block: equal hash ids give equal tokens; each hash id is 512 tokens (32 pages of 16).
 Token synthesis is outside the timed region.
@@ -27,8 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvjax.cache.block_keys import as_namespace, chained_block_keys, token_bytes  # noqa: E402
-from kvjax.cache.device_index import PrefixCache  # noqa: E402
+from kvjax.cache.block_keys import as_namespace, chained_block_keys
+from kvjax.cache.device_index import DeviceIndex  # noqa: E402
+from kvjax.text.tokens import token_bytes  # noqa: E402
 
 TRACE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
 TOKENS_PER_HASH_ID = 512
@@ -49,14 +50,14 @@ def main() -> None:
     token_count = sum(len(t) for t in requests)
     print(f"{len(requests)} requests, {token_count:,} prompt tokens, page_size={args.page_size}, "
           f"pool={args.num_blocks} pages, policy={args.policy}, best of {args.repeats} passes\n")  # fmt: skip
-    kvjax_runs = [run_kvjax(PrefixCache(args.num_blocks, args.page_size, policy=args.policy,
+    kvjax_runs = [run_kvjax(DeviceIndex(args.num_blocks, args.page_size, policy=args.policy,
                                         vocab_size=VOCAB_SIZE), requests)
                   for _ in range(args.repeats)]  # fmt: skip
     kvjax_run = min(kvjax_runs, key=lambda run: run["cpu"].sum())
     base_runs = [run_baseline(DictTrieBaseline(args.num_blocks, args.page_size), requests)
                  for _ in range(args.repeats)]  # fmt: skip
     base_run = min(base_runs, key=lambda run: run["cpu"].sum())
-    print_table([("kvjax PrefixCache", kvjax_run), ("dict-of-children trie", base_run)], token_count)
+    print_table([("kvjax DeviceIndex", kvjax_run), ("dict-of-children trie", base_run)], token_count)
     print_phases(kvjax_run, requests, token_count)
     print(f"\nmachine speed: sum(range(1000)) takes {python_speed_us():.1f} us of CPU here "
           "(scale the figures above by your machine's own figure to compare)")  # fmt: skip
@@ -96,7 +97,7 @@ def load_requests(path: Path, limit: int | None) -> list[np.ndarray]:
     return requests
 
 
-def run_kvjax(cache: PrefixCache, requests: list[np.ndarray]) -> dict:
+def run_kvjax(cache: DeviceIndex, requests: list[np.ndarray]) -> dict:
     """Times each request's admit -> commit -> release; CPU time per phase as well."""
     wall, cpu = np.zeros(len(requests)), np.zeros(len(requests))
     phases = {"admit": 0, "commit": 0, "release": 0}
@@ -186,7 +187,7 @@ class _PageNode:
 class DictTrieBaseline:
     """One node per page, children keyed by the page's token tuple; LRU over unlocked leaves.
 
-    Same contract as PrefixCache for this benchmark: hits capped so the last token is
+    Same contract as DeviceIndex for this benchmark: hits capped so the last token is
     computed, all-or-nothing allocation with eviction, lazy reclaim, per-node locks.
     """
 

@@ -1,6 +1,6 @@
 """Block hit rate of every eviction policy, as a share of the offline policy's, per capacity.
 
-Each trace is replayed through the real PrefixCache (``kvjax.tools.replay.replay_trace``: one
+Each trace is replayed through the real DeviceIndex (``kvjax.tools.replay.replay_trace``: one
 request at a time, one block per hash id) at every capacity, once per policy; the yardstick is
 the offline farthest-next-use policy at the same capacity (``kvjax.tools.replay_bounds``). Traces:
 the shared Mooncake trace (when found) and the two synthetic ones of ``synthetic_traces``

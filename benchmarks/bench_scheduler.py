@@ -7,7 +7,7 @@ Scenarios (page_size 16, 512-token prompts that share a 256-token system prompt)
   costs only its per-step rank refresh), with and without that refresh;
 - churn: N running with 16-256 new tokens each, so some finish every step and waiting
   requests are admitted and prefilled in chunks (a serving steady state);
-- baseline: only the PrefixCache calls a decode step needs (extend every sequence by one
+- baseline: only the DeviceIndex calls a decode step needs (extend every sequence by one
   token, commit on page crossings), i.e. the floor under the scheduler's own bookkeeping.
 
 Times are thread CPU time (time the OS gives other processes does not count), per step;
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_host_path import python_speed_us  # noqa: E402
 
-from kvjax.cache.device_index import PrefixCache  # noqa: E402
+from kvjax.cache.device_index import DeviceIndex  # noqa: E402
 from kvjax.serving.request import Request  # noqa: E402
 from kvjax.serving.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
@@ -56,7 +56,7 @@ def main() -> None:
         (f"decode, {n} running + {w} waiting (refresh 4/step)", lambda: run_decode(rng, n, w, 4, steps)),
         (f"decode, {n} running + {w} waiting (refresh 0)", lambda: run_decode(rng, n, w, 0, steps)),
         (f"churn, {n} running + {w} waiting", lambda: run_churn(rng, n, w, steps)),
-        (f"baseline: PrefixCache calls of a {n}-decode step", lambda: run_baseline(rng, n, steps)),
+        (f"baseline: DeviceIndex calls of a {n}-decode step", lambda: run_baseline(rng, n, steps)),
     ]
     passes = [[run() for _, run in scenarios] for _ in range(args.repeats)]  # scenarios interleaved
     rows = [(name, min((p[i] for p in passes), key=lambda r: (r[0] + r[1]).sum()))
@@ -76,7 +76,7 @@ def main() -> None:
 
 def make_scheduler(num_seqs: int, waiting: int, refresh: int) -> Scheduler:
     num_blocks = (num_seqs + 64) * (PROMPT_LEN + 1024) // PAGE_SIZE
-    cache = PrefixCache(num_blocks, PAGE_SIZE, vocab_size=VOCAB)
+    cache = DeviceIndex(num_blocks, PAGE_SIZE, vocab_size=VOCAB)
     config = SchedulerConfig(max_num_seqs=num_seqs, token_budget=max(2048, num_seqs), max_prefill_chunk=512,
                              rank_refresh_per_step=refresh, max_waiting=waiting + num_seqs + 1)  # fmt: skip
     return Scheduler(cache, config)
@@ -130,7 +130,7 @@ def timed(scheduler: Scheduler, rng, steps: int):
 
 def run_baseline(rng, num_seqs: int, steps: int):
     """The cache work of a decode step without the scheduler: extend by 1, commit on page crossings."""
-    cache = PrefixCache((num_seqs + 64) * (PROMPT_LEN + 1024) // PAGE_SIZE, PAGE_SIZE, vocab_size=VOCAB)
+    cache = DeviceIndex((num_seqs + 64) * (PROMPT_LEN + 1024) // PAGE_SIZE, PAGE_SIZE, vocab_size=VOCAB)
     tokens = [rng.integers(0, VOCAB, PROMPT_LEN + steps + 1, dtype=np.int32) for _ in range(num_seqs)]
     handles = [cache.admit(t[:PROMPT_LEN], None) for t in tokens]
     for handle, t in zip(handles, tokens):

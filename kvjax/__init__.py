@@ -2,7 +2,6 @@
 
 from kvjax.cache.block_keys import Namespace
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import PrefixCache
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
@@ -14,7 +13,6 @@ from kvjax.serving.model import (
     load_weights,
     save_weights,
 )
-from kvjax.serving.observer import CacheMetricsView
 from kvjax.serving.request import Request
 from kvjax.serving.sampling import SamplingParams
 from kvjax.serving.scheduler import Scheduler, SchedulerConfig
@@ -31,7 +29,6 @@ from pallas_kernels.kv_format import KVFormat, QuantizedPages
 
 __all__ = [
     "ByteTokenizer",
-    "CacheMetricsView",
     "CanonicalizeConfig",
     "Engine",
     "EngineConfig",
@@ -45,7 +42,6 @@ __all__ = [
     "Namespace",
     "PagePool",
     "PoolConfig",
-    "PrefixCache",
     "QuantizedPages",
     "Request",
     "RunSummary",

@@ -17,11 +17,9 @@ import numpy as np
 from flax import nnx
 
 from kvjax.cache.cost_model import CostModel
-from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.model import ModelConfig, Transformer
-from kvjax.serving.observer import CacheMetricsView
 from kvjax.serving.preset import pool_config
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
@@ -45,14 +43,13 @@ def make_engine(*, scheduler: SchedulerConfig = SCHEDULER, host_bytes: int = 0, 
     """An engine over a KVCache (device only unless ``host_bytes``), on the shared shapes;
     ``kv_quant`` / ``kv_scale`` pick the pool's page format, ``offload_quant`` / ``accept_lossy``
     lossy compression of offloaded pages."""
-    metrics = Metrics()
     pool = pool_config(MODEL, PAGE, BLOCKS, kv_quant=kv_quant, kv_scale=kv_scale)
     config = KVCacheConfig(pool=pool, host_bytes=host_bytes, disk_dir=disk_dir, offload_quant=offload_quant,
                            accept_lossy=accept_lossy,
                            disk_bytes=disk_bytes, vocab_size=MODEL.vocab_size, cost_model=FETCH_ALWAYS)  # fmt: skip
-    cache = KVCache(config, metrics=CacheMetricsView(metrics))
+    cache = KVCache(config)
     engine_config = engine_kwargs.pop("config", EngineConfig(max_model_len=MAX_LEN, token_buckets=BUCKETS))
-    return Engine(model(seed), cache, scheduler, engine_config, metrics=metrics, **engine_kwargs)
+    return Engine(model(seed), cache, scheduler, engine_config, **engine_kwargs)
 
 
 @functools.partial(jax.jit, static_argnums=0)

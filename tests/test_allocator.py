@@ -9,21 +9,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvjax.cache.allocator import BlockAllocator, fragmentation
 
 
-class FakeReclaimer:
-    """Cached-unreferenced blocks in a fixed victim order."""
-
-    def __init__(self, blocks):
-        self.blocks = list(blocks)
-
-    @property
-    def num_reclaimable(self):
-        return len(self.blocks)
-
-    def reclaim(self, num_blocks):
-        taken, self.blocks = self.blocks[:num_blocks], self.blocks[num_blocks:]
-        return [np.array(taken[:1]), np.array(taken[1:])]  # runs, as the prefix cache returns them
-
-
 def snapshot(allocator):
     return allocator.refcounts().tolist(), allocator.free_queue().tolist()
 
@@ -49,26 +34,33 @@ def test_allocate_is_all_or_nothing():
     assert allocator.allocate(1).tolist() == [3]
 
 
-def test_allocate_reclaims_cached_blocks_in_reclaimer_order_after_free_ones():
+def test_evicted_blocks_are_handed_out_in_the_order_they_were_freed_after_free_ones():
+    # The device index evicts by policy and frees the victims; they go after what was free.
     allocator = BlockAllocator(5)
     held = allocator.allocate(5)
     allocator.decref(held)  # all five now cached-unreferenced: refcount 0, not free
     allocator.free([4])
-    allocator.reclaimer = FakeReclaimer([2, 0, 3, 1])
+    assert allocator.allocate(3) is None  # only block 4 is free: nothing changes
+    allocator.free([2, 0])  # an eviction in policy order
     blocks = allocator.allocate(3)
     assert blocks.tolist() == [4, 2, 0]
     assert [allocator.refcount(b) for b in blocks] == [1, 1, 1]
-    assert allocator.reclaimer.blocks == [3, 1]
+    assert not allocator.is_free(3) and allocator.refcount(3) == 0
 
 
-def test_allocate_fails_cleanly_when_even_reclaim_cannot_cover():
-    allocator = BlockAllocator(3)
-    allocator.decref(allocator.allocate(3))
-    allocator.reclaimer = FakeReclaimer([0, 1])
-    before = snapshot(allocator)
-    assert allocator.allocate(3) is None
-    assert snapshot(allocator) == before
-    assert allocator.reclaimer.blocks == [0, 1]
+def test_memory_grows_with_the_blocks_handed_out_not_the_pool():
+    allocator = BlockAllocator(2**31 - 1)
+    assert allocator.num_free == 2**31 - 1 and allocator.num_used_ids == 0
+    blocks = allocator.allocate(3000)
+    assert blocks.tolist() == list(range(3000))
+    allocator.decref(blocks[:10])
+    allocator.free(blocks[5:10])
+    assert allocator.allocate(2).tolist() == [3000, 3001]  # never-used ids come first
+    assert allocator.num_used_ids == 3002 and allocator.refcounts(3002).tolist() == [0] * 10 + [1] * 2992
+    assert allocator._refcount.nbytes < 64 * 3002  # grown geometrically, not to 2**31
+    allocator.check_invariants()
+    with pytest.raises(ValueError, match=r"block 2147483000 is already free"):
+        allocator.free([2147483000])
 
 
 def test_refcounts_track_increfs_and_decrefs():

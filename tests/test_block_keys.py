@@ -8,14 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from kvjax.cache.block_keys import (
-    KEY_BYTES,
-    Namespace,
-    as_namespace,
-    chained_block_keys,
-    token_bytes,
-    validate_tokens,
-)
+from kvjax.cache.block_keys import KEY_BYTES, Namespace, as_namespace, chained_block_keys
+from kvjax.text.tokens import token_bytes, validate_tokens
 
 
 def reference_keys(tokens, page_size, namespace, parent=None):

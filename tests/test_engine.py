@@ -17,14 +17,12 @@ from engine_cases import (
     random_prompts,
 )
 
-from kvjax.cache.device_index import PrefixCache
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import FinishEvent, RunSummary, TokenEvent
 from kvjax.serving.miss_attribution import MissAttributor
 from kvjax.serving.model import ModelConfig, load_weights, save_weights
-from kvjax.serving.observer import CacheMetricsView
 from kvjax.serving.preset import build_engine_parts, pool_config
 from kvjax.serving.sampling import SamplingBatch, SamplingParams, sample
 from kvjax.serving.scheduler_config import SchedulerConfig
@@ -138,7 +136,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
 def test_compilations_are_counted_once_per_bucket():
     # A pool shape no other test uses, so these compilations are this test's own.
     metrics = Metrics()
-    cache = KVCache(KVCacheConfig(pool=pool_config(MODEL, PAGE, 40), vocab_size=256), metrics=CacheMetricsView(metrics))
+    cache = KVCache(KVCacheConfig(pool=pool_config(MODEL, PAGE, 40), vocab_size=256))
     config = EngineConfig(max_model_len=MAX_LEN, token_buckets=(64,))
     with Engine(model(), cache, SCHEDULER, config, metrics=metrics) as engine:
         assert engine.warmup() == 1
@@ -228,15 +226,14 @@ def test_metrics_export_prometheus_and_json(engine):
     assert snapshot["counters"]["decode_tokens"] == 2 * 2  # 3 tokens each, the first from the prefill
 
 
-def test_engine_refuses_a_pool_or_metrics_that_do_not_fit():
-    cache = PrefixCache(32, PAGE, vocab_size=256)
+def test_engine_refuses_a_pool_that_does_not_fit():
+    cache = KVCache(KVCacheConfig(pool=pool_config(MODEL, PAGE, 32), vocab_size=256))
     wrong = PagePool(pool_config(MODEL, 16, 256))
     with pytest.raises(ValueError, match=r"cache \(page_size, num_blocks\)=\(8, 32\) must match the pool's \(16, 256\)"):
         Engine(model(), cache, pool=wrong)
-    metrics = Metrics()
-    shared = KVCache(KVCacheConfig(pool=pool_config(MODEL, PAGE, 32)), metrics=metrics)
-    with pytest.raises(ValueError, match="hits would count twice"):
-        Engine(model(), shared, metrics=metrics)
+    other_model = PagePool(pool_config(dataclasses.replace(MODEL, num_layers=3), PAGE, 32))
+    with pytest.raises(ValueError, match=r"pool \(num_layers, num_kv_heads, head_dim\)=\(3, "):
+        Engine(model(), cache, pool=other_model)
 
 
 def test_tiny_preset_wires_model_scheduler_and_tiers():

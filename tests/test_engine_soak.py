@@ -19,11 +19,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvjax.cache.block_keys import as_namespace
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import PrefixCache
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import FinishEvent
+from kvjax.serving.preset import pool_config
 from kvjax.serving.scheduler_config import SchedulerConfig
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 
 _MASK = (1 << 61) - 1
 
@@ -85,10 +86,11 @@ class FakeSwapStore:
 def _fake_engine(preemption: str, num_blocks: int = 40, page_size: int = 4) -> tuple[Engine, FakeRunner]:
     scheduler = SchedulerConfig(max_num_seqs=6, token_budget=24, max_prefill_chunk=12, preemption=preemption,
                                 host_swap_blocks=24 if preemption != "recompute" else 0, max_waiting=40)  # fmt: skip
+    pool = pool_config(MODEL, page_size, num_blocks)
+    # A swap of 1 MiB blocks over 20 GB/s, in this pool's bytes: cheaper than recomputing 4 tokens.
     cost_model = CostModel(recompute_seconds_per_token=2e-4, recompute_seconds_per_token_position=0.0,
-                           host_bytes_per_second=2e10)
-    cache = PrefixCache(num_blocks, page_size, vocab_size=MODEL.vocab_size, cost_model=cost_model,
-                        block_nbytes=1 << 20)
+                           host_bytes_per_second=2e10 * pool.bytes_per_block / (1 << 20))  # fmt: skip
+    cache = KVCache(KVCacheConfig(pool=pool, vocab_size=MODEL.vocab_size, cost_model=cost_model))
     engine = Engine(model(), cache, scheduler, EngineConfig(max_model_len=num_blocks * page_size))
     runner = FakeRunner(engine)
     engine.runner = runner

@@ -3,7 +3,7 @@
 import pytest
 
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.device_index import DeviceIndex
 from kvjax.cache.eviction import EvictionPolicy
 from kvjax.cache.policies import POLICIES, CostAwarePolicy, LRUPolicy, make_policy
 from kvjax.cache.prefix_trie import Tier
@@ -19,7 +19,7 @@ class Clock:
 
 def make_cache(policy, num_blocks=16, page_size=2, **kwargs):
     clock = Clock()
-    return PrefixCache(num_blocks, page_size, policy=make_policy(policy, **kwargs), clock=clock), clock
+    return DeviceIndex(num_blocks, page_size, policy=make_policy(policy, **kwargs), clock=clock), clock
 
 
 def run(cache, clock, tokens, at):
@@ -200,7 +200,7 @@ def test_unknown_policy_lists_valid_names():
     for name in ("adaptive", "cost_aware", "lfu", "lru", "segmented"):
         assert f"'{name}'" in str(err.value)
     with pytest.raises(ValueError, match=r"unknown eviction policy 'fifo'"):
-        PrefixCache(8, 2, policy="fifo")
+        DeviceIndex(8, 2, policy="fifo")
     with pytest.raises(ValueError, match=r"half_life_s=0 must be > 0 seconds"):
         make_policy("cost_aware", half_life_s=0)
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.device_index import DeviceIndex
 from kvjax.cache.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -139,13 +139,13 @@ def test_segmented_keeps_a_reused_prefix_through_a_one_off_request():
 
 
 class AdaptiveCacheMachine(RuleBasedStateMachine):
-    """A small PrefixCache under the adaptive policy: random admits, commits, releases."""
+    """A small DeviceIndex under the adaptive policy: random admits, commits, releases."""
 
     def __init__(self):
         super().__init__()
         self.now = 0.0
         self.policy = AdaptiveSegmentedPolicy(ghost_pages=24)
-        self.cache = PrefixCache(12, 2, policy=self.policy, clock=lambda: self.now)
+        self.cache = DeviceIndex(12, 2, policy=self.policy, clock=lambda: self.now)
         self.running = []
 
     @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=9), commit=st.booleans())

@@ -20,7 +20,6 @@ from tier_cases import DTYPES, random_blocks, same_bits
 
 from kvjax.cache.cost_model import CostModel
 from kvjax.cache.trie_node import Tier
-from kvjax.metrics.registry import Metrics
 from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PoolConfig
@@ -60,16 +59,19 @@ def compute(cache, tokens, namespace=None, blocks=None, *, release=True):
 
 def hit_pages(cache, tokens, namespace=None):
     """(hit pages, their KV) of a fresh admission; the handle is released."""
+    num_hit, kv, _ = hit_pages_and_tiers(cache, tokens, namespace)
+    return num_hit, kv
+
+
+def hit_pages_and_tiers(cache, tokens, namespace=None):
+    """(hit pages, their KV, hit tokens by tier) of a fresh admission; the handle is released."""
     handle = cache.admit(tokens, namespace)
     assert cache.wait_ready(handle, TIMEOUT)
     num_hit = handle.num_hit_tokens // cache.page_size
     kv = np.asarray(cache.pool.gather(handle.block_ids[:num_hit])) if num_hit else None
+    tiers = cache.admission_report(handle).hit_tokens
     cache.release(handle)
-    return num_hit, kv
-
-
-def counter(metrics, name, label):
-    return metrics.to_json()["counters"][name][label]
+    return num_hit, kv, tiers
 
 
 # --- tiers: round trips, write policies, restart ----------------------------------------------
@@ -78,15 +80,14 @@ def counter(metrics, name, label):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_round_trip_device_host_disk_device_is_bit_exact(tmp_path, dtype):
     pool = PoolConfig(num_blocks=8, num_layers=2, num_kv_heads=1, page_size=4, head_dim=8, dtype=dtype)
-    metrics = Metrics()
     tokens = prompt(9)  # two full pages and one token: the last page is always computed
     blocks = random_blocks(3, pool.block_shape, dtype, seed=1)  # NaN and inf patterns included
-    with make(pool, disk_dir=tmp_path, metrics=metrics) as cache:
+    with make(pool, disk_dir=tmp_path) as cache:
         compute(cache, tokens, blocks=blocks)
-        served = serve_from_each_tier(cache, tokens, hit_pages, timeout=TIMEOUT)
-    for tier, (num_hit, kv) in served.items():
+        served = serve_from_each_tier(cache, tokens, hit_pages_and_tiers, timeout=TIMEOUT)
+    for tier, (num_hit, kv, by_tier) in served.items():
         assert num_hit == 2 and same_bits(kv, blocks[:2]), tier
-        assert counter(metrics, "hit_blocks", tier) == 2, tier
+        assert by_tier == {"device": 0, "host": 0, "disk": 0} | {tier: 8}, tier
 
 
 def test_hit_tokens_by_tier_names_where_each_hit_page_came_from():
@@ -97,7 +98,7 @@ def test_hit_tokens_by_tier_names_where_each_hit_page_came_from():
         compute(cache, tokens[:5], blocks=random_blocks(2, POOL.block_shape))  # page 0 on device again
         handle = cache.admit(tokens)
         assert cache.wait_ready(handle, TIMEOUT)
-        assert cache.hit_tokens_by_tier(handle) == {"device": 4, "host": 4, "disk": 0}
+        assert cache.admission_report(handle).hit_tokens == {"device": 4, "host": 4, "disk": 0}
 
 
 def test_warm_restart_serves_what_the_last_process_spilled(tmp_path):
@@ -186,7 +187,7 @@ def test_failed_fetch_turns_into_recompute_not_an_error():
         cache.transfer.complete(0, ok=False)
         assert cache.wait_ready(waiting, timeout=0)
         assert waiting.num_hit_tokens == 0 and cache.stats.fetch_failures == 1
-        assert cache.hit_tokens_by_tier(waiting) == {"device": 0, "host": 0, "disk": 0}
+        assert cache.admission_report(waiting).hit_tokens == {"device": 0, "host": 0, "disk": 0}
         cache.pool.scatter(waiting.block_ids, blocks)  # recomputed
         assert cache.commit(waiting, tokens) == 2
         cache.check_invariants()
@@ -195,10 +196,9 @@ def test_failed_fetch_turns_into_recompute_not_an_error():
 def test_corrupt_disk_block_is_a_miss_and_a_metric_and_the_rest_recomputes(tmp_path):
     pool = POOL
     disk = DiskTier(str(tmp_path), pool.block_shape, pool.dtype, 1 << 24, use_ocdbt=False)  # a file per block
-    metrics = Metrics()
     tokens = prompt(17)
     blocks = random_blocks(5, pool.block_shape, seed=4)
-    with make(disk_tier=disk, metrics=metrics, write_policy="write_through") as cache:
+    with make(disk_tier=disk, write_policy="write_through") as cache:
         compute(cache, tokens, blocks=blocks)
         assert cache.flush(TIMEOUT)
         cache.evict(8)
@@ -211,11 +211,11 @@ def test_corrupt_disk_block_is_a_miss_and_a_metric_and_the_rest_recomputes(tmp_p
         handle = cache.admit(tokens)
         assert handle.num_hit_tokens == 16 and cache.wait_ready(handle, TIMEOUT)
         assert handle.num_hit_tokens == 8  # pages 0 and 1 arrived; 2 and 3 are recomputed
-        assert cache.hit_tokens_by_tier(handle) == {"device": 0, "host": 0, "disk": 8}
+        report = cache.admission_report(handle)
+        assert report.hit_tokens == {"device": 0, "host": 0, "disk": 8} and report.recomputed_pages == 2
         assert same_bits(np.asarray(cache.pool.gather(handle.block_ids[:2])), blocks[:2])
         cache.check_invariants()
-        assert counter(metrics, "hit_blocks", "disk") == 2 and counter(metrics, "miss_blocks", "evicted") == 2
-        assert metrics.to_json()["counters"]["disk_errors"] >= 1
+        assert cache.poll().disk_errors >= 1 and cache.stats.disk_errors >= 1
         assert cache.match(tokens).num_hit_blocks == 2  # the corrupt page left the index
 
 
@@ -223,10 +223,9 @@ def test_corrupt_disk_block_is_a_miss_and_a_metric_and_the_rest_recomputes(tmp_p
 
 
 def test_prefetch_moves_a_waiting_request_prefix_up_and_admit_joins_it():
-    metrics = Metrics()
     tokens = prompt(13)
     blocks = random_blocks(4, POOL.block_shape, seed=5)
-    with make(transfer_factory=ManualTransfer, metrics=metrics) as cache:
+    with make(transfer_factory=ManualTransfer) as cache:
         handle = cache.admit(tokens)
         cache.pool.scatter(handle.block_ids, blocks)
         cache.commit(handle, tokens)
@@ -326,8 +325,8 @@ def test_bad_requests_raise_and_change_nothing():
             cache.admit([0, -1, 2])
         with pytest.raises(ValueError, match=r"sequence of 40 tokens needs 10 blocks; the pool has 8"):
             cache.admit(prompt(40))
-        with pytest.raises(ValueError, match="tracks its own tier copies"):
-            cache.set_tier(prompt(4), None, 0, Tier.HOST)
+        with pytest.raises(ValueError, match=r"namespace='b' differs from the lookup's Namespace\(tenant='a'"):
+            cache.admit(cache.lookup(prompt(4), "a"), "b")
         with pytest.raises(ValueError, match=r"num_blocks=-1 must be >= 0"):
             cache.evict_host(-1)
         assert cache.num_sequences == 0 and cache.allocator.num_free == 8
@@ -338,31 +337,3 @@ def test_page_content_model_tells_prefixes_and_tenants_apart():
     shape = POOL.block_shape
     assert not np.array_equal(page_content("a", [1, 2], shape), page_content("b", [1, 2], shape))
     assert not np.array_equal(page_content("a", [1, 2], shape), page_content("a", [2, 2], shape))
-
-
-# --- the scheduler's scenarios, run on a KVCache (a drop-in for its PrefixCache) -----------
-
-import test_scheduler  # noqa: E402
-
-from kvjax.tiers.page_pool import PoolConfig as _PoolConfig  # noqa: E402
-
-
-def _kv_cache_like_prefix_cache(num_blocks, page_size, *, vocab_size, clock, high_watermark, low_watermark):
-    pool = _PoolConfig(num_blocks=num_blocks, num_layers=1, num_kv_heads=1, page_size=page_size, head_dim=1,
-                       dtype="float32")  # fmt: skip
-    return KVCache(KVCacheConfig(pool=pool, vocab_size=vocab_size, high_watermark=high_watermark,
-                                 low_watermark=low_watermark), clock=clock)  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _scheduler_on_kv_cache(monkeypatch):
-    monkeypatch.setattr(test_scheduler, "PrefixCache", _kv_cache_like_prefix_cache)
-
-
-globals().update({f"test_scheduler_on_kv_cache__{name[5:]}": test
-                  for name, test in vars(test_scheduler).items() if name.startswith("test_")})  # fmt: skip
-
-
-def test_scheduler_scenarios_above_run_on_a_kv_cache():
-    scheduler, _, _ = test_scheduler.make()
-    assert isinstance(scheduler.cache, KVCache)

@@ -200,7 +200,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_hit = handle.num_hit_tokens // PAGE
         assert handle.num_hit_tokens % PAGE == 0 and handle.num_hit_tokens < max(len(seq.tokens), 1)
         got = self._gather(handle.block_ids[:num_hit])
-        lossy = self.cache.lossy_hit_pages(handle)
+        lossy = self.cache.admission_report(handle).lossy_pages
         assert len(lossy) == num_hit and not (seq.accept_lossy is False and lossy.any())
         for page in range(num_hit):
             expected = self.variant.content(seq.namespace, seq.tokens[: (page + 1) * PAGE])
@@ -326,7 +326,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 copies = []
                 if bits & Tier.DEVICE:
                     copies.append((device, node.blocks[i], lossy[i]))
-                entry = cache._index.host_state(keys[i])
+                entry = cache.tiers.host_state(keys[i])
                 if bits & Tier.HOST and entry.ready:
                     copies.append((stored, cache.host_tier.get_host([keys[i]])[0], variant.codec.lossy))
                 if bits & Tier.DISK and self.disk.contains(keys[i], digest):

@@ -40,7 +40,7 @@ def quant_pool(quant, scale="token"):
 def make(pool, *, host_blocks=8, disk_dir=None, **options):
     """A KVCache whose host holds ``host_blocks`` blocks as its codec stores them."""
     codec = make_codec(pool, options.get("offload_quant"), options.get("offload_scale", "token"))
-    cache_keys = {"metrics", "disk_tier", "transfer_factory"}
+    cache_keys = {"disk_tier", "transfer_factory"}
     config = KVCacheConfig(pool=pool, host_bytes=host_blocks * codec.block_nbytes, cost_model=ALWAYS_FETCH,
                            disk_dir=None if disk_dir is None else str(disk_dir),
                            disk_bytes=0 if disk_dir is None else 1 << 26,
@@ -67,7 +67,7 @@ def compute(cache, tokens, blocks, *, accept_lossy=None):
     if first < len(handle.block_ids):
         cache.pool.scatter(handle.block_ids[first:], jax.tree.map(lambda x: x[first : len(handle.block_ids)], blocks))
     cache.commit(handle, tokens)
-    lossy = cache.lossy_hit_pages(handle)
+    lossy = cache.admission_report(handle).lossy_pages
     cache.release(handle)
     return first, lossy
 
@@ -78,7 +78,7 @@ def hit_kv(cache, tokens, **admit_options):
     assert cache.wait_ready(handle, TIMEOUT)
     num_hit = handle.num_hit_tokens // cache.page_size
     kv = jax.tree.map(np.asarray, cache.pool.gather(handle.block_ids[:num_hit])) if num_hit else None
-    lossy = cache.lossy_hit_pages(handle)
+    lossy = cache.admission_report(handle).lossy_pages
     cache.release(handle)
     return num_hit, kv, lossy
 

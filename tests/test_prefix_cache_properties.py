@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.device_index import DeviceIndex
 from kvjax.cache.policies import POLICIES
 from kvjax.cache.prefix_trie import Tier
 
@@ -68,7 +68,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(8, 24), page_size=st.integers(1, 4), policy=st.sampled_from(sorted(POLICIES)))
     def setup(self, num_blocks, page_size, policy):
         self.clock = Clock()
-        self.cache = PrefixCache(num_blocks, page_size, policy=policy, vocab_size=VOCAB, clock=self.clock)
+        self.cache = DeviceIndex(num_blocks, page_size, policy=policy, vocab_size=VOCAB, clock=self.clock)
         self.num_blocks, self.page_size = num_blocks, page_size
         self.seqs: list[ModelSeq] = []
         self.released: list = []

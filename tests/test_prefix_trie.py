@@ -1,10 +1,10 @@
-"""Prefix trie and PrefixCache behaviour: matching, splitting, locks, pins, tiers, namespaces, errors."""
+"""Prefix trie and DeviceIndex behaviour: matching, splitting, locks, pins, tiers, namespaces, errors."""
 
 import numpy as np
 import pytest
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
-from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.device_index import DeviceIndex
 from kvjax.cache.prefix_trie import Tier
 
 
@@ -18,7 +18,7 @@ class Clock:
 
 @pytest.fixture
 def cache():
-    return PrefixCache(16, 2, vocab_size=100, clock=Clock())
+    return DeviceIndex(16, 2, vocab_size=100, clock=Clock())
 
 
 def cached(cache, tokens, namespace=None):
@@ -102,7 +102,7 @@ def test_decode_commits_grow_the_sequence_own_leaf_in_place(cache):
 
 
 def test_extend_fails_cleanly_when_the_pool_is_full():
-    cache = PrefixCache(2, 2, clock=Clock())
+    cache = DeviceIndex(2, 2, clock=Clock())
     handle = cache.admit([1, 2, 3, 4])
     before = state(cache)
     assert not cache.extend(handle, 1)
@@ -111,7 +111,7 @@ def test_extend_fails_cleanly_when_the_pool_is_full():
 
 
 def test_admit_returns_none_and_changes_nothing_when_it_cannot_fit():
-    cache = PrefixCache(5, 2, clock=Clock())
+    cache = DeviceIndex(5, 2, clock=Clock())
     holder = cache.admit([1, 2, 3, 4, 5, 6])
     cached(cache, [8, 8, 9])  # two blocks: one cached page, one freed
     before = state(cache)
@@ -123,7 +123,7 @@ def test_admit_returns_none_and_changes_nothing_when_it_cannot_fit():
 
 
 def test_admission_evicts_cached_blocks_when_free_ones_run_out():
-    cache = PrefixCache(4, 2, clock=Clock())
+    cache = DeviceIndex(4, 2, clock=Clock())
     cached(cache, [1, 1, 2, 2, 3, 3, 4, 4])
     assert cache.allocator.num_free == 0 and cache.num_reclaimable == 4
     handle = cache.admit([5, 5, 6, 6])
@@ -194,7 +194,7 @@ def test_bad_requests_raise_clear_errors_and_change_nothing(cache):
         cache.release(handle)
     assert state(cache) == after_release
     with pytest.raises(ValueError, match=r"page_size=0 must be a positive number of tokens"):
-        PrefixCache(4, 0)
+        DeviceIndex(4, 0)
 
 
 def test_commit_validates_new_tokens_and_never_narrows_wide_ids(cache):
@@ -264,14 +264,16 @@ def test_host_copy_survives_device_eviction_and_is_reattached_on_commit(cache):
 def test_clearing_the_last_copy_of_an_offloaded_page_drops_it_and_what_follows(cache):
     tokens = [1, 2, 3, 4, 5, 6]
     cached(cache, tokens)
-    dropped = []
-    cache.trie.on_drop = dropped.append
+    keys = chained_block_keys(tokens, 2, None)
     for page in (1, 2):
         cache.set_tier(tokens, None, page, Tier.HOST)
     cache.evict(2)
+    assert cache.take_dropped() == []
     cache.clear_tier(tokens, None, 1, Tier.HOST)
     assert cache.match(tokens).num_hit_blocks == 1
-    assert len(dropped) == 1 and dropped[0].num_pages == 2
+    [dropped] = cache.take_dropped()  # the tier layer drops the host copies these had
+    assert dropped.keys == keys[1:] and dropped.tiers.tolist() == [0, Tier.HOST]
+    assert cache.trie.locate(keys[2]) is None and cache.take_dropped() == []
     cache.check_invariants()
 
 
@@ -282,6 +284,9 @@ def test_evicting_a_device_only_page_drops_host_pages_below_it(cache):
     assert len(cache.evict(2)) == 2
     assert cache.match(tokens).num_hit_blocks == 0
     assert cache.stats.dropped_pages == 2
+    [dropped] = cache.take_dropped()
+    assert dropped.keys == chained_block_keys(tokens, 2, None)  # the whole node left
+    assert dropped.tiers.tolist() == [Tier.DEVICE, Tier.DEVICE | Tier.HOST]
     cache.check_invariants()
 
 

@@ -4,10 +4,9 @@ import re
 
 import numpy as np
 import pytest
-from scheduler_cases import Clock, FakeEngine, reference_output
+from scheduler_cases import Clock, FakeEngine, kv_cache, reference_output
 
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import PrefixCache
 from kvjax.cache.prefix_trie import Tier
 from kvjax.serving.preemption import SwapSpace, choose_preemption
 from kvjax.serving.request import Request, RequestStatus
@@ -17,9 +16,9 @@ from kvjax.serving.wait_queue import WaitQueue, hit_rank
 VOCAB = 50
 
 
-def make(num_blocks=32, page_size=4, *, high=0.9, low=0.7, **config):
+def make(num_blocks=32, page_size=4, *, high=0.9, low=0.7, host_blocks=0, **config):
     clock = Clock()
-    cache = PrefixCache(num_blocks, page_size, vocab_size=VOCAB, clock=clock, high_watermark=high, low_watermark=low)
+    cache = kv_cache(num_blocks, page_size, vocab_size=VOCAB, clock=clock, high=high, low=low, host_blocks=host_blocks)
     scheduler = Scheduler(cache, SchedulerConfig(**config))
     return scheduler, FakeEngine(scheduler, VOCAB), clock
 
@@ -280,13 +279,11 @@ def test_request_that_pins_leave_no_room_for_is_rejected_when_nothing_runs():
 
 
 def test_prefetch_intent_for_host_only_pages_is_emitted_once():
-    scheduler, engine, _ = make(num_blocks=8, page_size=4, max_num_seqs=1)
+    scheduler, engine, _ = make(num_blocks=8, page_size=4, max_num_seqs=1, host_blocks=8)
     prompt = list(range(1, 10))
     scheduler.add(request("warm", prompt, max_new_tokens=1))
-    drain(engine)
+    drain(engine)  # its full pages got host copies when they were committed (write-through)
     cache = scheduler.cache
-    for page in (0, 1):
-        cache.set_tier(prompt, None, page, Tier.HOST)
     cache.evict(8)  # device copies gone, host copies stay indexed
     scheduler.add(request("busy", [40] * 9, max_new_tokens=3))
     engine.step()

@@ -20,24 +20,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = [
-    "KEY_BYTES",
-    "TOKEN_DTYPE",
-    "Namespace",
-    "as_namespace",
-    "chained_block_keys",
-    "token_bytes",
-    "validate_tokens",
-]
+from kvjax.text.tokens import TOKEN_DTYPE, validate_tokens
+
+__all__ = ["KEY_BYTES", "Namespace", "as_namespace", "chained_block_keys"]
 
 KEY_BYTES = 16
 """Width of a block key in bytes (128 bits)."""
-
-TOKEN_DTYPE = np.dtype("<i4")
-"""Canonical token layout: little-endian int32, the bytes that keys and the trie compare."""
-
-_INT32_LIMIT = 2**31
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Namespace:
@@ -69,53 +57,6 @@ def as_namespace(namespace: Namespace | str | None) -> Namespace:
     raise ValueError(
         f"namespace={namespace!r} must be a kvjax Namespace, a tenant name (str) or None"
     )
-
-
-def validate_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) -> np.ndarray:
-    """Return ``tokens`` as a 1-D little-endian int32 array, checking every id.
-
-    Ids must lie in ``[0, vocab_size)`` (or ``[0, 2**31)`` without a vocabulary). Raises
-    ValueError naming the first bad id and its index. The result may share memory with the
-    input when it already has the canonical dtype; callers must not mutate it.
-    """
-    array = np.asarray(tokens)
-    if array.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {array.shape}")
-    if array.size == 0:
-        return np.zeros(0, TOKEN_DTYPE)
-    if array.dtype.kind not in "iu":
-        if array.dtype.kind == "f" or array.dtype == object:
-            array = _integral_or_raise(array)
-        else:
-            raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
-    limit = _INT32_LIMIT if vocab_size is None else int(vocab_size)
-    if array.dtype == TOKEN_DTYPE:  # one pass: negative ids wrap to >= 2**31 as uint32
-        out_of_range = int(array.view(np.uint32).max()) >= limit
-    else:
-        out_of_range = array.min() < 0 or array.max() >= limit
-    if out_of_range:
-        bad = np.flatnonzero((array < 0) | (array >= limit))[0]
-        raise ValueError(
-            f"token id {int(array[bad])} at index {bad} is out of range; expected 0 <= id < {limit}"
-            + ("" if vocab_size is None else f" ({vocab_size=})")
-        )
-    return array.astype(TOKEN_DTYPE, copy=False)
-
-
-def token_bytes(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) -> bytes:
-    """``validate_tokens(tokens, vocab_size).tobytes()``, cheaper for int32 input.
-
-    The range check runs over the fresh (cache-hot) copy instead of the caller's array, so a
-    prompt is read from memory once, not twice. Same errors as ``validate_tokens``.
-    """
-    array = np.asarray(tokens)
-    if array.dtype != TOKEN_DTYPE or array.ndim != 1:
-        return validate_tokens(array, vocab_size).tobytes()
-    buf = array.tobytes()
-    limit = _INT32_LIMIT if vocab_size is None else int(vocab_size)
-    if buf and int(np.frombuffer(buf, np.uint32).max()) >= limit:  # negative ids wrap high
-        validate_tokens(array, vocab_size)  # raises, naming the bad id and its index
-    return buf
 
 
 def chained_block_keys(
@@ -166,17 +107,6 @@ def _namespace_digest(tenant: str, model: str, adapter: str, salt: str) -> bytes
         hasher.update(len(encoded).to_bytes(8, "little"))
         hasher.update(encoded)
     return hasher.digest()
-
-
-def _integral_or_raise(array: np.ndarray) -> np.ndarray:
-    try:
-        as_float = array.astype(np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"tokens must be integers, got {array.dtype} values") from None
-    bad = np.flatnonzero(~np.isfinite(as_float) | (as_float != np.floor(as_float)))
-    if bad.size:
-        raise ValueError(f"token id {array[bad[0]].item()!r} at index {bad[0]} is not an integer")
-    return as_float.astype(np.int64)
 
 
 _DEFAULT_NAMESPACE = Namespace()

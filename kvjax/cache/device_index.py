@@ -1,15 +1,24 @@
-"""Prefix cache: block allocator + prefix trie + eviction policy behind one host-side API.
+"""The device index: block allocator + prefix trie + eviction policy, the cache's device side.
 
 A block is in exactly one state (see allocator): referenced by running sequences,
 cached-unreferenced (in the trie, evictable, still hittable), or empty-free. A block's
 refcount is the number of live ``SeqHandle``s holding it; trie membership is separate.
 
-The request's path through this module::
+The request's path through this module (``KVCache`` drives it; used alone it is a cache of
+device pages only)::
 
-    handle = cache.admit(tokens, namespace)   # longest device match, lock it, allocate the rest
-    cache.extend(handle, num_new_tokens)      # decode grows: more blocks, all-or-nothing
-    cache.commit(handle, tokens)              # new full pages enter the trie (never a partial page)
-    cache.release(handle)                     # refcounts drop; committed blocks stay cached
+    handle = index.admit(tokens, namespace)   # longest device match, lock it, allocate the rest
+    index.extend(handle, num_new_tokens)      # decode grows: more blocks, all-or-nothing
+    index.commit(handle, tokens)              # new full pages enter the trie (never a partial page)
+    index.release(handle)                     # refcounts drop; committed blocks stay cached
+
+An admission is two steps, so the tier layer can act between them: ``begin_admission``
+checks the fit and locks the device hits, ``complete_admission`` evicts what is still
+missing and allocates. Eviction (``reclaim``) takes leaves in policy order; with a write-back
+budget it keeps leaving pages indexed with a HOST bit and returns them, for the tier layer to
+copy. Pages with host/disk copies that leave the trie are queued in ``dropped`` for the tier
+layer that owns those copies (``take_dropped``). Every device page stored or removed is a
+block event when an ``EventLog`` subscriber listens.
 
 Running out of blocks is a normal result (None / False, state unchanged); bad input raises
 ValueError and changes nothing.
@@ -17,6 +26,7 @@ ValueError and changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -24,32 +34,55 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvjax.cache.allocator import BLOCK_DTYPE, BlockAllocator, fragmentation
-from kvjax.cache.block_keys import (
-    TOKEN_DTYPE,
-    Namespace,
-    as_namespace,
-    token_bytes,
-    validate_tokens,
-)
+from kvjax.cache.block_events import EventLog
+from kvjax.cache.block_keys import Namespace, as_namespace
 from kvjax.cache.cost_model import CostModel
 from kvjax.cache.eviction import EvictionPolicy
 from kvjax.cache.policies import make_policy
-from kvjax.cache.prefix_trie import Node, PrefixTrie, Tier
+from kvjax.cache.prefix_trie import DroppedNode, Node, PrefixTrie, Tier
 from kvjax.cache.records import CacheStats, MatchResult, SeqHandle
+from kvjax.text.tokens import TOKEN_DTYPE, token_bytes, validate_tokens
 
-__all__ = ["CacheStats", "MatchResult", "PrefixCache", "SeqHandle"]
+__all__ = ["Admission", "CacheStats", "DeviceIndex", "Eviction", "MatchResult", "SeqHandle"]
 
 TokensLike = Sequence[int] | np.ndarray
 NamespaceLike = Namespace | str | None
 _NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
 
 
-class PrefixCache:
+@dataclasses.dataclass(slots=True)
+class Admission:
+    """An admission between ``begin_admission`` and ``complete_admission``: its device hits
+    are locked; ``short`` blocks must still be evicted before it can allocate."""
+
+    namespace: Namespace
+    buf: bytes  # the prompt's token bytes
+    path: list[tuple[Node, int]]  # the device hits, locked
+    tail: Node  # deepest locked node (the namespace's root if no hit)
+    num_new: int  # blocks to allocate
+    lower_pages: int  # matched pages past the device hits (host/disk), for the counters
+    short: int  # blocks the free queue lacks for num_new
+
+
+@dataclasses.dataclass(slots=True)
+class Eviction:
+    """What ``evict`` did: block ids freed into the free queue; the pages a write-back
+    budget kept indexed with a HOST bit, as ``(key, old block id)``: the caller copies each
+    block's KV to host before anything writes the block again; and the keys of every evicted
+    page that stayed indexed off device (kept ones included)."""
+
+    blocks: np.ndarray
+    kept: list[tuple[bytes, int]]
+    offloaded_keys: list[bytes]
+
+
+class DeviceIndex:
     """Refcounted device blocks indexed by a prefix trie, evicted by a named policy.
 
     ``page_size`` tokens per block; ``vocab_size`` bounds token ids (None: any int32 >= 0);
     ``clock`` returns seconds (monotonic); ``cost_model`` and ``block_nbytes`` (bytes a block
-    moves between tiers) are what a cost-aware eviction policy weighs. See the module docstring for the request path.
+    moves between tiers) are what a cost-aware eviction policy weighs; ``events`` receives a
+    block event for every device page stored or removed. See the module docstring for the request path.
     """
 
     def __init__(
@@ -64,6 +97,7 @@ class PrefixCache:
         low_watermark: float = 0.7,
         cost_model: CostModel | None = None,
         block_nbytes: int = 0,
+        events: EventLog | None = None,
     ):
         if page_size <= 0:
             raise ValueError(f"{page_size=} must be a positive number of tokens")
@@ -78,7 +112,8 @@ class PrefixCache:
         policy = make_policy(policy)
         policy.bind(page_size, block_nbytes, self.cost_model)
         self.trie = PrefixTrie(page_size, policy, clock)
-        self.allocator.reclaimer = self
+        self.events = events if events is not None else EventLog()
+        self.dropped: list[DroppedNode] = []  # pages with host/disk copies that left the trie
         self._stats = CacheStats()
         self._handles: dict[int, SeqHandle] = {}
         self._pins: dict[tuple[Namespace, bytes], list[Node]] = {}  # -> deepest node of each pin
@@ -93,9 +128,7 @@ class PrefixCache:
         page of the last token, so it can report every page of ``tokens`` as cached.
         """
         buf = token_bytes(tokens, self.vocab_size)
-        root = self.trie.root(as_namespace(namespace), create=False)
-        path = [] if root is None else self.trie.walk(root, buf, 0, self._full_bytes(len(buf)))
-        return self.match_result(path)
+        return self.match_result(self.walk(as_namespace(namespace), buf, self._full_bytes(len(buf))))
 
     def match_result(self, path: list[tuple[Node, int]]) -> MatchResult:
         """The MatchResult of a trie walk (``PrefixTrie.walk`` from a namespace's root)."""
@@ -127,9 +160,14 @@ class PrefixCache:
         self.check_fits(len(buf) // 4)
         now = self.clock()
         self.trie.expire_soft_pins(now)
+        matched = self.walk(ns, buf, self.admit_limit(len(buf)))
+        admission = self.begin_admission(ns, buf, matched, now)
+        return None if admission is None else self.complete_admission(admission)
+
+    def walk(self, ns: Namespace, buf: bytes, end: int) -> list[tuple[Node, int]]:
+        """The trie walk of ``buf[:end]`` (token bytes) from ``ns``'s root (see PrefixTrie.walk)."""
         root = self.trie.root(ns, create=False)
-        matched = [] if root is None else self.trie.walk(root, buf, 0, self.admit_limit(len(buf)))
-        return self.admit_matched(ns, buf, matched, now)
+        return [] if root is None else self.trie.walk(root, buf, 0, end)
 
     def admit_limit(self, num_bytes: int) -> int:
         """Token bytes ``admit`` may match: the whole pages before the last token's page."""
@@ -142,12 +180,12 @@ class PrefixCache:
             raise ValueError(f"sequence of {num_tokens} tokens needs {num_pages} blocks; "
                              f"the pool has {self.allocator.num_blocks}")  # fmt: skip
 
-    def admit_matched(self, ns: Namespace, buf: bytes, matched: list[tuple[Node, int]],
-                      now: float, *, count: bool = True) -> SeqHandle | None:  # fmt: skip
-        """``admit`` after the lookup: ``matched`` is a trie walk of ``buf`` from ``ns``'s root
-        (what the caller decided may hit, within ``admit_limit``). Maps its device prefix,
-        allocates the other pages as private blocks; None (nothing changed) if they do not fit.
-        ``count=False`` leaves the admission counters alone (a prefetch's own hold).
+    def begin_admission(self, ns: Namespace, buf: bytes, matched: list[tuple[Node, int]],
+                        now: float) -> Admission | None:  # fmt: skip
+        """Check that ``buf`` fits and lock its device hits; None (nothing changed) if not.
+
+        ``matched`` is a trie walk of ``buf`` from ``ns``'s root (what the caller decided may
+        hit, within ``admit_limit``); its leading device pages are mapped, the rest allocated.
         """
         num_pages = -(-len(buf) // self.trie.page_bytes)
         path = list(itertools.takewhile(lambda p: p[0].on_device, matched))
@@ -158,16 +196,27 @@ class PrefixCache:
             self._stats.admit_failures += 1
             return None
         tail = self._lock_hit_path(path, now) if path else self.trie.root(ns, create=True)
-        new_blocks = self.allocator.allocate_parts(num_pages - num_hit)
+        num_new = num_pages - num_hit
+        return Admission(ns, buf, path, tail, num_new, sum(k for _, k in matched) - num_hit,
+                         max(0, num_new - self.allocator.num_free))  # fmt: skip
+
+    def complete_admission(self, admission: Admission, *, count: bool = True) -> SeqHandle:
+        """Evict what the free queue still lacks, allocate, map the hits: the sequence's handle.
+        ``count=False`` leaves the admission counters alone (a prefetch's own hold)."""
+        self._evict_for(admission.num_new)
+        new_blocks = self.allocator.allocate(admission.num_new)
         if new_blocks is None:
             raise RuntimeError("allocation failed after the admission check said it fits")
-        table = np.concatenate([_NO_BLOCKS] + [node.blocks[:k] for node, k in path] + new_blocks)
+        path = admission.path
+        table = np.concatenate([_NO_BLOCKS] + [node.blocks[:k] for node, k in path] + [new_blocks])
+        num_hit = len(table) - admission.num_new
         if num_hit:
             self.allocator.incref(table[:num_hit], check=False)
-        handle = SeqHandle(next(self._seq_ids), ns, len(buf) // 4, num_hit, self.page_size, table, buf, tail)
+        handle = SeqHandle(next(self._seq_ids), admission.namespace, len(admission.buf) // 4, num_hit,
+                           self.page_size, table, admission.buf, admission.tail)  # fmt: skip
         self._handles[handle.seq_id] = handle
         if count:
-            self._count_admission(handle, sum(k for _, k in matched) - num_hit)
+            self._count_admission(handle, admission.lower_pages)
         return handle
 
     def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
@@ -176,16 +225,20 @@ class PrefixCache:
         if num_new_tokens < 0:
             raise ValueError(f"{num_new_tokens=} must be >= 0")
         num_tokens = handle.num_tokens + num_new_tokens
-        missing = -(-num_tokens // self.page_size) - len(handle.block_ids)
+        missing = self.blocks_missing(handle, num_new_tokens)
         if missing > 0:
             self.trie.expire_soft_pins(self.clock())
-            new_blocks = self.allocator.allocate_parts(missing)
-            if new_blocks is None:
+            if missing > self.allocator.num_free + self.trie.num_evictable:
                 self._stats.extend_failures += 1
                 return False
-            handle.block_ids = np.concatenate([handle.block_ids] + new_blocks)
+            self._evict_for(missing)
+            handle.block_ids = np.concatenate((handle.block_ids, self.allocator.allocate(missing)))
         handle.num_tokens = num_tokens
         return True
+
+    def blocks_missing(self, handle: SeqHandle, num_new_tokens: int) -> int:
+        """Blocks ``extend(handle, num_new_tokens)`` would allocate (0 if its last block has room)."""
+        return -(-(handle.num_tokens + num_new_tokens) // self.page_size) - len(handle.block_ids)
 
     def commit(self, handle: SeqHandle, tokens: TokensLike, *, lossy: bool = False) -> int:
         """Insert the sequence's new full pages into the trie; return how many entered.
@@ -227,20 +280,46 @@ class PrefixCache:
         """Cached blocks that eviction can free now (unreferenced, unpinned)."""
         return self.trie.num_evictable
 
-    def reclaim(self, num_blocks: int) -> list[np.ndarray]:
-        """Evict exactly ``num_blocks`` cached blocks and hand them out (allocator hook)."""
-        runs = self.trie.reclaim(num_blocks, self.clock())
-        self._stats.evicted_blocks += num_blocks
-        return runs
-
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` cached blocks into the free queue; return their ids."""
+        return self.reclaim(num_blocks).blocks.tolist()
+
+    def reclaim(self, num_blocks: int, *, keep_without_copy: int = 0) -> Eviction:
+        """Evict up to ``num_blocks`` cached blocks, in policy order, into the free queue.
+
+        ``keep_without_copy`` (write-back): up to that many evicted pages without a host/disk
+        copy get a HOST bit and stay indexed off device; ``Eviction.kept`` lists them for the
+        caller to copy. Pages with copies that leave the trie go to ``dropped``.
+        """
         if num_blocks < 0:
             raise ValueError(f"{num_blocks=} must be >= 0")
-        self.trie.expire_soft_pins(self.clock())
-        blocks = np.concatenate([_NO_BLOCKS] + self.reclaim(min(num_blocks, self.trie.num_evictable)))
+        now = self.clock()
+        self.trie.expire_soft_pins(now)
+        num_blocks = min(num_blocks, self.trie.num_evictable)
+        self.trie.prepare_eviction(now)
+        runs, kept, offloaded, listening = [_NO_BLOCKS], [], [], self.events.active
+        while num_blocks:
+            node = self.trie.pop_victim()
+            if node is None:
+                raise RuntimeError(f"eviction queue is empty with num_evictable={self.trie.num_evictable}")
+            take = min(num_blocks, node.num_pages)
+            if listening:
+                self._record_pages(node, node.num_pages - take, node.num_pages, "removed")
+            blocks, node_kept, dropped = self.trie.evict_tail(
+                node, take, now, keep_without_copy=keep_without_copy - len(kept), offloaded_keys=offloaded)
+            runs.append(blocks)
+            kept += node_kept
+            self.dropped += dropped
+            num_blocks -= take
+        blocks = np.concatenate(runs)
         self.allocator.free(blocks, check=False)
-        return blocks.tolist()
+        self._stats.evicted_blocks += len(blocks)
+        return Eviction(blocks, kept, offloaded)
+
+    def take_dropped(self) -> list[DroppedNode]:
+        """The pages with host/disk copies that left the trie since the last call."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def pin(self, tokens: TokensLike, namespace: NamespaceLike = None, ttl: float | None = None) -> int:
         """Keep the device-cached prefix of ``tokens`` from eviction; return its token count.
@@ -292,7 +371,7 @@ class PrefixCache:
     def clear_tier(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier) -> None:
         """Forget a HOST/DISK copy; an off-device page left without copies leaves the trie."""
         node, index = self._locate_page(tokens, namespace, page, tier)
-        self.trie.clear_tier(node, index, tier)
+        self.dropped += self.trie.clear_tier(node, index, tier)
 
     @property
     def stats(self) -> CacheStats:
@@ -318,13 +397,61 @@ class PrefixCache:
         page's block is owned by the trie (not free, not private to a sequence); locked and
         pinned nodes are still on device (the trie's own checks cover structure and counters).
         """
-        from kvjax.cache.invariants import (
-            check_cache,  # the checker imports this module
-        )
-
-        check_cache(self)
+        self.allocator.check_invariants()
+        trie_blocks = self.trie.check_invariants()
+        size = max(self.allocator.num_used_ids, int(trie_blocks.max(initial=-1)) + 1)
+        free = np.zeros(size, bool)
+        free[: self.allocator.num_used_ids] = self.allocator.free_mask()
+        free[self.allocator.num_used_ids :] = True
+        in_trie = np.zeros(size, bool)
+        in_trie[trie_blocks] = True
+        _fail_if(free & in_trie, "is free but still indexed by the trie")
+        expected = np.zeros(size, np.int64)
+        locks: dict[int, int] = {}
+        for handle in self._handles.values():
+            np.add.at(expected, self._check_handle(handle, in_trie), 1)
+            _count_path(handle._tail, locks)
+        refcounts = self.allocator.refcounts(size)
+        _fail_if(refcounts != expected, "has a refcount unequal to the live sequences holding it")
+        _fail_if((refcounts == 0) & ~free & ~in_trie, "is unreferenced, uncached and not free (leaked)")
+        pins: dict[int, int] = {}
+        for nodes in self._pins.values():
+            for node in nodes:
+                _count_path(node, pins)
+        for node in self.trie.nodes():
+            if (node.lock, node.hard_pins) != (locks.get(id(node), 0), pins.get(id(node), 0)):
+                raise RuntimeError(f"node at page {node.first_page} has lock={node.lock}, "
+                                   f"hard_pins={node.hard_pins}; handles and pins say "
+                                   f"{locks.get(id(node), 0)}, {pins.get(id(node), 0)}")  # fmt: skip
 
     # --- helpers ---------------------------------------------------------------------------
+
+    def _check_handle(self, handle: SeqHandle, in_trie: np.ndarray) -> np.ndarray:
+        """Consistency of one live handle; returns every block it holds."""
+        held = _path_blocks(handle._tail)
+        private = self._private_blocks(handle)
+        table = handle.block_ids
+        if len(table) != -(-handle.num_tokens // self.page_size) or len(np.unique(table)) != len(table):
+            raise RuntimeError(f"sequence {handle.seq_id} has {len(table)} blocks for {handle.num_tokens} tokens")
+        mapped = np.concatenate([table[: handle._committed]] + handle._dup_trie)
+        expected = np.setdiff1d(mapped, np.concatenate([np.zeros(0, BLOCK_DTYPE)] + handle._dup_own))
+        if not np.array_equal(np.sort(held), expected) or in_trie[private].any():
+            raise RuntimeError(f"sequence {handle.seq_id} disagrees with the trie about its committed pages")
+        return np.concatenate((held, private))
+
+    def _evict_for(self, num_new: int) -> None:
+        """Evict (no write-back) what the free queue lacks for ``num_new`` blocks."""
+        if num_new > self.allocator.num_free:
+            self.reclaim(num_new - self.allocator.num_free)
+
+    def _record_pages(self, node: Node, start: int, end: int, kind: str) -> None:
+        """Device events for pages ``start .. end - 1`` of ``node``."""
+        keys = self.trie.page_keys(node)
+        parent = self.trie.parent_key(node, start)
+        namespace = self.trie.namespace_of(node).digest()
+        for key in keys[start:end]:
+            self.events.record(namespace, key, parent, "device", kind)
+            parent = key
 
     def _full_bytes(self, num_bytes: int) -> int:
         return num_bytes - num_bytes % self.trie.page_bytes
@@ -369,6 +496,8 @@ class PrefixCache:
             else:  # only a host/disk copy was indexed: our fresh blocks become its device copy
                 trie.attach(child, own, now, lossy=lossy)
                 self._stats.inserted_blocks += num_pages
+                if self.events.active:
+                    self._record_pages(child, 0, num_pages, "stored")
             node = child
             start += num_pages * page_bytes
         if start < end:
@@ -379,6 +508,8 @@ class PrefixCache:
             else:
                 node = trie.insert(node, label, own, now, lossy=lossy)
             self._stats.inserted_blocks += len(own)
+            if self.events.active:
+                self._record_pages(node, node.num_pages - len(own), node.num_pages, "stored")
         handle._tail = node
         handle._committed = end // page_bytes
 
@@ -444,3 +575,26 @@ class PrefixCache:
             raise ValueError("tokens disagree with the tokens this sequence was given before")
         validate_tokens(array, self.vocab_size)  # whole array: errors name the true index
         return buf, len(array)
+
+
+# --- helpers of check_invariants ------------------------------------------------------
+
+
+def _path_blocks(node: Node) -> np.ndarray:
+    """Device blocks of the pages from the root down to ``node``, in order."""
+    runs = []
+    while node.parent is not None:
+        runs.append(node.blocks)
+        node = node.parent
+    return np.concatenate(runs[::-1]) if runs else np.zeros(0, BLOCK_DTYPE)
+
+
+def _fail_if(bad: np.ndarray, problem: str) -> None:
+    if bad.any():
+        raise RuntimeError(f"block {int(np.flatnonzero(bad)[0])} {problem}")
+
+
+def _count_path(node: Node, counts: dict[int, int]) -> None:
+    while node.parent is not None:
+        counts[id(node)] = counts.get(id(node), 0) + 1
+        node = node.parent

@@ -22,10 +22,17 @@ Invariants (``check_invariants`` verifies them all):
   since each of its copies is. Splits, extensions and truncations keep each page's flag;
   ``attach`` and ``replace`` (an exact recompute taking over an unlocked lossy device copy)
   set it from the new blocks.
+- every page with a HOST or DISK bit is findable by its stable key (``locate``): the trie
+  keeps that map itself through splits and drops, so the tier layer names pages by key.
+
+Nothing here calls out. Operations that drop pages with host/disk copies from the trie
+(``evict_tail``, ``clear_tier``) return them as ``DroppedNode`` records; the tier layer
+that owns those copies acts on the records (see ``kvjax.tiers.kv_cache``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
@@ -37,10 +44,19 @@ from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cache.eviction import EvictionPolicy, EvictionQueue
 from kvjax.cache.trie_node import LOWER_TIERS, Node, Tier
 
-__all__ = ["Node", "PrefixTrie", "Tier"]
+__all__ = ["DroppedNode", "Node", "PrefixTrie", "Tier"]
 
 
 _NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DroppedNode:
+    """Pages that left the trie while a host or disk copy of some of them existed."""
+
+    namespace: Namespace
+    keys: list[bytes]  # stable keys of the node's pages, in order
+    tiers: np.ndarray  # uint8 [len(keys)]: the Tier bits each page had (HOST/DISK matter)
 
 
 class PrefixTrie:
@@ -57,12 +73,8 @@ class PrefixTrie:
         self.evicted_pages = 0  # pages that lost their device copy
         self.offloaded_pages = 0  # ... of which a host/disk copy remains in the trie
         self.dropped_pages = 0  # pages removed from the trie entirely
-        self.on_drop: Callable[[Node], None] | None = None  # sees nodes with host/disk copies leave
-        # Sees (leaf, num_pages) before the leaf's last pages lose their device copy; it may
-        # record host copies (write-back) so those pages stay indexed, off device.
-        self.before_evict: Callable[[Node, int], None] | None = None
-        self.on_split: Callable[[Node], None] | None = None  # sees each new head with host/disk copies
         self.lossy_offload = False  # lower-tier copies are lossy: pages leaving the device become lossy
+        self._lower: dict[bytes, Node] = {}  # key of a page with a HOST/DISK bit -> its node
         self._roots: dict[Namespace, Node] = {}
         self._soft: list[tuple[float, int, Node]] = []  # heap of soft-pin expiries
         self._order = itertools.count()
@@ -125,8 +137,9 @@ class PrefixTrie:
         self.num_nodes += 1
         if head.soft_pinned:
             heapq.heappush(self._soft, (head.soft_until, next(self._order), head))
-        if head.tiers is not None and self.on_split is not None:
-            self.on_split(head)
+        if head.tiers is not None:
+            for index in np.flatnonzero(head.tiers & LOWER_TIERS):
+                self._lower[head.keys[index]] = head
         return head
 
     def insert(self, parent: Node, label: memoryview, blocks: np.ndarray, now: float, *,
@@ -145,15 +158,20 @@ class PrefixTrie:
         self.num_nodes += 1
         return node
 
-    def insert_offloaded(self, parent: Node, label: bytes, tiers: np.ndarray, now: float) -> Node:
+    def insert_offloaded(self, parent: Node, label: bytes, tiers: np.ndarray, now: float, *,
+                         keys: list[bytes] | None = None) -> Node:  # fmt: skip
         """Add an unlocked off-device node under ``parent`` whose pages have only the copies in
-        ``tiers`` (uint8 HOST/DISK bits, one per page): a prefix found in a lower tier by key."""
+        ``tiers`` (uint8 HOST/DISK bits, one per page): a prefix found in a lower tier by key
+        (``keys``: its pages' keys, when the caller has them)."""
         node = Node(parent, bytes(label[: self.page_bytes]), memoryview(label),
                     np.full(len(tiers), -1, BLOCK_DTYPE), np.array(tiers, np.uint8),
                     parent.first_page + parent.num_pages, False, now)  # fmt: skip
         node.lossy = np.ones(len(tiers), bool) if self.lossy_offload else None
         parent.children[node.key] = node
         self.num_nodes += 1
+        node.keys = keys
+        for key in self.page_keys(node):
+            self._lower[key] = node
         return node
 
     def can_extend(self, node: Node) -> bool:
@@ -254,40 +272,119 @@ class PrefixTrie:
         return (node.num_device_children == 0 and node.parent is not None
                 and self.is_candidate(node))  # fmt: skip
 
-    def reclaim(self, num_pages: int, now: float) -> list[np.ndarray]:
-        """Evict exactly ``num_pages`` device pages in policy order; return their block ids,
-        one array per run taken from a node (joined by whoever needs them joined)."""
-        if num_pages > self.num_evictable:
-            raise RuntimeError(f"{num_pages=} exceeds num_evictable={self.num_evictable}")
+    def prepare_eviction(self, now: float) -> None:
+        """Call before a run of ``pop_victim``: a policy whose order drifts with time
+        (``time_invariant`` False) is re-ranked at ``now``."""
         if not self.policy.time_invariant:
             self.queue.rebuild([n for n in self.nodes() if self.is_evictable_leaf(n)], now)
-        freed = []
-        while num_pages:
-            node = self.queue.pop(self.is_evictable_leaf)
-            if node is None:
-                raise RuntimeError(f"eviction queue is empty with {self.num_evictable=}")
-            take = min(num_pages, len(node.blocks))
-            freed.append(self._evict_tail(node, take, now))
-            num_pages -= take
-        return freed
+
+    def pop_victim(self) -> Node | None:
+        """The evictable leaf the policy ranks first, taken off the queue (None if none).
+        Evict from it with ``evict_tail``; a leaf not evicted must be pushed back
+        (``requeue``)."""
+        return self.queue.pop(self.is_evictable_leaf)
+
+    def requeue(self, node: Node, now: float) -> None:
+        """Put back a leaf ``pop_victim`` returned and the caller did not evict."""
+        if self.is_evictable_leaf(node):
+            self.queue.push(node, now)
+
+    def evict_tail(self, node: Node, num_pages: int, now: float, *, keep_without_copy: int = 0,
+                   offloaded_keys: list[bytes] | None = None,
+                   ) -> tuple[np.ndarray, list[tuple[bytes, int]], list[DroppedNode]]:  # fmt: skip
+        """Take the last ``num_pages`` device pages of the evictable leaf ``node``.
+
+        Pages with a HOST or DISK copy stay indexed, off device, up to the first one without
+        a copy: that page and everything after it leave the trie. ``keep_without_copy``
+        (write-back): up to that many leaving pages without a copy get a HOST bit now, a copy
+        the caller promises to make, so they stay indexed too.
+
+        Returns (block ids no longer the trie's, ``(key, block)`` of each page given a HOST
+        bit, the nodes that left the trie with host/disk copies). The keys of every page that
+        stayed indexed off device are appended to ``offloaded_keys`` when it is given.
+        """
+        if not 0 < num_pages <= len(node.blocks) or not self.is_evictable_leaf(node):
+            raise RuntimeError(f"cannot evict {num_pages} pages of node at page {node.first_page} "
+                               f"({len(node.blocks)} pages, evictable leaf: {self.is_evictable_leaf(node)})")  # fmt: skip
+        kept = self._keep_leaving(node, num_pages, keep_without_copy) if keep_without_copy else []
+        self.num_evictable -= num_pages
+        self.evicted_pages += num_pages
+        keep = len(node.blocks) - num_pages
+        if node.tiers is None and keep:  # device only, partly evicted: cut in place, no split
+            blocks = node.blocks[keep:]
+            dropped = self._truncate(node, keep)
+            self.queue.push(node, now)  # still an evictable leaf; its tail page changed
+            return blocks, kept, dropped
+        if keep:
+            self.split(node, keep)
+        blocks, parent = node.blocks, node.parent
+        if node.tiers is None:
+            copied = 0
+        else:  # pages up to the first one without a host/disk copy stay, off device
+            has_copy = (node.tiers & LOWER_TIERS) != 0
+            copied = num_pages if has_copy.all() else int(np.argmin(has_copy))
+        dropped, survivor = [], None
+        if 0 < copied < num_pages:
+            survivor = self.split(node, copied)
+            dropped = self._drop(node)
+        elif copied == num_pages:
+            survivor = node
+        else:
+            dropped = self._drop(node)
+        if survivor is not None:
+            self._offload(survivor)
+            if offloaded_keys is not None:
+                offloaded_keys += self.page_keys(survivor)
+        if parent.parent is not None and self.is_evictable_leaf(parent):
+            self.queue.push(parent, now)
+        return blocks, kept, dropped
+
+    def _keep_leaving(self, node: Node, num_pages: int, budget: int) -> list[tuple[bytes, int]]:
+        """HOST bits for the leading leaving pages of ``node`` that have no copy (at most
+        ``budget``), stopping at the first one the budget cannot cover."""
+        first = len(node.blocks) - num_pages
+        tiers = node.page_tiers()
+        missing = [i for i in range(first, len(node.blocks)) if not tiers[i] & LOWER_TIERS][:budget]
+        if not missing:
+            return []
+        keys = self.page_keys(node)
+        node.tiers = tiers
+        kept = []
+        for index in missing:
+            tiers[index] |= np.uint8(Tier.HOST)
+            self._lower[keys[index]] = node
+            kept.append((keys[index], int(node.blocks[index])))
+        return kept
 
     def set_tier(self, node: Node, page: int, tier: Tier) -> None:
         """Record a host or disk copy of page ``page`` of ``node``."""
         node.tiers = node.page_tiers()
         node.tiers[page] |= np.uint8(tier)
+        self._lower[self.page_keys(node)[page]] = node
         if page == len(node.blocks) - 1 and self.is_evictable_leaf(node):
             self.queue.push(node, self.clock())  # the policy may rank it differently now
 
-    def clear_tier(self, node: Node, page: int, tier: Tier) -> None:
+    def clear_tier(self, node: Node, page: int, tier: Tier) -> list[DroppedNode]:
         """Forget a host or disk copy; an off-device page left with no copy leaves the trie,
-        and so do the pages after it (they are unreachable without it)."""
+        and so do the pages after it (they are unreachable without it): returned as records."""
         if node.tiers is None:
-            return  # device only: no host/disk copy to forget
+            return []  # device only: no host/disk copy to forget
         node.tiers[page] &= np.uint8(~tier & 0xFF)
+        if not node.tiers[page] & LOWER_TIERS and node.keys is not None and page < len(node.keys):
+            if self._lower.get(node.keys[page]) is node:
+                del self._lower[node.keys[page]]
         if not node.on_device and node.tiers[page] == 0:
             if page:
                 self.split(node, page)
-            self._drop(node)
+            return self._drop(node)
+        return []
+
+    def locate(self, key: bytes) -> tuple[Node, int] | None:
+        """(node, index in node) of the page with a host/disk copy whose key is ``key``, or None."""
+        node = self._lower.get(key)
+        if node is None:
+            return None
+        return node, node.keys.index(key)
 
     # --- stable keys and traversal ---------------------------------------------------------
 
@@ -305,6 +402,12 @@ class PrefixTrie:
             keys = keys + chained_block_keys(rest, self.page_size, self.namespace_of(node), parent_key)
             node.keys = keys
         return keys
+
+    def parent_key(self, node: Node, index: int) -> bytes | None:
+        """Key of the page before page ``index`` of ``node`` (None before a sequence's first page)."""
+        if index:
+            return self.page_keys(node)[index - 1]
+        return None if node.parent.parent is None else self.page_keys(node.parent)[-1]
 
     def namespace_of(self, node: Node) -> Namespace:
         """The namespace of the root above ``node``."""
@@ -325,10 +428,35 @@ class PrefixTrie:
         return self._roots
 
     def check_invariants(self) -> np.ndarray:
-        """Raise RuntimeError on any broken structural invariant; return all device block ids."""
-        from kvjax.cache.invariants import check_trie  # the checker imports this module
+        """Raise RuntimeError on any broken structural invariant; return all device block ids.
 
-        return check_trie(self)
+        Per node: linked under its first page, label length, page offsets, DEVICE bits vs
+        block ids, no page without a copy, a lossy flag per page (every page off device
+        lossy when the lower-tier copies are), device-children count, device pages only
+        below device pages, locked/pinned nodes still on device, locks and pins never above
+        the parent's, every page with a host/disk copy findable by key. Then: node count,
+        ``num_evictable`` equal to the unlocked unpinned device pages, every evictable leaf
+        findable in the eviction queue, no block backing two pages, no stale key entry.
+        """
+        blocks, evictable, count, lower = [], 0, 0, 0
+        for node in self.nodes():
+            count += 1
+            self._check_node(node)
+            evictable += len(node.blocks) if self.is_candidate(node) else 0
+            if node.on_device:
+                blocks.append(node.blocks)
+            if self.is_evictable_leaf(node) and node.heap_version < 0:
+                raise RuntimeError(f"evictable leaf at page {node.first_page} is not in the queue")
+            lower += 0 if node.tiers is None else int(np.count_nonzero(node.tiers & LOWER_TIERS))
+        if (count, evictable) != (self.num_nodes, self.num_evictable):
+            raise RuntimeError(f"counted {count} nodes, {evictable} evictable pages; "
+                               f"trie says {self.num_nodes}, {self.num_evictable}")  # fmt: skip
+        if lower != len(self._lower):
+            raise RuntimeError(f"{len(self._lower)} keys indexed for {lower} pages with host/disk copies")
+        device_blocks = np.concatenate(blocks) if blocks else np.zeros(0, BLOCK_DTYPE)
+        if len(np.unique(device_blocks)) != len(device_blocks):
+            raise RuntimeError("a device block backs two trie pages")
+        return device_blocks
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -338,6 +466,41 @@ class PrefixTrie:
         theirs = np.frombuffer(buf, np.uint8, size, start)
         differ = np.flatnonzero(ours != theirs)
         return int(differ[0] if differ.size else size) // self.page_bytes
+
+    def _check_node(self, node: Node) -> None:
+        parent = node.parent
+        where = f"node at page {node.first_page}"
+        if parent.children.get(node.key) is not node or node.key != bytes(node.label[: self.page_bytes]):
+            raise RuntimeError(f"{where} is not linked under its first page")
+        if len(node.blocks) == 0 or len(node.label) != len(node.blocks) * self.page_bytes:
+            raise RuntimeError(f"{where} has {len(node.blocks)} blocks for {len(node.label)} label bytes")
+        if node.first_page != parent.first_page + len(parent.blocks):
+            raise RuntimeError(f"{where} follows a parent ending at page {parent.first_page + len(parent.blocks)}")
+        tiers = node.page_tiers()
+        on_device = (tiers & Tier.DEVICE) != 0
+        if not (on_device == node.on_device).all() or not ((node.blocks >= 0) == node.on_device).all():
+            raise RuntimeError(f"{where}: blocks and DEVICE bits disagree with {node.on_device=}")
+        if not node.on_device and (tiers == 0).any():
+            raise RuntimeError(f"{where} keeps a page with no copy in any tier")
+        if node.lossy is not None and (node.lossy.dtype != bool or len(node.lossy) != len(node.blocks)):
+            raise RuntimeError(f"{where} has {len(node.lossy)} lossy flags for {len(node.blocks)} pages")
+        if self.lossy_offload and not node.on_device and not node.page_lossy().all():
+            raise RuntimeError(f"{where} is off device, where every copy is lossy, but a page is marked exact")
+        if node.num_device_children != sum(c.on_device for c in node.children.values()):
+            raise RuntimeError(f"{where} miscounts its device children")
+        if node.on_device and not parent.on_device:
+            raise RuntimeError(f"{where} is on device below an off-device parent")
+        if (node.lock or node.hard_pins or node.soft_pinned) and not node.on_device:
+            raise RuntimeError(f"{where} is locked or pinned but was evicted from device")
+        if parent.parent is not None and (
+            node.lock > parent.lock or node.hard_pins > parent.hard_pins
+            or node.soft_pinned > parent.soft_pinned or node.soft_until > parent.soft_until
+        ):  # fmt: skip
+            raise RuntimeError(f"{where} is locked or pinned more than its parent")
+        if node.tiers is not None:
+            for index in np.flatnonzero(node.tiers & LOWER_TIERS):
+                if self.locate(node.keys[index]) != (node, index):
+                    raise RuntimeError(f"{where}: page {index} has a host/disk copy but its key does not lead to it")
 
     @staticmethod
     def is_candidate(node: Node) -> bool:
@@ -366,42 +529,12 @@ class PrefixTrie:
                 self._became_candidate(node, now)
             node = node.parent
 
-    def _evict_tail(self, node: Node, num_pages: int, now: float) -> np.ndarray:
-        """Take the last ``num_pages`` device pages of the evictable leaf ``node``."""
-        if self.before_evict is not None:
-            self.before_evict(node, num_pages)
-        self.num_evictable -= num_pages
-        self.evicted_pages += num_pages
-        keep = len(node.blocks) - num_pages
-        if node.tiers is None and keep:  # device only, partly evicted: cut in place, no split
-            blocks = node.blocks[keep:]
-            self._truncate(node, keep)
-            self.queue.push(node, now)  # still an evictable leaf; its tail page changed
-            return blocks
-        if keep:
-            self.split(node, keep)
-        blocks, parent = node.blocks, node.parent
-        if node.tiers is None:
-            copied = 0
-        else:  # pages up to the first one without a host/disk copy stay, off device
-            has_copy = (node.tiers & LOWER_TIERS) != 0
-            copied = num_pages if has_copy.all() else int(np.argmin(has_copy))
-        if 0 < copied < num_pages:
-            survivor = self.split(node, copied)
-            self._drop(node)
-            self._offload(survivor)
-        elif copied == num_pages:
-            self._offload(node)
-        else:
-            self._drop(node)
-        if parent.parent is not None and self.is_evictable_leaf(parent):
-            self.queue.push(parent, now)
-        return blocks
-
-    def _truncate(self, node: Node, num_pages: int) -> None:
-        """Keep the first ``num_pages`` pages of ``node``; what followed leaves the trie."""
+    def _truncate(self, node: Node, num_pages: int) -> list[DroppedNode]:
+        """Keep the first ``num_pages`` pages of the device-only ``node``; what followed
+        leaves the trie. Returns the dropped nodes with host/disk copies."""
+        dropped = []
         for child in list(node.children.values()):
-            self._drop(child)  # off device (node is a device leaf) and unreachable now
+            dropped += self._drop(child)  # off device (node is a device leaf) and unreachable now
         self.dropped_pages += len(node.blocks) - num_pages
         node.label = _compact(node.label[: num_pages * self.page_bytes])
         node.blocks = node.blocks[:num_pages]
@@ -409,6 +542,7 @@ class PrefixTrie:
             node.keys = node.keys[:num_pages]
         if node.lossy is not None:
             node.lossy = node.lossy[:num_pages]
+        return dropped
 
     def _offload(self, node: Node) -> None:
         node.on_device = False
@@ -419,7 +553,8 @@ class PrefixTrie:
         node.parent.num_device_children -= 1
         self.offloaded_pages += len(node.blocks)
 
-    def _drop(self, node: Node) -> None:
+    def _drop(self, node: Node) -> list[DroppedNode]:
+        """Remove ``node`` and everything below it; return those that had host/disk copies."""
         parent = node.parent
         del parent.children[node.key]
         parent.num_device_children -= int(node.on_device)
@@ -427,15 +562,21 @@ class PrefixTrie:
         while stack:
             gone_nodes.append(stack.pop())
             stack.extend(gone_nodes[-1].children.values())
-        if self.on_drop is not None:  # before unlinking, so page_keys() still works
-            for gone in gone_nodes:
-                if gone.tiers is not None and (gone.tiers & LOWER_TIERS).any():
-                    self.on_drop(gone)
+        dropped = []
+        namespace = None
+        for gone in gone_nodes:  # before unlinking, so page_keys() still works
+            if gone.tiers is not None and (gone.tiers & LOWER_TIERS).any():
+                namespace = namespace or self.namespace_of(gone)
+                keys = self.page_keys(gone)
+                for index in np.flatnonzero(gone.tiers & LOWER_TIERS):
+                    del self._lower[keys[index]]
+                dropped.append(DroppedNode(namespace, keys, gone.tiers))
         for gone in gone_nodes:
             self.dropped_pages += len(gone.blocks)
             self.num_nodes -= 1
             gone.parent = None
             gone.on_device = False
+        return dropped
 
     def _maybe_compact(self, now: float) -> None:
         # Stale entries pile up as nodes are locked and unlocked; rebuild when they dominate.

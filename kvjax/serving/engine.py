@@ -33,7 +33,7 @@ from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import Event, FinishEvent, RunSummary, TokenEvent
 from kvjax.serving.model_runner import ModelRunner
 from kvjax.serving.observer import EngineObserver, RequestRecord
-from kvjax.serving.preset import build_engine_parts, pool_config
+from kvjax.serving.preset import build_engine_parts
 from kvjax.serving.request import Request
 from kvjax.serving.sampling import GREEDY, SamplingParams
 from kvjax.serving.scheduler import Scheduler
@@ -49,10 +49,10 @@ __all__ = ["Engine"]
 
 
 class Engine:
-    """Serves requests with ``model`` over ``cache`` (a ``PrefixCache`` or a ``KVCache``).
+    """Serves requests with ``model`` over ``cache`` (a ``KVCache``; its lower tiers may be empty).
 
     ``pool`` is the device page pool the model reads and writes; by default the cache's own
-    (``cache.pool``), else a new one sized from the model and the cache. ``canonicalize``
+    (``cache.pool``). ``canonicalize``
     (a ``CanonicalizeConfig``; None: ``config.canonicalize`` decides, off by default) applies
     to text prompts. ``record_logits`` attaches each sampled position's logits to its
     TokenEvent. ``clock`` returns seconds.
@@ -66,7 +66,7 @@ class Engine:
         self.model, self.cache = model, cache
         self.config = config or EngineConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        self.pool = pool or getattr(cache, "pool", None) or _pool_for(model, cache)
+        self.pool = pool or cache.pool
         _check_compatible(model, cache, self.pool)
         vocab_size = model.cfg.vocab_size
         self.tokenizer = as_tokenizer(tokenizer if tokenizer is not None else ByteTokenizer(),
@@ -84,10 +84,6 @@ class Engine:
                                   token_budget=self.scheduler_config.token_budget,
                                   max_model_len=self.max_model_len,
                                   token_buckets=self.config.token_buckets, impl=self.config.impl)
-        if metrics is not None and getattr(cache, "metrics", None) is metrics:
-            raise ValueError("the cache records into the engine's own Metrics: hits would count twice; "
-                             "build the cache with metrics=CacheMetricsView(metrics)")
-        self._tiered = bool(getattr(getattr(cache, "config", None), "tiered", False))
         swap_slots = self.scheduler_config.host_swap_blocks
         self.swap_store = SwapStore(self.pool, swap_slots) if swap_slots else None
         self.observer = EngineObserver(self.metrics, page_size)
@@ -172,8 +168,7 @@ class Engine:
         events, self._pending = self._pending, []
         if not self._records:
             return events
-        if self._tiered:
-            self.cache.poll()  # finished transfers take effect before the scheduler looks
+        tier_report = self.cache.poll()  # finished transfers take effect before the scheduler looks
         plan = self.scheduler.schedule()
         events += [self._finish(rid, "rejected") for rid in plan.rejected if rid in self._records]
         self._move_blocks(plan)
@@ -192,7 +187,7 @@ class Engine:
                                          record.request.num_output_tokens - 1,
                                          None if logits is None else logits[row]))  # fmt: skip
         events += [self._finish(rid, "finished") for rid in finished]
-        self.observer.on_step(plan, self.scheduler, self.cache)
+        self.observer.on_step(plan, self.scheduler, self.cache, tier_report)
         return events
 
     def run(self, *, summary: bool = True) -> Iterator[Event]:
@@ -232,10 +227,8 @@ class Engine:
             raise RuntimeError(f"requests {sorted(live - self._records.keys())} are live without a record")
 
     def close(self) -> None:
-        """Release the cache's resources (tier files, transfer threads) if it has any."""
-        close = getattr(self.cache, "close", None)
-        if close is not None:
-            close()
+        """Release the cache's resources (tier files, transfer threads)."""
+        self.cache.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -267,11 +260,10 @@ class Engine:
             self.swap_store.swap_in(plan.swap_in)
         elif plan.swap_out or plan.swap_in:
             raise RuntimeError("the scheduler planned swaps but the engine has no swap store")
-        if self._tiered:
-            for intent in plan.prefetch:
-                self.cache.prefetch(intent.token_ids, intent.namespace)
-            if plan.evict_target and self.config.spill_ahead:
-                self.cache.evict(plan.evict_target)
+        for intent in plan.prefetch:
+            self.cache.prefetch(intent.token_ids, intent.namespace)
+        if plan.evict_target and self.config.spill_ahead and self.cache.config.tiered:
+            self.cache.evict(plan.evict_target)
 
     def _start_admitted(self, seqs: list[ScheduledSeq], records: list[RequestRecord]) -> None:
         """Wait for fetched KV; record first admissions (hits by tier, misses by cause).
@@ -282,18 +274,13 @@ class Engine:
         now = self.clock()
         for seq, record in zip(seqs, records):
             handle = record.request.handle
-            if self._tiered and not self.cache.is_ready(handle):
+            if not self.cache.is_ready(handle):
                 self.cache.wait_ready(handle)
                 if handle.num_hit_tokens < seq.start:
                     seq.num_tokens += seq.start - handle.num_hit_tokens
                     seq.start = record.request.num_computed_tokens = handle.num_hit_tokens
             if record.admitted is None:
-                # KVCache splits the (final) hits by the tier each page came from; a plain
-                # PrefixCache only ever maps device pages.
-                split = getattr(self.cache, "hit_tokens_by_tier", None)
-                tiers = split(handle) if split else {"device": handle.num_hit_tokens}
-                refused = getattr(self.cache, "refused_lossy_pages", None)
-                self.observer.on_admitted(record, now, tiers, refused(handle) if refused else 0)
+                self.observer.on_admitted(record, now, self.cache.admission_report(handle))
 
     def _finish(self, request_id: str, status: str) -> FinishEvent:
         record = self._records.pop(request_id)
@@ -313,10 +300,6 @@ class Engine:
             ttft_seconds=None if record.first_token is None else record.first_token - record.arrival,
             request_seconds=now - record.arrival if record.admitted is not None else None,
             canonical_changes=record.canonical_changes)  # fmt: skip
-
-
-def _pool_for(model, cache) -> PagePool:
-    return PagePool(pool_config(model.cfg, cache.page_size, cache.allocator.num_blocks))
 
 
 def _check_compatible(model, cache, pool: PagePool) -> None:

@@ -1,6 +1,8 @@
 """The engine's bookkeeping per request (times, hits, misses) and what it writes to Metrics.
 
-Recorded, all in seconds on the engine's clock or in tokens / blocks:
+The observer is the one writer of metrics: the cache reports (``AdmissionReport`` per
+sequence, ``TierReport`` per step) and the observer records. Recorded, all in seconds on the
+engine's clock or in tokens / blocks:
 
 * at a request's first admission: ``queue_seconds``; its prompt's hit tokens and blocks by
   tier (``hit_tokens`` / ``hit_blocks``) and the rest by cause (``miss_tokens`` /
@@ -11,9 +13,11 @@ Recorded, all in seconds on the engine's clock or in tokens / blocks:
   remembered for the miss attribution of later requests;
 * per step: ``prefill_tokens`` and ``decode_tokens`` computed, ``preemptions``,
   ``rejections``, and the gauges ``running_sequences``, ``queued_requests``,
-  ``pool_occupancy_ratio`` (device: the allocator's occupancy, blocks that are not empty-free
-  / pool blocks, cached KV included, as its watermarks count them) and
-  ``pool_fragmentation_ratio``.
+  ``pool_occupancy_ratio`` per tier (device: the allocator's occupancy, blocks that are not
+  empty-free / pool blocks, cached KV included, as its watermarks count them; host blocks;
+  disk bytes) and ``pool_fragmentation_ratio``; from the step's ``TierReport``:
+  ``fetch_seconds`` by tier, ``fetch_failures``, ``disk_errors``, ``spilled_blocks`` /
+  ``spilled_bytes`` by link.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from kvjax.metrics.registry import Metrics
 from kvjax.serving.miss_attribution import MissAttributor
 from kvjax.serving.request import Request
 from kvjax.serving.sampling import SamplingParams
+from kvjax.serving.scheduler import Scheduler
 from kvjax.serving.step_plan import StepPlan
 from kvjax.text.canonicalize import Change
+from kvjax.tiers.kv_cache import AdmissionReport, KVCache, TierReport
 
-__all__ = ["CacheMetricsView", "EngineObserver", "RequestRecord"]
+__all__ = ["EngineObserver", "RequestRecord"]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -58,11 +64,10 @@ class EngineObserver:
         self.page_size = page_size
         self.attributor = MissAttributor(page_size)
 
-    def on_admitted(self, record: RequestRecord, now: float, hit_tokens_by_tier: dict[str, int],
-                    refused_lossy_pages: int = 0) -> None:  # fmt: skip
-        """First admission: queue time, hits by tier, misses by cause (``refused_lossy_pages``:
-        pages after the hits that were cached only lossily and refused)."""
+    def on_admitted(self, record: RequestRecord, now: float, report: AdmissionReport) -> None:
+        """First admission: queue time, hits by tier (the cache's report), misses by cause."""
         record.admitted = now
+        hit_tokens_by_tier, refused_lossy_pages = report.hit_tokens, report.refused_lossy_pages
         request, metrics = record.request, self.metrics
         metrics.observe("queue_seconds", max(now - record.arrival, 0.0))
         prompt = request.prompt_token_ids
@@ -96,7 +101,7 @@ class EngineObserver:
             computed = request.token_ids[: request.num_computed_tokens]
             self.attributor.remember(np.asarray(computed), request.namespace, record.fingerprint)
 
-    def on_step(self, plan: StepPlan, scheduler, cache) -> None:
+    def on_step(self, plan: StepPlan, scheduler: Scheduler, cache: KVCache, tiers: TierReport) -> None:
         metrics = self.metrics
         prefill = sum(seq.num_tokens for seq in plan.prefills)
         if prefill:
@@ -109,23 +114,14 @@ class EngineObserver:
             metrics.inc("rejections", len(plan.rejected))
         metrics.set("running_sequences", scheduler.num_running)
         metrics.set("queued_requests", scheduler.num_waiting)
-        metrics.set("pool_occupancy_ratio", cache.allocator.occupancy, tier="device")
+        for tier, ratio in cache.occupancy().items():
+            metrics.set("pool_occupancy_ratio", ratio, tier=tier)
         metrics.set("pool_fragmentation_ratio", cache.fragmentation())
-
-
-class CacheMetricsView:
-    """The engine's ``Metrics`` as a tiered cache should see it: every update passes through
-    except ``record_hit`` / ``record_miss``, which the engine records itself per request (with
-    the miss causes only it can tell). Give it to ``KVCache(metrics=...)``."""
-
-    def __init__(self, metrics: Metrics):
-        self._metrics = metrics
-
-    def record_hit(self, tier: str, tokens: int, blocks: int) -> None:
-        pass
-
-    def record_miss(self, cause: str, tokens: int, blocks: int) -> None:
-        pass
-
-    def __getattr__(self, name: str):
-        return getattr(self._metrics, name)
+        for tier, seconds in tiers.fetch_seconds:
+            metrics.observe("fetch_seconds", seconds, tier=tier)
+        if tiers.fetch_failures:
+            metrics.inc("fetch_failures", tiers.fetch_failures)
+        if tiers.disk_errors:
+            metrics.inc("disk_errors", tiers.disk_errors)
+        for link, (blocks, num_bytes) in tiers.spilled.items():
+            metrics.record_spill(link, blocks, num_bytes)

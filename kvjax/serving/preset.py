@@ -19,7 +19,6 @@ from typing import Any
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.model import ModelConfig, Transformer, load_config, load_weights
-from kvjax.serving.observer import CacheMetricsView
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PoolConfig
@@ -58,10 +57,9 @@ def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed
     if seed is not None:
         engine_cfg = dataclasses.replace(engine_cfg, seed=seed)
     model = load_weights(model_cfg, weights) if weights else Transformer(model_cfg, seed=engine_cfg.seed)
-    metrics = engine_kwargs.setdefault("metrics", Metrics(clock=engine_kwargs.get("clock", time.monotonic)))
+    engine_kwargs.setdefault("metrics", Metrics(clock=engine_kwargs.get("clock", time.monotonic)))
     cache_config = build_cache_config(model_cfg, sections["cache"], sections.get("tiers", {}) if tiers else {})
-    cache = KVCache(cache_config, impl=engine_cfg.impl, clock=engine_kwargs.get("clock", time.monotonic),
-                    metrics=CacheMetricsView(metrics))  # fmt: skip
+    cache = KVCache(cache_config, impl=engine_cfg.impl, clock=engine_kwargs.get("clock", time.monotonic))
     parts = {"model": model, "cache": cache, "config": engine_cfg,
              "scheduler_config": SchedulerConfig.from_dict(sections.get("scheduler", {}))}
     parts.update(engine_kwargs)

@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.cache.block_keys import TOKEN_DTYPE, Namespace, as_namespace, validate_tokens
+from kvjax.cache.block_keys import Namespace, as_namespace
 from kvjax.cache.device_index import SeqHandle
+from kvjax.text.tokens import TOKEN_DTYPE, validate_tokens
 
 __all__ = ["Request", "RequestStatus"]
 

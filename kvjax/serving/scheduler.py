@@ -21,7 +21,7 @@ Each ``schedule()`` fills one step under a token budget, in this order:
 cache (only pages whose KV the step has written, so a hit never maps unwritten KV), appends
 sampled tokens and finishes requests (``max_new_tokens`` or a stop token).
 
-A hit never covers a prompt's last page: ``PrefixCache.admit`` maps at most
+A hit never covers a prompt's last page: ``KVCache.admit`` maps at most
 ``(num_tokens - 1) // page_size`` pages, so at least the last token is computed (its logits
 give the next token) and it is written into a private block. A fully cached, page-aligned
 prompt thus recomputes its last page (up to ``page_size`` tokens) rather than writing into a
@@ -39,14 +39,15 @@ import collections
 import time
 from collections.abc import Callable, Mapping
 
-from kvjax.cache.block_keys import validate_tokens
-from kvjax.cache.device_index import MatchResult, PrefixCache
+from kvjax.cache.records import MatchResult
 from kvjax.serving.preemption import SwapSpace, choose_preemption
 from kvjax.serving.prefetch import PrefetchPlanner
 from kvjax.serving.request import Request, RequestStatus
 from kvjax.serving.scheduler_config import SchedulerConfig, SchedulerStats
 from kvjax.serving.step_plan import ScheduledSeq, StepPlan, pair_tokens
 from kvjax.serving.wait_queue import WaitQueue, hit_rank
+from kvjax.text.tokens import validate_tokens
+from kvjax.tiers.kv_cache import KVCache
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -54,14 +55,14 @@ _RUNNING, _WAITING, _SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, Req
 
 
 class Scheduler:
-    """Drives requests through a ``PrefixCache``; see the module docstring for one step.
+    """Drives requests through a ``KVCache``; see the module docstring for one step.
 
     Protocol: ``plan = schedule()``, run the plan (``step_plan`` says in which order), then
     ``on_step_done(plan, tokens)``; ``add`` and ``cancel`` may be called at any time.
     ``clock`` returns seconds (default: the cache's clock).
     """
 
-    def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None, *,
+    def __init__(self, cache: KVCache, config: SchedulerConfig | None = None, *,
                  clock: Callable[[], float] | None = None):  # fmt: skip
         self.cache = cache
         self.config = config or SchedulerConfig()
@@ -289,7 +290,8 @@ class Scheduler:
             request = waiting.peek()
             if request is None:
                 break
-            match = cache.match(request.token_ids, request.namespace)
+            lookup = cache.lookup(request.token_ids, request.namespace)
+            match = lookup.match
             urgent = waiting.is_urgent(request.request_id)
             if hit_rank(match.num_hit_blocks) != request.hit_rank and request.request_id not in rekeyed:
                 rekeyed.add(request.request_id)  # its rank changed: let the queue re-decide
@@ -300,8 +302,7 @@ class Scheduler:
             held = allocator.num_blocks - allocator.num_free - cache.num_reclaimable
             if self._running and held + num_pages - num_hit > high:
                 break  # high watermark: leave the headroom to running decodes
-            lossy = {} if request.accept_lossy is None else {"accept_lossy": request.accept_lossy}
-            handle = cache.admit(request.token_ids, request.namespace, **lossy)
+            handle = cache.admit(lookup, accept_lossy=request.accept_lossy)
             if handle is None:
                 if not self._running:  # even an empty pool cannot take it: pins hold the rest
                     waiting.pop()

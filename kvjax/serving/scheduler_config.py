@@ -18,7 +18,7 @@ __all__ = ["SchedulerConfig", "SchedulerStats"]
 class SchedulerConfig:
     """How the scheduler fills a step. Tokens, blocks and seconds as named.
 
-    The pool's high/low watermarks are the allocator's (``PrefixCache(high_watermark=...,
+    The pool's high/low watermarks are the allocator's (``KVCacheConfig(high_watermark=...,
     low_watermark=...)``), so the cache and the scheduler share one setting.
     """
 

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from kvjax.cache.block_keys import validate_tokens
+from kvjax.text.tokens import validate_tokens
 
 __all__ = [
     "BYTE_VOCAB",

@@ -5,11 +5,11 @@ lossy page when the caller refuses lossy hits, splits it into the device pages a
 (mapped at once) and the lower-tier pages after them, and asks the fetch cost model how many
 of those are worth fetching rather than recomputing.
 
-Lossy flags of the device pages are read here, before ``PrefixCache.admit_matched`` locks the
+Lossy flags of the device pages are read here, before ``DeviceIndex.begin_admission`` locks the
 path: locking may split the last node, after which ``matched`` names the deeper half.
 
 ``HitSources`` remembers, per admitted sequence, where its hit pages came from (device, host,
-disk) and which of them are lossy, for ``KVCache.hit_tokens_by_tier`` / ``lossy_hit_pages``.
+disk) and which of them are lossy, for the sequence's ``AdmissionReport``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from kvjax.cache.cost_model import CostModel
 from kvjax.cache.trie_node import Node, Tier
 
-__all__ = ["FetchPlan", "HitSources", "plan_fetch"]
+__all__ = ["AdmissionReport", "FetchPlan", "HitSources", "plan_fetch"]
 
 _HOST = int(Tier.HOST)
 
@@ -61,45 +61,60 @@ def plan_fetch(matched: list[tuple[Node, int]], *, cost_model: CostModel, page_s
     return FetchPlan(matched, refused, first, lower, on_disk, num_fetch, device_lossy)
 
 
-class HitSources:
-    """Per live sequence: (device pages mapped, from_disk of its fetched pages, lossy flags of
-    the device pages or None, lossy pages refused). Sequences that fetched nothing, mapped no
-    lossy page and refused none are not recorded: all their hits are exact device hits."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmissionReport:
+    """Where a sequence's prompt pages came from, final once the sequence is ready.
 
-    def __init__(self, page_size: int):
+    ``hit_tokens``: tokens served from cached KV, by the tier each page came from ("device",
+    "host", "disk"); ``recomputed_pages``: pages matched on host or disk and recomputed
+    anyway (the cost model chose it, or their fetch failed); ``refused_lossy_pages``: pages
+    right after the hits that were cached only lossily and refused (``accept_lossy=False``);
+    ``lossy_pages`` bool ``[hit pages]``: which hit pages hold KV that went through a lossy
+    offload codec.
+    """
+
+    hit_tokens: dict[str, int]
+    recomputed_pages: int
+    refused_lossy_pages: int
+    lossy_pages: np.ndarray
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return sum(self.hit_tokens.values())
+
+
+class HitSources:
+    """Per live sequence: (device pages mapped, from_disk of its lower-tier pages, lossy flags
+    of the device pages or None, lossy pages refused, lower-tier pages matched). Sequences that
+    matched nothing below the device, mapped no lossy page and refused none are not recorded:
+    all their hits are exact device hits."""
+
+    def __init__(self, page_size: int, lossy_codec: bool):
         self.page_size = page_size
-        self._sources: dict[int, tuple[int, np.ndarray, np.ndarray | None, int]] = {}
+        self.lossy_codec = lossy_codec
+        self._sources: dict[int, tuple[int, np.ndarray, np.ndarray | None, int, int]] = {}
 
     def record(self, seq_id: int, first: int, from_disk: np.ndarray, device_lossy: np.ndarray | None,
-               refused: int = 0) -> None:  # fmt: skip
-        if len(from_disk) or device_lossy is not None or refused:
-            self._sources[seq_id] = (first, from_disk, device_lossy, refused)
-
-    def refused(self, seq_id: int) -> int:
-        """Pages right after the hits that were lossy (or followed one) and were refused."""
-        return self._sources.get(seq_id, (0, (), None, 0))[3]
+               refused: int, num_lower: int) -> None:  # fmt: skip
+        if num_lower or device_lossy is not None or refused:
+            self._sources[seq_id] = (first, from_disk, device_lossy, refused, num_lower)
 
     def forget(self, seq_id: int) -> None:
         self._sources.pop(seq_id, None)
 
-    def by_tier(self, seq_id: int, num_hit_tokens: int) -> dict[str, int]:
-        """``num_hit_tokens`` split by the tier each hit page came from (tokens)."""
+    def report(self, seq_id: int, num_hit_tokens: int) -> AdmissionReport:
+        """The report of a sequence whose hits are now ``num_hit_tokens`` tokens."""
         num_hit = num_hit_tokens // self.page_size
-        first, from_disk, _, _ = self._sources.get(seq_id, (num_hit, (), None, 0))
+        first, from_disk, device_lossy, refused, num_lower = self._sources.get(seq_id, (num_hit, (), None, 0, 0))
         device = min(first, num_hit)
         disk = int(np.count_nonzero(from_disk[: num_hit - device]))
-        return {"device": device * self.page_size, "host": (num_hit - device - disk) * self.page_size,
-                "disk": disk * self.page_size}  # fmt: skip
-
-    def lossy_pages(self, seq_id: int, num_hit_tokens: int, lossy_codec: bool) -> np.ndarray:
-        """bool ``[hit pages]``: device pages as the trie marked them, fetched ones as the codec made them."""
-        num_hit = num_hit_tokens // self.page_size
-        first, _, device_lossy, _ = self._sources.get(seq_id, (num_hit, (), None, 0))
+        page = self.page_size
+        hit_tokens = {"device": device * page, "host": (num_hit - device - disk) * page, "disk": disk * page}
         lossy = np.zeros(num_hit, bool)
         if device_lossy is not None:
             lossy[:first] = device_lossy
-        lossy[first:] = lossy_codec
-        return lossy
+        lossy[first:] = self.lossy_codec
+        return AdmissionReport(hit_tokens, num_lower - (num_hit - device), refused, lossy)
 
 
 def _cut_at_lossy(matched: list[tuple[Node, int]]) -> tuple[list[tuple[Node, int]], int]:

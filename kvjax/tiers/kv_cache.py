@@ -2,7 +2,8 @@
 
 The request's path through it::
 
-    handle = cache.admit(tokens, namespace)   # longest match in any tier; device pages mapped,
+    lookup = cache.lookup(tokens, namespace)  # one trie walk: lookup.match says what is cached
+    handle = cache.admit(lookup)              # (or admit(tokens, namespace)) device pages mapped,
                                               # host/disk pages fetched (if cheaper than
                                               # recomputing them), the rest allocated
     cache.wait_ready(handle)                  # (or is_ready/poll) fetched KV is in the pool
@@ -11,27 +12,37 @@ The request's path through it::
     cache.release(handle)                     # refcounts drop; pages stay cached
     cache.poll()                              # every step: finished transfers take effect
 
+A cache without ``host_bytes`` is the same cache with empty lower tiers: every path above
+runs, nothing is ever found below the device.
+
 Tiers. A trie page records which tiers hold a copy (``kvjax.tiers.tier_index``). Evicting a
 page from the device keeps it indexed when a host or disk copy exists; the write policy
 (``KVCacheConfig.write_policy``) decides when device pages get host copies. Host pages spill
 to disk above the host watermark; a disk directory reopened by a new process is found again
 by key (a lookup that runs past the trie probes the disk for the next pages' chained keys).
+The layers below report, this one acts: an eviction returns the pages write-back kept (this
+cache copies them) and the pages that left the trie (this cache drops their host copies);
+the mover returns finished fetches (this cache commits them).
 
-Codec. Blocks cross the device <-> host boundary through a ``kvjax.tiers.block_codec`` codec: as
-they are (float pool), packed with their scales (quantized pool; bit-exact), or quantized on
-offload (``KVCacheConfig.offload_quant``; lossy). Pages whose KV went through a lossy codec
+Codec. Blocks cross the device <-> host boundary through a ``kvjax.tiers.block_codec`` codec:
+as they are (float pool), packed with their scales (quantized pool; bit-exact), or quantized
+on offload (``KVCacheConfig.offload_quant``; lossy). Pages whose KV went through a lossy codec
 are marked lossy in the trie; ``admit(..., accept_lossy=False)`` stops the match before the
-first one and recomputes from there, and ``lossy_hit_pages`` says which hits are lossy.
+first one and recomputes from there.
 
 Fetches. ``admit`` maps device hits at once; lower-tier pages are fetched into the sequence's
 own blocks only when the cost model (``KVCacheConfig.cost_model``) says fetching beats
 recomputing. ``handle.num_hit_tokens`` counts the tokens whose KV will be valid once the
 handle is ready; a fetch that fails lowers it to the pages that did arrive (the caller
 recomputes the rest). A fetched page is used only after its copy completed; its source
-copies are locked against eviction while it runs. ``prefetch`` starts the same transfers for
+copies are held against eviction while it runs. ``prefetch`` starts the same transfers for
 a request still waiting in the queue.
 
-Invariants (``check_invariants``): those of ``PrefixCache``, plus: every HOST/DISK bit in
+Reports, not metrics. The cache writes no metrics: ``admission_report(handle)`` says where a
+sequence's pages came from and ``poll()`` returns what the transfers did (``TierReport``);
+the serving observer records both. ``subscribe()`` gives the block events of every tier.
+
+Invariants (``check_invariants``): those of ``DeviceIndex``, plus: every HOST/DISK bit in
 the trie matches a block the tier holds (or a copy in flight) in the page's namespace and
 vice versa; no transfer reads a block that can be evicted; a waiting sequence's fetch
 targets are its own private blocks; no page is lossy unless the codec is.
@@ -39,6 +50,7 @@ targets are its own private blocks; no page is lossy unless the codec is.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -46,80 +58,97 @@ from collections.abc import Callable
 import numpy as np
 
 import pallas_kernels
-from kvjax.cache.block_keys import Namespace, as_namespace, token_bytes
-from kvjax.cache.device_index import NamespaceLike, PrefixCache, TokensLike
+from kvjax.cache.allocator import BlockAllocator
+from kvjax.cache.block_events import BlockIndex, EventLog, Subscription
+from kvjax.cache.block_keys import Namespace, as_namespace
+from kvjax.cache.cost_model import CostModel
+from kvjax.cache.device_index import DeviceIndex, NamespaceLike, TokensLike
 from kvjax.cache.records import KVCacheStats, MatchResult, SeqHandle
 from kvjax.cache.trie_node import Node, Tier
-from kvjax.metrics.registry import Metrics
+from kvjax.text.tokens import token_bytes
 from kvjax.tiers.block_codec import make_codec
 from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.fetch_jobs import Waiter
-from kvjax.tiers.fetch_plan import FetchPlan, HitSources, plan_fetch
+from kvjax.tiers.fetch_plan import AdmissionReport, FetchPlan, HitSources, plan_fetch
 from kvjax.tiers.host_tier import HostTier
 from kvjax.tiers.kv_cache_config import KVCacheConfig
-from kvjax.tiers.kv_cache_metrics import record_admission, record_occupancy
-from kvjax.tiers.mover import TierMover
+from kvjax.tiers.mover import TierMover, TierReport
 from kvjax.tiers.page_pool import PagePool
 from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferEngine
 
-__all__ = ["KVCache", "KVCacheConfig", "KVCacheStats"]
+__all__ = ["AdmissionReport", "KVCache", "KVCacheConfig", "KVCacheStats", "Lookup", "TierReport"]
 
 _HOST = int(Tier.HOST)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Lookup:
+    """One trie walk of a prompt (full pages, every tier), reusable by ``admit`` while the
+    cache has not changed since (``version``)."""
+
+    namespace: Namespace
+    buf: bytes  # the prompt's token bytes
+    matched: list[tuple[Node, int]]  # the walk: (node, pages matched in it)
+    version: int
+    match: MatchResult
 
 
 class KVCache:
     """The tiered cache; see the module docstring. Use as a context manager or call close().
 
     ``impl`` picks the pool's kernels (see ``pallas_kernels.backend``); ``clock`` (seconds)
-    drives eviction heat; ``metrics`` records hits per tier, misses, spills, fetch latency,
-    fetch failures and disk errors. ``disk_tier`` / ``transfer_factory`` replace the tiers'
-    defaults (tests inject fakes); the factory is called like ``TransferEngine(host_tier,
-    disk_tier, gather_blocks=...)``, with a gather that returns encoded blocks (see
-    ``codec``), and a given disk tier must store the codec's blocks.
+    drives eviction heat. ``disk_tier`` / ``transfer_factory`` replace the tiers' defaults
+    (tests inject fakes); the factory is called like ``TransferEngine(host_tier, disk_tier,
+    gather_blocks=...)``, with a gather that returns encoded blocks (see ``codec``), and a
+    given disk tier must store the codec's blocks.
     """
 
     def __init__(self, config: KVCacheConfig, *, impl: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None,
-                 disk_tier: DiskTier | None = None,
+                 clock: Callable[[], float] = time.monotonic, disk_tier: DiskTier | None = None,
                  transfer_factory: Callable[..., TransferEngine] | None = None):  # fmt: skip
         pool = config.pool
         self.config = config
         self.codec = make_codec(pool, config.offload_quant, config.offload_scale)
-        self.metrics = metrics
+        self.events = EventLog()
         self.pool = PagePool(pool, impl=impl)
-        self.prefix = PrefixCache(pool.num_blocks, pool.page_size, policy=config.policy,
-                                  vocab_size=config.vocab_size, clock=clock,
-                                  high_watermark=config.high_watermark,
-                                  low_watermark=config.low_watermark, cost_model=config.cost_model,
-                                  block_nbytes=self.codec.block_nbytes)  # fmt: skip
+        self.index = DeviceIndex(pool.num_blocks, pool.page_size, policy=config.policy,
+                                 vocab_size=config.vocab_size, clock=clock,
+                                 high_watermark=config.high_watermark, low_watermark=config.low_watermark,
+                                 cost_model=config.cost_model, block_nbytes=self.codec.block_nbytes,
+                                 events=self.events)  # fmt: skip
+        self.trie = self.index.trie
+        self.trie.lossy_offload = self.codec.lossy
         self.host_tier: HostTier | None = None
         self.disk_tier: DiskTier | None = disk_tier
         self.transfer: TransferEngine | None = None
-        self._index: TierIndex | None = None
-        self._mover: TierMover | None = None
-        self._recompute_chosen = self._prefetches = self._lossy_device_hits = self._refused_lossy = 0
-        self._hit_sources = HitSources(pool.page_size)
         if config.tiered:
-            self._open_tiers(impl, transfer_factory)
+            self._open_lower_tiers(impl, transfer_factory)
+        self.tiers = TierIndex(self.trie, self.host_tier, self.disk_tier, self.events)
+        self._mover = TierMover(self.trie, self.pool, self.tiers, self.transfer, config.high_watermark,
+                                config.low_watermark, self.codec)  # fmt: skip
+        self._version = 0  # bumped by everything that may change what a lookup finds
+        self._hit_sources = HitSources(pool.page_size, self.codec.lossy)
+        self._counts = dict(recompute_chosen=0, prefetches=0, lossy_device_hits=0, refused_lossy=0,
+                            fetched_host=0, fetched_disk=0, fetched_lossy=0)  # fmt: skip
 
     # --- what the scheduler and the engine read ---------------------------------------------
 
     @property
     def page_size(self) -> int:
-        return self.prefix.page_size
+        return self.index.page_size
 
     @property
     def vocab_size(self) -> int | None:
-        return self.prefix.vocab_size
+        return self.index.vocab_size
 
     @property
     def clock(self) -> Callable[[], float]:
-        return self.prefix.clock
+        return self.index.clock
 
     @property
-    def cost_model(self):
-        return self.prefix.cost_model
+    def cost_model(self) -> CostModel:
+        return self.index.cost_model
 
     @property
     def block_nbytes(self) -> int:
@@ -127,116 +156,119 @@ class KVCache:
         return self.codec.block_nbytes
 
     @property
-    def allocator(self):
-        return self.prefix.allocator
-
-    @property
-    def trie(self):
-        return self.prefix.trie
+    def allocator(self) -> BlockAllocator:
+        """The device blocks: pool size, free blocks, watermarks, occupancy."""
+        return self.index.allocator
 
     @property
     def num_reclaimable(self) -> int:
-        return self.prefix.num_reclaimable
+        """Cached device blocks that eviction can free now (unreferenced, unpinned)."""
+        return self.index.num_reclaimable
 
     @property
     def num_sequences(self) -> int:
         """Live sequences admitted by the caller (a prefetch's own hold is not one)."""
-        holds = 0 if self._mover is None else sum(w.prefetch for w in self._mover.waiters.values())
-        return self.prefix.num_sequences - holds
+        return self.index.num_sequences - sum(w.prefetch for w in self._mover.waiters.values())
 
     def fragmentation(self) -> float:
-        return self.prefix.fragmentation()
+        return self.index.fragmentation()
+
+    def occupancy(self) -> dict[str, float]:
+        """Fraction of each tier in use: device blocks, host blocks, disk bytes (tiers present)."""
+        figures = {"device": self.allocator.occupancy}
+        if self.tiers.host_capacity:
+            figures["host"] = min(1.0, self.tiers.host_used / self.tiers.host_capacity)
+        disk = self.disk_tier
+        if disk is not None and disk.capacity_bytes:
+            figures["disk"] = min(1.0, disk.bytes_used / disk.capacity_bytes)
+        return figures
 
     # --- lookup ----------------------------------------------------------------------------
 
-    def match(self, tokens: TokensLike, namespace: NamespaceLike = None) -> MatchResult:
-        """Longest cached prefix in whole pages, with the tiers of each page (read-only but
-        for indexing disk pages a previous process left, see the module docstring)."""
-        if self._index is None:
-            return self.prefix.match(tokens, namespace)
+    def lookup(self, tokens: TokensLike, namespace: NamespaceLike = None) -> Lookup:
+        """Walk the trie once for ``tokens``' cached prefix (whole pages, any tier).
+
+        Read-only but for indexing disk pages a previous process left (see the module
+        docstring). ``Lookup.match`` says what is cached; ``admit(lookup)`` admits without a
+        second walk if nothing changed in between.
+        """
         ns = as_namespace(namespace)
         buf = token_bytes(tokens, self.vocab_size)
-        page_bytes = self.trie.page_bytes
-        return self.prefix.match_result(self._lookup(ns, buf, len(buf) - len(buf) % page_bytes))
+        matched = self._walk(ns, buf, len(buf) - len(buf) % self.trie.page_bytes)
+        return Lookup(ns, buf, matched, self._version, self.index.match_result(matched))
+
+    def match(self, tokens: TokensLike, namespace: NamespaceLike = None) -> MatchResult:
+        """Longest cached prefix in whole pages, with the tiers of each page (see ``lookup``)."""
+        return self.lookup(tokens, namespace).match
 
     # --- the request path ------------------------------------------------------------------
 
-    def admit(self, tokens: TokensLike, namespace: NamespaceLike = None, *,
+    def admit(self, tokens: TokensLike | Lookup, namespace: NamespaceLike = None, *,
               accept_lossy: bool | None = None) -> SeqHandle | None:  # fmt: skip
         """Map device hits, start fetches of host/disk hits worth fetching, allocate the rest.
 
+        ``tokens``: the prompt's token ids (with ``namespace``), or a ``Lookup`` of it.
         Returns None (nothing changed) when the blocks do not fit even after eviction. The
         handle is ready at once unless it fetches (``is_ready`` / ``wait_ready``).
         ``accept_lossy`` (default ``config.accept_lossy``): whether lossy pages may hit; if
         not, the match stops before the first one (it and what follows are recomputed and
-        count as "lossy_refused" misses, and in ``stats.refused_lossy_blocks``: exact pages
-        after the cut count too, they are cut with it). At commit the recomputed exact pages
-        replace the lossy copy: its device blocks too when no other live sequence holds them
-        (they are freed; a lossy host/disk copy stays, still lossy), so later refusing requests
-        hit the exact copy; while another sequence holds them, the lossy device copy stays
-        until it is evicted or a later commit replaces it. Pages computed on top of lossy hits
-        are recorded as exact: only KV that itself went through the codec is flagged (they
-        never replace a device copy).
+        counted in ``AdmissionReport.refused_lossy_pages``; exact pages after the cut count
+        too, they are cut with it). At commit the recomputed exact pages replace the lossy
+        copy: its device blocks too when no other live sequence holds them (they are freed; a
+        lossy host/disk copy stays, still lossy), so later refusing requests hit the exact
+        copy; while another sequence holds them, the lossy device copy stays until it is
+        evicted or a later commit replaces it. Pages computed on top of lossy hits are
+        recorded as exact: only KV that itself went through the codec is flagged.
         """
         _check_accept_lossy(accept_lossy)
-        if self._index is None:
-            handle = self.prefix.admit(tokens, namespace)
-            if handle is not None:
-                record_admission(self.metrics, handle, self.page_size, handle.num_hit_tokens // self.page_size, 0)
-            return handle
-        ns = as_namespace(namespace)
-        buf = token_bytes(tokens, self.vocab_size)
-        self.prefix.check_fits(len(buf) // 4)
+        lookup = self._fresh_lookup(tokens, namespace)
+        ns, buf = lookup.namespace, lookup.buf
+        self.index.check_fits(len(buf) // 4)
         now = self.clock()
         self.trie.expire_soft_pins(now)
-        plan = self._plan(self._lookup(ns, buf, self.prefix.admit_limit(len(buf))), accept_lossy)
+        self._version += 1
+        plan = self._plan(_truncate(lookup.matched, self.index.admit_limit(len(buf)) // self.trie.page_bytes),
+                          accept_lossy)  # fmt: skip
         first = plan.first
         pages = [self.trie.page_keys(node)[i] for node, i in plan.lower[: plan.num_fetch]]
         held = self._mover.hold(pages)  # allocating may evict host copies: not these
-        handle = self.prefix.admit_matched(ns, buf, plan.matched, now)
-        fetched, from_disk = 0, plan.on_disk[:0]
-        if handle is not None and pages:
-            waiter = Waiter(handle, first, plan.on_disk[: plan.num_fetch], prefetch=False)
-            fetched = self._mover.start_fetch(waiter, pages, ns.digest(), Priority.DEMAND)
-            handle.num_hit_tokens = (first + fetched) * self.page_size
-            from_disk = waiter.from_disk
+        admission = self.index.begin_admission(ns, buf, plan.matched, now)
+        handle, fetched, from_disk = None, 0, plan.on_disk[:0]
+        if admission is not None:
+            self._make_device_room(admission.short)
+            handle = self.index.complete_admission(admission)
+            if pages:
+                waiter = Waiter(handle, first, plan.on_disk[: plan.num_fetch], prefetch=False)
+                fetched = self._mover.start_fetch(waiter, pages, ns.digest(), Priority.DEMAND)
+                handle.num_hit_tokens = (first + fetched) * self.page_size
+                from_disk = waiter.from_disk
         self._mover.unhold(held)
+        self._forget_dropped()
         if handle is None:
             return None
-        self._hit_sources.record(handle.seq_id, first, from_disk, plan.device_lossy, plan.refused)
-        self._lossy_device_hits += 0 if plan.device_lossy is None else int(plan.device_lossy.sum())
-        self._recompute_chosen += len(plan.lower) - plan.num_fetch
-        self._refused_lossy += plan.refused
-        record_admission(self.metrics, handle, self.page_size, first, len(plan.lower) - fetched, plan.refused)
+        self._hit_sources.record(handle.seq_id, first, from_disk, plan.device_lossy, plan.refused, len(plan.lower))
+        counts = self._counts
+        counts["lossy_device_hits"] += 0 if plan.device_lossy is None else int(plan.device_lossy.sum())
+        counts["recompute_chosen"] += len(plan.lower) - plan.num_fetch
+        counts["refused_lossy"] += plan.refused
         if self.config.write_policy == "selective":
             self._copy_hot_path(handle)
         return handle
 
-    def hit_tokens_by_tier(self, handle: SeqHandle) -> dict[str, int]:
-        """``handle.num_hit_tokens`` split by the tier each hit page came from ("device",
-        "host", "disk"); final once the handle is ready (a failed fetch lowers it)."""
-        return self._hit_sources.by_tier(handle.seq_id, handle.num_hit_tokens)
-
-    def refused_lossy_pages(self, handle: SeqHandle) -> int:
-        """Pages right after ``handle``'s hits that were cached only lossily and refused
-        (``accept_lossy=False``), so recomputed."""
-        return self._hit_sources.refused(handle.seq_id)
-
-    def lossy_hit_pages(self, handle: SeqHandle) -> np.ndarray:
-        """bool ``[handle.num_hit_tokens // page_size]``: which hit pages hold KV that went
-        through a lossy offload codec (final once the handle is ready)."""
-        return self._hit_sources.lossy_pages(handle.seq_id, handle.num_hit_tokens, self.codec.lossy)
+    def admission_report(self, handle: SeqHandle) -> AdmissionReport:
+        """Where ``handle``'s prompt pages came from (final once the handle is ready)."""
+        return self._hit_sources.report(handle.seq_id, handle.num_hit_tokens)
 
     def is_ready(self, handle: SeqHandle) -> bool:
         """Whether every fetch of ``handle`` finished (its hit KV is in the pool)."""
-        return self._mover is None or handle.seq_id not in self._mover.waiters
+        return handle.seq_id not in self._mover.waiters
 
     def wait_ready(self, handle: SeqHandle, timeout: float | None = None) -> bool:
         """Apply finished transfers until ``handle`` is ready; False if ``timeout`` seconds
         (wall clock) pass first. ``handle.num_hit_tokens`` is final once this returns True."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self.poll()
+            self._apply_transfers()
             if self.is_ready(handle):
                 return True
             remaining = 60.0 if deadline is None else deadline - time.monotonic()
@@ -246,18 +278,25 @@ class KVCache:
                 raise RuntimeError(f"sequence {handle.seq_id} waits for fetches but no transfer is in flight")
             self._mover.wait_any(remaining)
 
-    def poll(self) -> None:
-        """Apply finished transfers, start host -> disk spills above the host watermark."""
-        if self._mover is None:
-            return
-        self._mover.poll()
+    def poll(self) -> TierReport:
+        """Apply finished transfers, start host -> disk spills above the host watermark, and
+        close this step's batch of block events; return what the transfers did since the last
+        call."""
+        self._apply_transfers()
         self._mover.spill_host()
-        if self.metrics is not None:
-            record_occupancy(self.metrics, self.allocator, self._index)
+        self.events.flush()
+        report, self._mover.report = self._mover.report, TierReport()
+        return report
 
     def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
         """Room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
-        return self.prefix.extend(handle, num_new_tokens)
+        missing = self.index.blocks_missing(handle, num_new_tokens) if num_new_tokens >= 0 else 0
+        short = missing - self.allocator.num_free
+        if 0 < short and missing <= self.allocator.num_free + self.index.num_reclaimable:
+            self._version += 1
+            self._make_device_room(short)
+            self._forget_dropped()
+        return self.index.extend(handle, num_new_tokens)
 
     def commit(self, handle: SeqHandle, tokens: TokensLike) -> int:
         """Insert the sequence's new full pages into the trie; return how many entered.
@@ -268,45 +307,48 @@ class KVCache:
         if not self.is_ready(handle):
             raise ValueError(f"sequence {handle.seq_id} is waiting for fetches; call wait_ready before commit")
         first = handle._committed
-        num_new = self.prefix.commit(handle, tokens)
-        if num_new and self.config.write_policy == "write_through" and self._mover is not None:
-            self._copy_path(handle._tail, first, 0)
+        num_new = self.index.commit(handle, tokens)
+        if num_new:
+            self._version += 1
+            if self.config.write_policy == "write_through" and self.config.tiered:
+                self._copy_path(handle._tail, first, 0)
         return num_new
 
     def release(self, handle: SeqHandle) -> None:
         """Drop the sequence's references (fetches in flight for it are discarded)."""
-        self.prefix.release(handle)
+        self.index.release(handle)
+        self._version += 1
         self._hit_sources.forget(handle.seq_id)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` cached device blocks; with write_back, pages without a
         lower copy get one first (their gather is issued before the blocks are freed)."""
-        return self.prefix.evict(num_blocks)
+        if num_blocks < 0:
+            raise ValueError(f"{num_blocks=} must be >= 0")
+        self._version += 1
+        blocks = self._make_device_room(num_blocks)
+        self._forget_dropped()
+        return blocks.tolist()
 
     def evict_host(self, num_blocks: int) -> int:
-        """Drop up to ``num_blocks`` unlocked host copies, LRU first; return how many. Pages
+        """Drop up to ``num_blocks`` unheld host copies, LRU first; return how many. Pages
         left with no copy in any tier leave the trie."""
         if num_blocks < 0:
             raise ValueError(f"{num_blocks=} must be >= 0")
-        if self._index is None:
-            return 0
-        before = self._index.host_used
-        self._index.make_host_room(self._index.host_capacity - self._index.host_used + num_blocks)
-        return before - self._index.host_used
+        self._version += 1
+        tiers = self.tiers
+        before = tiers.host_used
+        tiers.make_host_room(tiers.host_capacity - tiers.host_used + num_blocks)
+        return before - tiers.host_used
 
     def pin(self, tokens: TokensLike, namespace: NamespaceLike = None, ttl: float | None = None) -> int:
-        """Keep the device-cached prefix of ``tokens`` on device (see ``PrefixCache.pin``)."""
-        return self.prefix.pin(tokens, namespace, ttl)
+        """Keep the device-cached prefix of ``tokens`` on device (see ``DeviceIndex.pin``)."""
+        self._version += 1
+        return self.index.pin(tokens, namespace, ttl)
 
     def unpin(self, tokens: TokensLike, namespace: NamespaceLike = None) -> None:
-        self.prefix.unpin(tokens, namespace)
-
-    def set_tier(self, tokens: TokensLike, namespace: NamespaceLike, page: int, tier: Tier) -> None:
-        """Record a copy that a store outside this cache holds (a cache without tiers only:
-        with tiers, the cache records its own copies)."""
-        if self._index is not None:
-            raise ValueError("set_tier is for a KVCache without host_bytes; this one tracks its own tier copies")
-        self.prefix.set_tier(tokens, namespace, page, tier)
+        self._version += 1
+        self.index.unpin(tokens, namespace)
 
     def prefetch(self, tokens: TokensLike, namespace: NamespaceLike = None, *,
                  accept_lossy: bool | None = None) -> None:  # fmt: skip
@@ -318,12 +360,11 @@ class KVCache:
         left where they are unless ``accept_lossy`` (as in ``admit``).
         """
         _check_accept_lossy(accept_lossy)
-        if self._index is None:
+        if not self.config.tiered:
             return
-        ns = as_namespace(namespace)
-        buf = token_bytes(tokens, self.vocab_size)
-        page_bytes = self.trie.page_bytes
-        plan = self._plan(self._lookup(ns, buf, len(buf) - len(buf) % page_bytes), accept_lossy)
+        lookup = self.lookup(tokens, namespace)
+        ns, buf, page_bytes = lookup.namespace, lookup.buf, self.trie.page_bytes
+        plan = self._plan(lookup.matched, accept_lossy)
         first, on_disk = plan.first, plan.on_disk
         pages = []
         for node, i in plan.lower[: plan.num_fetch]:  # up to the first page already on its way
@@ -333,60 +374,82 @@ class KVCache:
             pages.append(key)
         if not pages:
             return
-        self._prefetches += 1
+        self._version += 1
+        self._counts["prefetches"] += 1
         if self.allocator.num_free < len(pages):
             self._mover.restore_only([key for key, disk in zip(pages, on_disk) if disk], ns.digest())
             return
         held = self._mover.hold(pages)
-        hold = self.prefix.admit_matched(ns, buf[: (first + len(pages)) * page_bytes], plan.matched,
-                                         self.clock(), count=False)  # fmt: skip
-        if hold is not None:
+        prefix = buf[: (first + len(pages)) * page_bytes]
+        admission = self.index.begin_admission(ns, prefix, plan.matched, self.clock())
+        if admission is not None:  # it allocates len(pages) <= num_free blocks: no eviction
+            hold = self.index.complete_admission(admission, count=False)
             waiter = Waiter(hold, first, on_disk[: len(pages)], prefetch=True)
             self._mover.start_fetch(waiter, pages, ns.digest(), Priority.PREFETCH)
             if self.is_ready(hold):  # nothing to wait for after all
-                self.prefix.release(hold)
+                self.index.release(hold)
         self._mover.unhold(held)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Finish every copy in flight, then copy every host page without a disk copy to
         disk and wait for that too. False if ``timeout`` seconds pass first."""
-        if self._mover is None:
-            return True
         deadline = time.monotonic() + timeout
         for spill in (False, True):
             if spill:
                 self._mover.spill_host(everything=True)
             while self._mover.busy:
-                self._mover.poll()
+                self._apply_transfers()
                 if time.monotonic() >= deadline:
                     return False
                 self._mover.wait_any(max(0.0, deadline - time.monotonic()))
+        self._apply_transfers()
         return True
+
+    # --- block events ----------------------------------------------------------------------
+
+    def subscribe(self, max_batches: int = 4096) -> Subscription:
+        """A subscription to the block events of every tier, from now on (see
+        ``kvjax.cache.block_events``). Take ``block_index()`` right after subscribing for the
+        holdings the events will be applied to."""
+        return self.events.subscribe(max_batches)
+
+    def block_index(self) -> BlockIndex:
+        """What every tier holds now, as (namespace digest, key, tier); the events flushed so
+        far, applied in order to what ``block_index()`` said at subscription, give the same."""
+        entries = []
+        for node in self.trie.nodes():
+            if node.on_device:
+                namespace = self.trie.namespace_of(node).digest()
+                entries += [(namespace, key, "device") for key in self.trie.page_keys(node)]
+        entries += [(entry.namespace, key, "host") for key, entry in self.tiers.host_entries.items()
+                    if not entry.dropped]  # fmt: skip
+        return BlockIndex(entries)
 
     # --- figures, checks and lifetime ---------------------------------------------------------
 
     @property
     def stats(self) -> KVCacheStats:
-        stats = KVCacheStats(self.prefix.stats, recompute_chosen_blocks=self._recompute_chosen,
-                             prefetches=self._prefetches, lossy_hit_blocks=self._lossy_device_hits,
-                             refused_lossy_blocks=self._refused_lossy)  # fmt: skip
-        if self._mover is not None:
-            counts = self._mover.counts
-            stats.host_blocks = self._index.host_used
-            stats.disk_blocks = 0 if self.disk_tier is None else len(self.disk_tier)
-            stats.offloaded_blocks, stats.spilled_blocks = counts["offloaded"], counts["spilled"]
-            stats.fetched_host_blocks = counts["fetched_host"]
-            stats.fetched_disk_blocks = counts["fetched_disk"]
-            stats.fetch_failures, stats.disk_errors = counts["fetch_failures"], counts["disk_errors"]
-            stats.lost_host_blocks = self._index.lost_blocks
-            stats.lossy_hit_blocks += counts["fetched_lossy"]
-        return stats
+        counts, moved = self._counts, self._mover.counts
+        return KVCacheStats(
+            self.index.stats, host_blocks=self.tiers.host_used,
+            disk_blocks=0 if self.disk_tier is None else len(self.disk_tier),
+            offloaded_blocks=moved["offloaded"], spilled_blocks=moved["spilled"],
+            fetched_host_blocks=counts["fetched_host"], fetched_disk_blocks=counts["fetched_disk"],
+            recompute_chosen_blocks=counts["recompute_chosen"], fetch_failures=moved["fetch_failures"],
+            disk_errors=moved["disk_errors"], lost_host_blocks=self.tiers.lost_blocks,
+            lossy_hit_blocks=counts["lossy_device_hits"] + counts["fetched_lossy"],
+            refused_lossy_blocks=counts["refused_lossy"], prefetches=counts["prefetches"])  # fmt: skip
 
     def check_invariants(self) -> None:
         """Raise RuntimeError unless every invariant in the module docstring holds."""
-        from kvjax.tiers.kv_cache_checks import check_kv_cache
-
-        check_kv_cache(self)
+        self.index.check_invariants()
+        self.pool.check_invariants()
+        if self.trie.lossy_offload != self.codec.lossy:
+            raise RuntimeError(f"trie.lossy_offload={self.trie.lossy_offload} but codec {self.codec.name}")
+        if not self.codec.lossy and any(node.lossy is not None and node.lossy.any() for node in self.trie.nodes()):
+            raise RuntimeError(f"a page is marked lossy but codec {self.codec.name} is lossless")
+        self.tiers.check_invariants(disk_exact=not self._mover.spills and not self._mover.copies)
+        self._mover.check_invariants(self.index._handles)
 
     def close(self) -> None:
         """Stop the transfer workers (queued transfers fail; the disk keeps what it wrote)."""
@@ -401,7 +464,7 @@ class KVCache:
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _open_tiers(self, impl: str | None, transfer_factory) -> None:
+    def _open_lower_tiers(self, impl: str | None, transfer_factory) -> None:
         config, codec = self.config, self.codec
         self.host_tier = HostTier(codec.block_shape, codec.dtype, config.host_bytes)
         if self.disk_tier is None and config.disk_dir is not None:
@@ -411,19 +474,24 @@ class KVCache:
             codec.check_stored_by(self.disk_tier, "disk_tier")
         gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
         self.transfer = (transfer_factory or TransferEngine)(self.host_tier, self.disk_tier, gather_blocks=gather)
-        self.trie.lossy_offload = codec.lossy
-        self._index = TierIndex(self.trie, self.host_tier, self.disk_tier)
-        self._mover = TierMover(self.prefix, self.pool, self._index, self.transfer, self.metrics,
-                                config.high_watermark, config.low_watermark, codec)  # fmt: skip
-        if config.write_policy == "write_back":
-            self.trie.before_evict = self._mover.before_evict
 
-    def _lookup(self, ns: Namespace, buf: bytes, end: int) -> list[tuple[Node, int]]:
+    def _fresh_lookup(self, tokens: TokensLike | Lookup, namespace: NamespaceLike) -> Lookup:
+        if not isinstance(tokens, Lookup):
+            return self.lookup(tokens, namespace)
+        if namespace is not None and as_namespace(namespace) != tokens.namespace:
+            raise ValueError(f"namespace={namespace!r} differs from the lookup's {tokens.namespace}")
+        if tokens.version == self._version:
+            return tokens
+        return self.lookup(np.frombuffer(tokens.buf, "<i4"), tokens.namespace)
+
+    def _walk(self, ns: Namespace, buf: bytes, end: int) -> list[tuple[Node, int]]:
         """Trie walk of ``buf[:end]``; past its end, disk pages found by key join the trie."""
-        root = self.trie.root(ns, create=False)
-        matched = [] if root is None else self.trie.walk(root, buf, 0, end)
-        if self._index.has_unindexed_disk_blocks():
-            matched = self._index.probe_disk(ns, buf, end, matched, self.clock())
+        matched = self.index.walk(ns, buf, end)
+        if self.tiers.has_unindexed_disk_blocks():
+            probed = self.tiers.probe_disk(ns, buf, end, matched, self.clock())
+            if len(probed) != len(matched):  # a node joined (and one may have split)
+                self._version += 1
+            matched = probed
         return matched
 
     def _plan(self, matched: list[tuple[Node, int]], accept_lossy: bool | None) -> FetchPlan:
@@ -431,6 +499,49 @@ class KVCache:
         return plan_fetch(matched, cost_model=self.config.cost_model, page_size=self.page_size,
                           block_nbytes=self.codec.block_nbytes, lossy_codec=self.codec.lossy,
                           accept_lossy=accept)  # fmt: skip
+
+    def _make_device_room(self, num_blocks: int) -> np.ndarray:
+        """Evict ``num_blocks`` device blocks by policy; with write-back, leaving pages without
+        a lower copy keep one (as host room allows), copied before their blocks are reused."""
+        if num_blocks <= 0:
+            return np.zeros(0, np.intp)
+        write_back = self.config.write_policy == "write_back" and self.config.tiered
+        budget = self.tiers.host_room(num_blocks) if write_back else 0
+        eviction = self.index.reclaim(num_blocks, keep_without_copy=budget)
+        if eviction.kept:
+            self._mover.write_back(eviction.kept, exclude=eviction.offloaded_keys)
+        return eviction.blocks
+
+    def _forget_dropped(self) -> None:
+        """Host copies of pages that left the trie go (see ``TierIndex.forget_dropped``)."""
+        dropped = self.index.take_dropped()
+        if dropped:
+            self.tiers.forget_dropped(dropped)
+
+    def _apply_transfers(self) -> None:
+        """Finished transfers take effect; fetched pages of finished waiters are committed."""
+        finished = self._mover.poll()
+        if finished or self._mover.report.fetch_seconds:
+            self._version += 1
+        for waiter in finished:
+            self._commit_fetched(waiter)
+        self._forget_dropped()
+
+    def _commit_fetched(self, waiter: Waiter) -> None:
+        """The pages a finished waiter received enter the trie (its hits are final)."""
+        handle = waiter.handle
+        valid = waiter.valid_pages()
+        handle.num_hit_tokens = (waiter.first + valid) * self.page_size
+        if valid:
+            tokens = np.frombuffer(handle._tokens, "<i4", (waiter.first + valid) * self.page_size)
+            self.index.commit(handle, tokens, lossy=self.codec.lossy)
+        from_disk = int(waiter.from_disk[:valid].sum())
+        self._counts["fetched_disk"] += from_disk
+        self._counts["fetched_host"] += valid - from_disk
+        if waiter.prefetch:
+            self.index.release(handle)
+        else:
+            self._counts["fetched_lossy"] += valid if self.codec.lossy else 0
 
     def _copy_path(self, node: Node, first_page: int, min_hits: int) -> None:
         """Host copies of the pages from ``first_page`` on, on the path ending at ``node``,
@@ -443,10 +554,22 @@ class KVCache:
                 if todo:
                     self._mover.offload(node, todo)
             node = node.parent
+        self._forget_dropped()
 
     def _copy_hot_path(self, handle: SeqHandle) -> None:
-        if handle._committed:
+        if handle._committed and self.config.tiered:
             self._copy_path(handle._tail, 0, self.config.selective_min_hits)
+
+
+def _truncate(matched: list[tuple[Node, int]], num_pages: int) -> list[tuple[Node, int]]:
+    """The first ``num_pages`` pages of a trie walk."""
+    out = []
+    for node, k in matched:
+        if num_pages <= 0:
+            break
+        out.append((node, min(k, num_pages)))
+        num_pages -= k
+    return out
 
 
 def _check_accept_lossy(accept_lossy) -> None:

@@ -2,10 +2,11 @@
 
 Down (device -> host -> disk):
 
-* ``offload(node, indices)`` copies device pages to host (write-through at commit, write-back
-  from the trie's ``before_evict`` hook). The pool gather is issued at once, so the block may
-  be reused right after; the page gets its HOST bit immediately (a pending copy) so eviction
-  keeps it indexed, and a fetch of it waits for the copy to finish.
+* ``offload(node, indices)`` copies device pages to host (write-through at commit);
+  ``write_back(kept)`` copies the blocks of pages an eviction kept indexed with a HOST bit.
+  The pool gather is issued at once, so the block may be reused right after; the page has
+  its HOST bit from the start (a pending copy) so eviction keeps it indexed, and a fetch of
+  it waits for the copy to finish.
 * ``spill_host()`` copies host pages without a disk copy to disk when host memory passes its
   high watermark (and everything on ``flush``); they stay on host, now cheap to evict.
 
@@ -16,39 +17,56 @@ Blocks travel encoded by the cache's codec (``kvjax.tiers.block_codec``): the tr
 gather encodes them, and a fetch's blocks are decoded here before they are scattered.
 
 Completions are handled only in ``poll`` (the caller's thread): transfer workers resolve
-futures, never touch the trie or the pool.
+futures, never touch the trie or the pool. ``poll`` returns the waiters whose fetches all
+finished; the cache commits their pages (the mover never touches a sequence's handle
+beyond scattering into its blocks). What the transfers did (latencies, failures, spills) is
+added up in ``report`` for the cache to hand to its observer.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from kvjax.cache.device_index import PrefixCache
-from kvjax.cache.trie_node import LOWER_TIERS, Node, Tier
-from kvjax.metrics.registry import Metrics
+from kvjax.cache.trie_node import Node, Tier
 from kvjax.tiers.block_codec import BlockCodec
 from kvjax.tiers.fetch_jobs import FetchJob, Waiter, pow2_runs, resolved_future
 from kvjax.tiers.page_pool import PagePool
 from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferResult
 
-__all__ = ["TierMover"]
+__all__ = ["TierMover", "TierReport"]
 
 _HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
+
+
+@dataclasses.dataclass(slots=True)
+class TierReport:
+    """What the tiers did since the last ``KVCache.poll``: fetch latencies (seconds) by the
+    tier their slowest page came from, fetches that delivered fewer pages than planned, new
+    disk errors (write, checksum, read), and blocks and bytes copied down each link."""
+
+    fetch_seconds: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    fetch_failures: int = 0
+    disk_errors: int = 0
+    spilled: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # link -> (blocks, bytes)
+
+    def add_spill(self, link: str, blocks: int, num_bytes: int) -> None:
+        old = self.spilled.get(link, (0, 0))
+        self.spilled[link] = (old[0] + blocks, old[1] + num_bytes)
 
 
 class TierMover:
     """Submits transfers and applies their results; see the module docstring."""
 
-    def __init__(self, prefix: PrefixCache, pool: PagePool, index: TierIndex, transfer,
-                 metrics: Metrics | None, high_watermark: float, low_watermark: float,
-                 codec: BlockCodec):  # fmt: skip
-        self.prefix, self.pool, self.index, self.transfer = prefix, pool, index, transfer
-        self.metrics = metrics
+    def __init__(self, trie, pool: PagePool, index: TierIndex, transfer, high_watermark: float,
+                 low_watermark: float, codec: BlockCodec):  # fmt: skip
+        self.trie, self.pool, self.index, self.transfer = trie, pool, index, transfer
         self.codec = codec
         self.block_nbytes = codec.block_nbytes  # bytes a block moves and takes below the device
         self.spill_high = int(high_watermark * index.host_capacity)
@@ -58,24 +76,28 @@ class TierMover:
         self.copies: dict[bytes, concurrent.futures.Future] = {}  # pending host copies
         self.live_jobs: dict[int, FetchJob] = {}  # id -> every job not finished
         self.spills: dict[int, list[bytes]] = {}  # id -> host keys of a host -> disk copy in flight
-        self.counts = dict(offloaded=0, spilled=0, fetched_host=0, fetched_disk=0,
-                           fetch_failures=0, disk_errors=0, fetched_lossy=0)  # fmt: skip
+        self.counts = dict(offloaded=0, spilled=0, fetch_failures=0, disk_errors=0)
+        self.report = TierReport()
+        self.finished: list[Waiter] = []  # waiters whose fetches all ended, for the cache
         self._callbacks: list[tuple[concurrent.futures.Future, Callable]] = []
         self._disk_errors_seen = 0
 
     # --- progress --------------------------------------------------------------------------
 
-    def poll(self) -> None:
-        """Apply every finished transfer (and what it unblocks) without waiting."""
+    def poll(self) -> list[Waiter]:
+        """Apply every finished transfer (and what it unblocks) without waiting; return the
+        waiters whose fetches all ended since the last call."""
         while self._callbacks:
             done, waiting = [], []
             for item in self._callbacks:
                 (done if item[0].done() else waiting).append(item)
             if not done:
-                return
+                break
             self._callbacks = waiting  # callbacks below may append to it
             for future, callback in done:
                 callback(future.result())
+        finished, self.finished = self.finished, []
+        return finished
 
     def wait_any(self, timeout: float) -> None:
         """Block until some transfer finishes or ``timeout`` seconds pass."""
@@ -87,12 +109,32 @@ class TierMover:
     def busy(self) -> bool:
         return bool(self._callbacks)
 
+    def check_invariants(self, live_handles: dict) -> None:
+        """Raise RuntimeError unless holds on host blocks equal the transfers reading them and
+        every waiting sequence is live, uncommitted past its device hits, and its jobs exist.
+        ``live_handles``: seq_id -> handle of the device index's live sequences."""
+        holds = collections.Counter()
+        for job in self.live_jobs.values():
+            holds.update(job.held)
+        for keys in self.spills.values():
+            holds.update(keys)
+        for key, entry in self.index.host_entries.items():
+            if entry.busy != holds[key]:
+                raise RuntimeError(f"host block {key.hex()[:8]} is read by {holds[key]} transfers "
+                                   f"but held {entry.busy} times")  # fmt: skip
+        for waiter in self.waiters.values():
+            handle = waiter.handle
+            if handle.alive and (handle._committed != waiter.first or live_handles.get(handle.seq_id) is not handle):
+                raise RuntimeError(f"sequence {handle.seq_id} committed pages it is still fetching")
+            if any(job.valid is None and id(job) not in self.live_jobs for job, *_ in waiter.segments):
+                raise RuntimeError(f"sequence {handle.seq_id} waits for a job that is gone")
+
     # --- down: device -> host -> disk --------------------------------------------------------
 
-    def offload(self, node: Node, indices: list[int], exclude: tuple[bytes, ...] = ()) -> int:
+    def offload(self, node: Node, indices: list[int]) -> int:
         """Start host copies of device pages ``indices`` of ``node`` that have none; return
         how many got one (the leading ones, as host room allows)."""
-        keys = self.prefix.trie.page_keys(node)
+        keys = self.trie.page_keys(node)
         index = self.index
         todo = []
         for i in indices:
@@ -103,33 +145,46 @@ class TierMover:
                 index.add_host(keys[i], entry.namespace, node, i, ready=entry.ready)
         if not todo:
             return 0
-        namespace = self.prefix.trie.namespace_of(node).digest()
-        fit = index.make_host_room(len(todo), exclude=exclude or [keys[i] for i in todo])
-        todo = todo[:fit]
+        todo = todo[: index.make_host_room(len(todo), exclude=[keys[i] for i in todo])]
         if not todo:
             return 0
-        todo_keys = [keys[i] for i in todo]
-        for i, key in zip(todo, todo_keys):
-            index.add_host(key, namespace, node, i, ready=False)
-        blocks = node.blocks[todo]
-        for start, size in pow2_runs(len(todo)):
-            run_keys = todo_keys[start : start + size]
+        namespace = self.trie.namespace_of(node).digest()
+        for i in todo:
+            index.add_host(keys[i], namespace, node, i, ready=False)
+        self._copy_down([keys[i] for i in todo], node.blocks[todo], namespace)
+        return len(todo)
+
+    def write_back(self, kept: list[tuple[bytes, int]], exclude: list[bytes]) -> None:
+        """Host copies of the pages an eviction kept indexed with a HOST bit (``(key, old
+        block)``), while their blocks still hold their KV. Pages host room cannot take (or
+        that left the trie meanwhile) lose the bit again. ``exclude``: host copies to keep."""
+        index, trie = self.index, self.trie
+        fit = index.make_host_room(len(kept), exclude=exclude)
+        by_namespace: dict[bytes, tuple[list[bytes], list[int]]] = {}
+        for row, (key, block) in enumerate(kept):
+            located = trie.locate(key)
+            if located is None:  # making room dropped the page (a host copy before it went)
+                continue
+            if row >= fit:
+                index.forget_dropped(trie.clear_tier(*located, Tier.HOST))
+                continue
+            namespace = trie.namespace_of(located[0]).digest()
+            index.add_host(key, namespace, *located, ready=False)
+            group = by_namespace.setdefault(namespace, ([], []))
+            group[0].append(key)
+            group[1].append(block)
+        for namespace, (keys, blocks) in by_namespace.items():
+            self._copy_down(keys, np.asarray(blocks), namespace)
+
+    def _copy_down(self, keys: list[bytes], blocks: np.ndarray, namespace: bytes) -> None:
+        """Gather ``blocks`` from the pool now and copy them to host under ``keys``."""
+        for start, size in pow2_runs(len(keys)):
+            run_keys = keys[start : start + size]
             future = self.transfer.offload(self.pool.kv_pages, blocks[start : start + size], run_keys,
                                            namespace=namespace, priority=Priority.SPILL)  # fmt: skip
             for key in run_keys:
                 self.copies[key] = future
             self._on_done(future, lambda result, run_keys=run_keys: self._copied_down(run_keys, result))
-        return len(todo)
-
-    def before_evict(self, node: Node, num_pages: int) -> None:
-        """Write-back hook: host copies for the leaving pages that have no lower copy."""
-        first = node.num_pages - num_pages
-        tiers = node.tiers
-        indices = [i for i in range(first, node.num_pages)
-                   if tiers is None or not int(tiers[i]) & LOWER_TIERS]  # fmt: skip
-        if indices:
-            keys = self.prefix.trie.page_keys(node)
-            self.offload(node, indices, exclude=tuple(keys[first:]))
 
     def spill_host(self, everything: bool = False) -> None:
         """Copy host pages without a disk copy to disk, LRU first: above the high watermark,
@@ -212,13 +267,13 @@ class TierMover:
         keys, disk_rows = [], []
         for key in pages:  # up to a page that is in no tier (it left the trie meanwhile)
             if index.host_state(key) is None:
-                if self._disk_page(namespace, key) is None:
+                if index.disk_page(namespace, key) is None:
                     break
                 disk_rows.append(len(keys))
             keys.append(key)
         fit = index.make_host_room(len(disk_rows), exclude=keys) if disk_rows else 0
         # Making room may have split trie nodes (or dropped pages): locate the pages only now.
-        disk_pages = [self._disk_page(namespace, keys[row]) for row in disk_rows[:fit]]
+        disk_pages = [index.disk_page(namespace, keys[row]) for row in disk_rows[:fit]]
         fit = next((i for i, located in enumerate(disk_pages) if located is None), fit)
         if fit < len(disk_rows):  # pages past the first one without host room are not fetched
             keys = keys[: disk_rows[fit]]
@@ -248,11 +303,6 @@ class TierMover:
         for key in keys:
             self.copies[key] = future
         self._on_done(future, lambda result: self._restored(keys, job.namespace, result))
-
-    def _disk_page(self, namespace: bytes, key: bytes) -> tuple[Node, int] | None:
-        """(node, index) of the trie page of ``key``'s disk copy now, or None."""
-        ref = self.index.disk_entries.get((namespace, key))
-        return None if ref is None else ref.resolve()
 
     def device_job(self, key: bytes) -> tuple[FetchJob, int] | None:
         """The job bringing ``key`` to the device now, with its row, or None."""
@@ -284,8 +334,7 @@ class TierMover:
         job.pending -= 1
         if job.pending:
             return
-        if self.metrics is not None:
-            self.metrics.observe("fetch_seconds", time.monotonic() - job.started, tier=job.tier)
+        self.report.fetch_seconds.append((job.tier, time.monotonic() - job.started))
         valid = 0
         for start in sorted(job.chunks):  # leading chunks that arrived
             if job.chunks[start] is None:
@@ -298,8 +347,7 @@ class TierMover:
         del self.live_jobs[id(job)]
         if valid < len(job.keys) and job.to_device:
             self.counts["fetch_failures"] += 1
-            if self.metrics is not None:
-                self.metrics.inc("fetch_failures")
+            self.report.fetch_failures += 1
         for key in job.keys:
             if self.jobs.get(key, (None,))[0] is job:
                 del self.jobs[key]
@@ -328,34 +376,8 @@ class TierMover:
 
     def _finalize(self, waiter: Waiter) -> None:
         del self.waiters[waiter.handle.seq_id]
-        handle = waiter.handle
-        if not handle.alive:
-            return
-        valid = waiter.valid_pages()
-        page_size = self.prefix.page_size
-        handle.num_hit_tokens = (waiter.first + valid) * page_size
-        if valid:
-            tokens = np.frombuffer(handle._tokens, "<i4", (waiter.first + valid) * page_size)
-            self.prefix.commit(handle, tokens, lossy=self.codec.lossy)
-        from_disk = int(waiter.from_disk[:valid].sum())
-        self.counts["fetched_disk"] += from_disk
-        self.counts["fetched_host"] += valid - from_disk
-        if not waiter.prefetch:
-            self.counts["fetched_lossy"] += valid if self.codec.lossy else 0
-            if self.metrics is not None:
-                self._record_fetch_hits(waiter, valid, from_disk)
-        if waiter.prefetch:
-            self.prefix.release(handle)
-
-    def _record_fetch_hits(self, waiter: Waiter, valid: int, from_disk: int) -> None:
-        page_size = self.prefix.page_size
-        if valid - from_disk:
-            self.metrics.record_hit("host", (valid - from_disk) * page_size, valid - from_disk)
-        if from_disk:
-            self.metrics.record_hit("disk", from_disk * page_size, from_disk)
-        if valid < waiter.num_pages:
-            lost = waiter.num_pages - valid
-            self.metrics.record_miss("evicted", lost * page_size, lost)
+        if waiter.handle.alive:
+            self.finished.append(waiter)
 
     # --- helpers: copies down ----------------------------------------------------------------
 
@@ -367,8 +389,8 @@ class TierMover:
             self.index.host_done(key)
             done += self.index.host.contains(key)
         self.counts["offloaded"] += done
-        if self.metrics is not None and done:
-            self.metrics.record_spill("device_to_host", done, done * self.block_nbytes)
+        if done:
+            self.report.add_spill("device_to_host", done, done * self.block_nbytes)
 
     def _restored(self, keys: list[bytes], namespace: bytes, result: TransferResult) -> None:
         for key in keys:
@@ -384,13 +406,13 @@ class TierMover:
         done = set(result.done_keys)
         for key in keys:
             entry = index.host_entries.get(key)
-            located = None if entry is None or entry.dropped else entry.ref.resolve()
+            located = None if entry is None or entry.dropped else self.trie.locate(key)
             if key in done and located is not None:
                 index.add_disk(key, entry.namespace, *located)
             index.release_host(key)
         self.counts["spilled"] += len(done)
-        if self.metrics is not None and done:
-            self.metrics.record_spill("host_to_disk", len(done), len(done) * self.block_nbytes)
+        if done:
+            self.report.add_spill("host_to_disk", len(done), len(done) * self.block_nbytes)
         index.reconcile_disk()
         self._count_disk_errors()
 
@@ -399,8 +421,7 @@ class TierMover:
         errors = stats.write_errors + stats.corrupt_blocks + stats.read_errors
         if errors > self._disk_errors_seen:
             self.counts["disk_errors"] += errors - self._disk_errors_seen
-            if self.metrics is not None:
-                self.metrics.inc("disk_errors", errors - self._disk_errors_seen)
+            self.report.disk_errors += errors - self._disk_errors_seen
             self._disk_errors_seen = errors
 
     def _on_done(self, future: concurrent.futures.Future, callback: Callable) -> None:

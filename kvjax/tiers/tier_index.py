@@ -1,26 +1,29 @@
 """Which trie pages have a host or disk copy, kept in step with what the tiers hold.
 
-The prefix trie records a page's copies as Tier bits; the tiers hold blocks by chained key
-(see ``block_keys``). ``TierIndex`` links the two: per host key an entry with the page it
-backs, per disk (namespace, key) the page. Rules it keeps:
+The prefix trie records a page's copies as Tier bits and finds a page with a copy by its
+stable key (``PrefixTrie.locate``); the tiers hold blocks by key. ``TierIndex`` owns the
+host side of that link, one entry per host key, and the set of disk blocks the trie
+indexes. It is the one owner of each host block's LRU order and of its holds: the host tier
+below it never evicts on its own and the transfer engine never pins.
+
+Rules it keeps:
 
 * a page has the HOST bit exactly when the index has a live host entry for its key; the
   entry is *pending* while the copy is being made (an offload or a restore in flight) and
   *ready* once the host tier holds it;
-* a page has the DISK bit exactly when the index has a disk entry for it and the disk tier
-  holds the block (the disk tier may drop segments on its own when it writes;
+* a page has the DISK bit exactly when ``disk_entries`` holds its (namespace, key) and the
+  disk tier holds the block (the disk tier may drop segments on its own when it writes;
   ``reconcile_disk`` clears the bits of what it dropped);
 * ``undisked`` lists, LRU first, the host entries whose page has no disk copy: what a
   spill to disk writes;
-* the host tier never evicts on its own: every put is preceded by ``make_host_room``, which
-  evicts unlocked, ready host entries in LRU order (clearing their HOST bits, so a page left
-  without copies leaves the trie);
-* a page that leaves the trie drops its host copy (at the end of the transfer using it, if
-  one does) and keeps its disk copy unindexed: a later lookup finds it again by key
-  (``probe_disk``), as it finds what a previous process left in the directory.
+* every host put is preceded by ``make_host_room``, which evicts unheld, ready host entries
+  in LRU order (clearing their HOST bits, so a page left without copies leaves the trie);
+* a page that leaves the trie (``forget_dropped``, fed the trie's ``DroppedNode`` records)
+  drops its host copy (at the end of the transfer using it, if one does) and keeps its disk
+  copy unindexed: a later lookup finds it again by key (``probe_disk``), as it finds what a
+  previous process left in the directory.
 
-Pages are referenced by ``PageRef`` (a node and an absolute page index); the trie's
-``on_split`` hook moves the references of pages that a split puts into the new head node.
+Every host block that becomes live or stops being live is a block event (``events``).
 """
 
 from __future__ import annotations
@@ -31,63 +34,45 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from kvjax.cache.block_events import EventLog
 from kvjax.cache.block_keys import Namespace, chained_block_keys
-from kvjax.cache.prefix_trie import PrefixTrie
+from kvjax.cache.prefix_trie import DroppedNode, PrefixTrie
 from kvjax.cache.trie_node import Node, Tier
 from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.host_tier import HostTier
 
-__all__ = ["HostEntry", "PageRef", "TierIndex"]
+__all__ = ["HostEntry", "TierIndex"]
 
 _HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
-
-
-class PageRef:
-    """A trie page: ``page`` pages from the start of its sequence, last seen in ``node``."""
-
-    __slots__ = ("node", "page")
-
-    def __init__(self, node: Node, index: int):
-        self.node = node
-        self.page = node.first_page + index
-
-    def resolve(self) -> tuple[Node, int] | None:
-        """(node, index in node) of the page now, or None if it left the trie."""
-        node = self.node
-        index = self.page - node.first_page
-        if node.parent is None or not 0 <= index < node.num_pages:
-            return None
-        return node, index
 
 
 class HostEntry:
     """One host block the index knows about (see the module docstring)."""
 
-    __slots__ = ("namespace", "ref", "ready", "busy", "dropped")
+    __slots__ = ("namespace", "ready", "busy", "dropped")
 
-    def __init__(self, namespace: bytes, ref: PageRef, ready: bool):
+    def __init__(self, namespace: bytes, ready: bool):
         self.namespace = namespace  # namespace digest
-        self.ref = ref
         self.ready = ready  # the host tier holds the block (not only a copy in flight)
         self.busy = 0  # transfers reading it (fetch, spill): never evicted meanwhile
         self.dropped = False  # its page left the trie; discard once no transfer reads it
 
 
 class TierIndex:
-    """Host and disk bookkeeping of one trie; see the module docstring."""
+    """Host and disk bookkeeping of one trie; see the module docstring. ``host`` None: no
+    host tier (capacity 0); ``disk`` None: no disk tier."""
 
-    def __init__(self, trie: PrefixTrie, host: HostTier, disk: DiskTier | None):
+    def __init__(self, trie: PrefixTrie, host: HostTier | None, disk: DiskTier | None, events: EventLog):
         self.trie = trie
         self.host = host
         self.disk = disk
-        self.host_capacity = host.capacity_bytes // host.block_nbytes  # blocks
+        self.events = events
+        self.host_capacity = 0 if host is None else host.capacity_bytes // host.block_nbytes  # blocks
         self.host_entries: collections.OrderedDict[bytes, HostEntry] = collections.OrderedDict()
-        self.disk_entries: dict[tuple[bytes, bytes], PageRef] = {}
+        self.disk_entries: set[tuple[bytes, bytes]] = set()  # (namespace, key) the trie indexes
         # live host entries whose page has no disk copy, LRU first: what a spill writes
         self.undisked: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.lost_blocks = 0  # host blocks evicted with no disk copy (their pages left)
-        trie.on_drop = self._on_drop
-        trie.on_split = self._on_split
 
     # --- host ------------------------------------------------------------------------------
 
@@ -101,8 +86,17 @@ class TierIndex:
         entry = self.host_entries.get(key)
         return None if entry is None or entry.dropped else entry
 
+    def host_room(self, limit: int) -> int:
+        """How many of ``limit`` blocks ``make_host_room`` could fit now: free slots, then
+        ready, unheld entries it may evict (counted only as far as needed)."""
+        free = self.host_capacity - self.host_used
+        if free >= limit:
+            return limit
+        evictable = (1 for entry in self.host_entries.values() if entry.ready and not entry.busy)
+        return free + sum(itertools.islice(evictable, limit - free))
+
     def make_host_room(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> int:
-        """Evict ready, unlocked host blocks (LRU first, none in ``exclude``) until
+        """Evict ready, unheld host blocks (LRU first, none in ``exclude``) until
         ``num_blocks`` more fit; return how many fit (<= num_blocks)."""
         short = num_blocks - (self.host_capacity - self.host_used)
         if short > 0:
@@ -116,30 +110,34 @@ class TierIndex:
         return max(0, min(num_blocks, self.host_capacity - self.host_used))
 
     def evict_host(self, key: bytes) -> None:
-        """Drop the host copy of ``key`` (ready and unlocked); its page loses the HOST bit."""
+        """Drop the host copy of ``key`` (ready and unheld); its page loses the HOST bit."""
         entry = self.host_entries.pop(key)
         self.host.discard([key])
         self.undisked.pop(key, None)
         if entry.dropped:
             return
-        located = entry.ref.resolve()
+        self._host_event(key, entry.namespace, "removed")
+        located = self.trie.locate(key)
         if located is not None:
             node, index = located
             if not node.on_device and not int(node.tiers[index]) & _DISK:
                 self.lost_blocks += 1
-            self.trie.clear_tier(node, index, Tier.HOST)
+            self.forget_dropped(self.trie.clear_tier(node, index, Tier.HOST))
 
     def add_host(self, key: bytes, namespace: bytes, node: Node, index: int, *, ready: bool) -> None:
         """Record a host copy of page ``index`` of ``node`` (pending until ``host_done``)."""
         entry = self.host_entries.get(key)
         if entry is not None and entry.dropped:  # same key, same content: adopt the old copy
             entry.dropped = False
-            entry.ref = PageRef(node, index)
         elif entry is None:
-            self.host_entries[key] = HostEntry(namespace, PageRef(node, index), ready)
+            self.host_entries[key] = entry = HostEntry(namespace, ready)
+        else:
+            return  # live already
         self.trie.set_tier(node, index, Tier.HOST)
         if not int(node.tiers[index]) & _DISK:
             self.undisked[key] = None
+        if self.events.active:
+            self.events.record(namespace, key, self.trie.parent_key(node, index), "host", "stored")
 
     def host_done(self, key: bytes) -> None:
         """A pending copy of ``key`` finished: ready if the host tier holds it, else forgotten."""
@@ -152,9 +150,12 @@ class TierIndex:
             return
         del self.host_entries[key]
         self.undisked.pop(key, None)
-        located = None if entry.dropped else entry.ref.resolve()
+        if entry.dropped:
+            return
+        self._host_event(key, entry.namespace, "removed")
+        located = self.trie.locate(key)
         if located is not None:
-            self.trie.clear_tier(*located, Tier.HOST)
+            self.forget_dropped(self.trie.clear_tier(*located, Tier.HOST))
 
     def hold_host(self, keys: Iterable[bytes]) -> None:
         """Mark ready host blocks as read by a transfer (not evictable until released)."""
@@ -179,18 +180,24 @@ class TierIndex:
 
     def add_disk(self, key: bytes, namespace: bytes, node: Node, index: int) -> None:
         """Record a disk copy of page ``index`` of ``node`` (the disk tier holds it)."""
-        self.disk_entries[(namespace, key)] = PageRef(node, index)
+        self.disk_entries.add((namespace, key))
         self.trie.set_tier(node, index, Tier.DISK)
         self.undisked.pop(key, None)
 
     def forget_disk(self, key: bytes, namespace: bytes) -> None:
         """The disk tier no longer holds ``key``: clear its page's DISK bit."""
-        ref = self.disk_entries.pop((namespace, key), None)
-        located = None if ref is None else ref.resolve()
+        if (namespace, key) not in self.disk_entries:
+            return
+        self.disk_entries.discard((namespace, key))
+        located = self.trie.locate(key)
         if located is not None:
-            self.trie.clear_tier(*located, Tier.DISK)
+            self.forget_dropped(self.trie.clear_tier(*located, Tier.DISK))
             if self.host_state(key) is not None:
                 self.undisked[key] = None
+
+    def disk_page(self, namespace: bytes, key: bytes) -> tuple[Node, int] | None:
+        """(node, index) of the trie page of ``key``'s indexed disk copy now, or None."""
+        return self.trie.locate(key) if (namespace, key) in self.disk_entries else None
 
     def has_unindexed_disk_blocks(self) -> bool:
         """Whether the disk holds blocks no trie page indexes (from a previous process, or
@@ -218,10 +225,8 @@ class TierIndex:
             node, k = matched[-1]
             matched[-1] = (trie.split(node, k), k)
         parent = matched[-1][0] if matched else trie.root(ns, create=True)
-        node = trie.insert_offloaded(parent, buf[start:pos], np.full(len(keys), _DISK, np.uint8), now)
-        node.keys = keys
-        for i, key in enumerate(keys):
-            self.disk_entries[(digest, key)] = PageRef(node, i)
+        node = trie.insert_offloaded(parent, buf[start:pos], np.full(len(keys), _DISK, np.uint8), now, keys=keys)
+        self.disk_entries.update((digest, key) for key in keys)
         return matched + [(node, len(keys))]
 
     def reconcile_disk(self) -> int:
@@ -231,34 +236,92 @@ class TierIndex:
             self.forget_disk(key, ns)
         return len(gone)
 
+    # --- checks ----------------------------------------------------------------------------
+
+    def check_invariants(self, *, disk_exact: bool = True) -> None:
+        """Raise RuntimeError unless HOST/DISK bits, host entries, disk entries and the tiers
+        agree (see the module docstring). ``disk_exact`` False: a spill or restore is in
+        flight, so the disk tier may lag its DISK bits."""
+        if self.host is not None:
+            self.host.check_invariants()
+        if self.disk is not None:
+            self.disk.check_invariants()
+        host_pages, disk_pages = self._check_page_tiers(disk_exact)
+        live = {key for key, entry in self.host_entries.items() if not entry.dropped}
+        if host_pages != live:
+            raise RuntimeError(f"{len(host_pages ^ live)} host entries and HOST bits disagree")
+        undisked = {key for key in live if not self._bits(key) & _DISK}
+        if set(self.undisked) != undisked:
+            raise RuntimeError(f"{len(set(self.undisked) ^ undisked)} host blocks are misfiled as with/without "
+                               "a disk copy")  # fmt: skip
+        if disk_pages != self.disk_entries:
+            raise RuntimeError(f"{len(disk_pages ^ self.disk_entries)} disk entries and DISK bits disagree")
+        if self.host_used > self.host_capacity:
+            raise RuntimeError(f"host holds {self.host_used} blocks; capacity {self.host_capacity}")
+        ready = sum(entry.ready for entry in self.host_entries.values())
+        held = 0 if self.host is None else len(self.host)
+        if not ready <= held <= self.host_used:  # pending copies may have landed
+            raise RuntimeError(f"host tier holds {held} blocks; the index knows {ready} ready of {self.host_used}")
+        for key, entry in self.host_entries.items():
+            if entry.dropped and not (entry.busy or not entry.ready):
+                raise RuntimeError(f"host block {key.hex()[:8]} left the trie but was not discarded")
+
+    def _bits(self, key: bytes) -> int:
+        node, index = self.trie.locate(key)
+        return int(node.tiers[index])
+
+    def _check_page_tiers(self, disk_exact: bool) -> tuple[set, set]:
+        """Every HOST/DISK bit is backed by an entry for that very page and, once ready, by the
+        tier itself in the page's namespace. Returns (host keys, disk (ns, key)s) seen."""
+        trie = self.trie
+        host_pages, disk_pages = set(), set()
+        for node in trie.nodes():
+            if node.tiers is None:
+                continue
+            digest = trie.namespace_of(node).digest()
+            keys = trie.page_keys(node)
+            for i, bits in enumerate(node.tiers.tolist()):
+                where = f"page {node.first_page + i} ({keys[i].hex()[:8]})"
+                if bits & _HOST:
+                    entry = self.host_state(keys[i])
+                    if entry is None or trie.locate(keys[i]) != (node, i):
+                        raise RuntimeError(f"{where} has the HOST bit but no host entry of its own")
+                    if entry.ready and self.host.namespace_of(keys[i]) != digest:
+                        raise RuntimeError(f"{where}: host holds it under another namespace (or not at all)")
+                    host_pages.add(keys[i])
+                if bits & _DISK:
+                    if (digest, keys[i]) not in self.disk_entries or trie.locate(keys[i]) != (node, i):
+                        raise RuntimeError(f"{where} has the DISK bit but no disk entry of its own")
+                    if disk_exact and not self.disk.contains(keys[i], digest):
+                        raise RuntimeError(f"{where} has the DISK bit; the disk tier lost it")
+                    disk_pages.add((digest, keys[i]))
+        return host_pages, disk_pages
+
     # --- pages leaving the trie ------------------------------------------------------------
 
-    def _on_split(self, head: Node) -> None:
-        keys = self.trie.page_keys(head)
-        namespace = None
-        for index, bits in enumerate(head.tiers.tolist()):
-            if bits & _HOST:
-                entry = self.host_entries.get(keys[index])
-                if entry is not None and not entry.dropped:
-                    entry.ref = PageRef(head, index)
-            if bits & _DISK:
-                namespace = namespace or self.trie.namespace_of(head).digest()
-                self.disk_entries[(namespace, keys[index])] = PageRef(head, index)
+    def forget_dropped(self, dropped: list[DroppedNode]) -> None:
+        """Pages that left the trie: their host copies go (once no transfer reads them), their
+        disk copies stay on disk, unindexed."""
+        for node in dropped:
+            namespace = node.namespace.digest()
+            for key, bits in zip(node.keys, node.tiers.tolist()):
+                if bits & _HOST:
+                    self._drop_host(key)
+                if bits & _DISK:
+                    self.disk_entries.discard((namespace, key))
 
-    def _on_drop(self, node: Node) -> None:
-        keys = self.trie.page_keys(node)
-        namespace = None
-        for index, key in enumerate(keys):
-            bits = int(node.tiers[index])
-            if bits & _HOST:
-                entry = self.host_entries.get(key)
-                if entry is not None and not entry.dropped:
-                    self.undisked.pop(key, None)
-                    if entry.busy or not entry.ready:
-                        entry.dropped = True
-                    else:
-                        del self.host_entries[key]
-                        self.host.discard([key])
-            if bits & _DISK:
-                namespace = namespace or self.trie.namespace_of(node).digest()
-                self.disk_entries.pop((namespace, key), None)  # stays on disk, unindexed
+    def _drop_host(self, key: bytes) -> None:
+        entry = self.host_entries.get(key)
+        if entry is None or entry.dropped:
+            return
+        self.undisked.pop(key, None)
+        self._host_event(key, entry.namespace, "removed")
+        if entry.busy or not entry.ready:
+            entry.dropped = True
+        else:
+            del self.host_entries[key]
+            self.host.discard([key])
+
+    def _host_event(self, key: bytes, namespace: bytes, kind: str) -> None:
+        if self.events.active:
+            self.events.record(namespace, key, None, "host", kind)

@@ -3,14 +3,14 @@
 Model of the replay (sequential: one request at a time, in timestamp order, no concurrency,
 no decode): for each request, match the leading run of cached blocks (the hits), admit it
 (lock the hits, allocate the rest, evicting by the policy as needed), commit all its blocks,
-release it. Every hash id of the trace is one cache block: the ids are fed to ``PrefixCache``
+release it. Every hash id of the trace is one cache block: the ids are fed to ``DeviceIndex``
 as tokens with ``page_size=1``, so the trace's own hashing decides what is shared (partial
 last blocks included). Token hit rates weigh each block by the tokens it holds (see
 ``TraceRequest.block_tokens``). The clock the policy sees is the trace's arrival time, in
 seconds.
 
 Two adaptations keep the real cache's rules from distorting the count:
-- ``PrefixCache.admit`` always leaves a prompt's last token to compute (its logits are
+- ``DeviceIndex.admit`` always leaves a prompt's last token to compute (its logits are
   needed), which would make a request's last block never hit. The replay admits the hash ids
   followed by one sentinel token, and sizes the pool ``device_blocks + 1`` so the sentinel's
   private page never costs a cached block; the sentinel is never committed.
@@ -21,7 +21,7 @@ Two adaptations keep the real cache's rules from distorting the count:
   int32 tokens and a page's token names its block; sharing is exactly as with the hash ids.
 
 Tiers (``host_blocks``/``disk_blocks`` > 0; bookkeeping in ``kvjax.tools.replay_tiers``, no data
-moves): the device tier is the PrefixCache above with the chosen policy. When it evicts a
+moves): the device tier is the DeviceIndex above with the chosen policy. When it evicts a
 block (the trie's ``before_evict`` hook), write-back stores the block on the host tier, which
 has its own capacity and eviction (``tier_policy``: LRU, or scan-resistant segmented LRU); a
 block the host evicts goes to the disk tier when it has capacity (same policy), and one the
@@ -42,10 +42,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from kvjax.cache.block_keys import Namespace
-from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cache.device_index import DeviceIndex
 from kvjax.cache.eviction import EvictionPolicy
 from kvjax.cache.policies import DEFAULT_POLICY
 from kvjax.tools.replay_bounds import (
@@ -70,7 +68,7 @@ class ReplayReport:
 
     policy: str
     device_blocks: int
-    online: HitCounts  # the real PrefixCache with ``policy`` (and the lower tiers, if any)
+    online: HitCounts  # the real DeviceIndex with ``policy`` (and the lower tiers, if any)
     offline: HitCounts  # farthest-next-use (Belady/MIN), prefix-aware
     unlimited: HitCounts  # room for every block
     host_blocks: int = 0
@@ -116,7 +114,7 @@ def replay_trace(
     tier_policy: str = DEFAULT_TIER_POLICY,
     check_every: int = 0,
 ) -> HitCounts:
-    """Replays ``requests`` (in the given order) through a ``PrefixCache`` of ``device_blocks``
+    """Replays ``requests`` (in the given order) through a ``DeviceIndex`` of ``device_blocks``
     above host and disk tiers of ``host_blocks`` and ``disk_blocks`` (0: no such tier).
 
     ``check_every=k > 0`` runs the cache's and tiers' ``check_invariants()`` after every k-th
@@ -129,10 +127,11 @@ def replay_trace(
         raise ValueError(f"{check_every=} must be >= 0")
     tiers = LowerTiers(host_blocks, disk_blocks, write_through=write_through, policy=tier_policy)
     now = [0.0]  # seconds of trace time, read by the cache's clock
-    cache = PrefixCache(device_blocks + 1, page_size=1, policy=policy, clock=lambda: now[0])
-    # With page_size=1 a page's only token is its block id: read the evicted tail off the label.
-    cache.trie.before_evict = lambda node, num_pages: tiers.device_evicted(
-        np.frombuffer(node.label, "<i4")[len(node.blocks) - num_pages :].tolist())
+    cache = DeviceIndex(device_blocks + 1, page_size=1, policy=policy, clock=lambda: now[0])
+    # The device's evictions, in order, from its block events: with page_size=1 a page's key
+    # names one block id (its token).
+    evictions = cache.events.subscribe() if host_blocks or disk_blocks else None
+    block_of_key: dict[bytes, int] = {}
     counts = HitCounter(block_tokens)
     paths, _ = intern_block_paths(requests)
     for index, (request, path) in enumerate(zip(requests, paths)):
@@ -141,6 +140,11 @@ def replay_trace(
         device_hits = cache.match(tokens, _NAMESPACE).num_device_blocks
         lower = tiers.run_tiers(tokens, device_hits)
         _admit_and_commit(cache, tokens, device_hits)
+        if evictions is not None:
+            cache.events.flush()
+            tiers.device_evicted([block_of_key[event.key] for batch in evictions.poll() for event in batch
+                                  if event.kind == "removed"])  # fmt: skip
+            block_of_key.update(zip(chained_block_keys(tokens, 1, _NAMESPACE), tokens))
         tiers.on_device(tokens)
         counts.add(request, device_hits + len(lower), lower)
         if check_every and (index + 1) % check_every == 0:
@@ -175,7 +179,7 @@ def replay_report(
     )
 
 
-def _admit_and_commit(cache: PrefixCache, blocks: Sequence[int], device_hits: int) -> None:
+def _admit_and_commit(cache: DeviceIndex, blocks: Sequence[int], device_hits: int) -> None:
     """Admit, commit and release one request whose first ``device_hits`` blocks are cached."""
     handle = cache.admit([*blocks, _SENTINEL], _NAMESPACE)
     if handle is None:  # nothing else is running, so the pool (device_blocks + 1) must fit it

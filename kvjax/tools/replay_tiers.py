@@ -2,7 +2,7 @@
 
 No data moves: a tier is a set of block ids (interned prefix paths, see
 ``kvjax.tools.replay_bounds.intern_block_paths``) with a capacity in blocks and LRU order. The
-device tier is the real ``PrefixCache`` of ``kvjax.tools.replay``; ``LowerTiers`` sees its evictions
+device tier is the real ``DeviceIndex`` of ``kvjax.tools.replay``; ``LowerTiers`` sees its evictions
 through the trie's ``before_evict`` hook and each request's blocks after they enter the device.
 
 Write policies:
