@@ -6,7 +6,7 @@ lossy offload format of the float pool (``KVCacheConfig.offload_quant``: the dev
 float pages, host and disk get quantized copies):
 
 * device: ``GiB // PoolConfig.bytes_per_block``;
-* host: the blocks a ``HostTier`` of 1 GiB holds (``capacity_bytes // block_nbytes``, the
+* host: the blocks a ``HostPool`` of 1 GiB holds (``GiB // block_nbytes`` slots, the
   codec's bytes);
 * disk: measured, not computed: one full segment (``--segment-mib``) of random blocks is
   written through a ``DiskTier`` with the codec, and its bytes on disk (orbax files and the
@@ -46,7 +46,7 @@ from kv_quant_common import (
 
 from kvjax.tiers.block_codec import BlockCodec, make_codec
 from kvjax.tiers.disk_tier import DiskTier
-from kvjax.tiers.host_tier import HostTier
+from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.page_pool import PagePool
 from pallas_kernels.kv_format import KVFormat
 
@@ -61,7 +61,7 @@ def main() -> None:
         rows, float_counts = [], None
         for label, pool, codec in configurations(shape):
             counts = (blocks_in(GIB, pool.bytes_per_block),
-                      HostTier(codec.block_shape, codec.dtype, GIB).capacity_bytes // codec.block_nbytes,
+                      HostPool(codec.block_shape, codec.dtype, GIB // codec.block_nbytes, store_bytes=False).num_slots,
                       int(GIB // disk_bytes_per_block(codec, args.segment_mib << 20)))  # fmt: skip
             float_counts = float_counts or counts
             rows.append([label, codec.name, f"{codec.block_nbytes / 1024:.1f}"]

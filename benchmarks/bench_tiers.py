@@ -4,9 +4,9 @@
 
 (with kvjax installed, `pip install -e .`, or `PYTHONPATH=.`)
 
-Host links: HostTier.put (device -> pinned_host, one device_put per batch) and HostTier.get
-(pinned_host -> device, stacked) against numpy memcpy of the same bytes, into a fresh buffer
-and into a warm one. Disk links: DiskTier.put (one orbax segment, checksums, manifest, fsync)
+Host links: HostPool.write (device blocks -> one copy to host -> one scatter into slots) and
+HostPool.to_device (one gather of slots on host -> one copy to the device) against numpy
+memcpy of the same bytes, into a fresh buffer and into a warm one. Disk links: DiskTier.put (one orbax segment, checksums, manifest, fsync)
 and DiskTier.get (every block, checksums verified) against a raw file write + fsync (and
 without fsync, as the tier fsyncs only its manifest unless sync_data) and a raw read into a
 fresh buffer, warm (page cache) and cold (page cache dropped with
@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 
 from kvjax.tiers import disk_segments
 from kvjax.tiers.disk_tier import DiskTier
-from kvjax.tiers.host_tier import HostTier
+from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.transfer import Priority, TransferEngine
 
 NS = b"bench-namespace!"
@@ -72,22 +72,20 @@ def main() -> None:
 
 
 def _host_rows(blocks: np.ndarray, repeats: int) -> list[tuple]:
-    keys = [i.to_bytes(16, "little") for i in range(len(blocks))]
+    slots = np.random.default_rng(2).permutation(len(blocks))  # scattered slots
     device_blocks = jax.device_put(blocks)
     warm = np.empty_like(blocks)
+    pool = HostPool(blocks.shape[1:], blocks.dtype, len(blocks))
     put_s, get_s, fresh_s, warm_s = [], [], [], []
     for _ in range(repeats + 1):  # the first round compiles and is dropped
-        tier = HostTier(blocks.shape[1:], blocks.dtype, blocks.nbytes)
-        put_s.append(_timed(lambda: tier.wait_until_ready(
-            tier.put(keys, device_blocks, namespace=NS))))
-        get_s.append(_timed(lambda: tier.get(keys).block_until_ready()))
+        put_s.append(_timed(lambda: pool.write(slots, device_blocks)))
+        get_s.append(_timed(lambda: pool.to_device(slots).block_until_ready()))
         fresh_s.append(_timed(lambda: blocks.copy()))
         warm_s.append(_timed(lambda: np.copyto(warm, blocks)))
-    kind = tier.memory_kind
     return [
-        ("device->host", f"HostTier.put ({kind})", put_s[1:], fresh_s[1:], "memcpy, fresh"),
+        ("device->host", "HostPool.write (into slots)", put_s[1:], fresh_s[1:], "memcpy, fresh"),
         ("device->host", "numpy memcpy, warm dst", warm_s[1:], fresh_s[1:], "memcpy, fresh"),
-        ("host->device", "HostTier.get (stacked)", get_s[1:], fresh_s[1:], "memcpy, fresh"),
+        ("host->device", "HostPool.to_device", get_s[1:], fresh_s[1:], "memcpy, fresh"),
         ("host (plain)", "numpy memcpy, fresh dst", fresh_s[1:], fresh_s[1:], "memcpy, fresh"),
     ]
 
@@ -169,17 +167,16 @@ def _print_table(rows: list[tuple], mib: float) -> None:
 
 
 def _print_latency(blocks: np.ndarray, trials: int) -> None:
-    tier = HostTier(blocks.shape[1:], blocks.dtype, blocks.nbytes)
-    keys = [i.to_bytes(16, "little") for i in range(len(blocks))]
-    tier.wait_until_ready(tier.put(keys, blocks, namespace=NS))
-    picks = np.random.default_rng(1).integers(0, len(keys), trials)
-    tier.get(keys[:1]).block_until_ready()  # compile
-    direct = [_timed(lambda: tier.get([keys[i]]).block_until_ready()) for i in picks]
-    with TransferEngine(tier) as engine:
-        via_engine = [_timed(lambda: engine.fetch([keys[i]], priority=Priority.DEMAND)
+    pool = HostPool(blocks.shape[1:], blocks.dtype, len(blocks))
+    pool.write(np.arange(len(blocks)), blocks)
+    picks = np.random.default_rng(1).integers(0, len(blocks), trials)
+    pool.to_device(np.array([0])).block_until_ready()  # compile
+    direct = [_timed(lambda: pool.to_device(np.array([i])).block_until_ready()) for i in picks]
+    with TransferEngine(pool) as engine:
+        via_engine = [_timed(lambda: engine.fetch([i], priority=Priority.DEMAND)
                              .result(timeout=30).blocks) for i in picks]
     print(f"\none-block host->device fetch ({blocks[0].nbytes >> 10} KiB), {trials} trials:")
-    for name, seconds in (("HostTier.get", direct), ("TransferEngine.fetch", via_engine)):
+    for name, seconds in (("HostPool.to_device", direct), ("TransferEngine.fetch", via_engine)):
         p50, p99 = np.percentile(np.array(seconds) * 1e3, [50, 99])
         print(f"  {name:<22} p50 {p50:.3f} ms  p99 {p99:.3f} ms")
 

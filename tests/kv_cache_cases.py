@@ -1,8 +1,8 @@
 """Doubles and a content model for the KVCache tests.
 
 * ``ManualTransfer``: the TransferEngine API, but every transfer waits until the test
-  completes (or fails) it, so a test decides what is in flight at each step. It locks and
-  unlocks the tiers as the real engine does and copies with the real tiers.
+  completes (or fails) it, so a test decides what is in flight at each step. It pins disk
+  segments as the real engine does and copies with a real (synchronous) engine.
 * ``MemoryDisk``: the DiskTier API in memory, counted in blocks, evicting unlocked blocks
   (LRU) on its own when a write does not fit, as the real tier drops whole segments; a block
   can be corrupted so its next read is a miss and a metric.
@@ -18,12 +18,11 @@ import concurrent.futures
 import dataclasses
 import zlib
 
-import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
 from kvjax.tiers.disk_tier import DiskRead
-from kvjax.tiers.transfer import Link, TransferResult
+from kvjax.tiers.transfer import Link, TransferEngine, TransferResult
 
 
 def serve_from_each_tier(cache, tokens, read, *, timeout: float = 30.0) -> dict:
@@ -53,54 +52,48 @@ def page_content(namespace: str, tokens, block_shape, dtype=np.float32) -> np.nd
 @dataclasses.dataclass
 class PendingTransfer:
     link: Link
-    keys: tuple
     run: object  # () -> TransferResult
-    release: object  # () -> None: undo the source locks
+    release: object  # () -> None: undo what the submit pinned
     future: concurrent.futures.Future
 
 
 class ManualTransfer:
-    """A transfer engine whose transfers run only when the test says (see module docstring)."""
+    """A transfer engine whose transfers finish only when the test says (see module docstring).
 
-    def __init__(self, host, disk=None, gather_blocks=pallas_kernels.gather_blocks):
+    Each transfer runs through a real, synchronous TransferEngine when the test completes it;
+    an offload's gather (and its copy) happens at submit, as the real engine gathers then.
+    """
+
+    def __init__(self, host, disk=None, gather_blocks=pallas_kernels.gather_blocks, buckets=(), synchronous=False):
         self.host, self.disk = host, disk
-        self.gather_blocks = gather_blocks  # the cache's: it encodes blocks for the host tier
+        self.engine = TransferEngine(host, disk, gather_blocks=gather_blocks, buckets=buckets, synchronous=True)
+        self.buckets = self.engine.buckets
         self.pending: list[PendingTransfer] = []
         self.closed = False
 
-    def offload(self, kv_pages, block_ids, keys, *, namespace, priority):
-        blocks = self.gather_blocks(kv_pages, jnp.asarray(block_ids, jnp.int32))
-        keys = tuple(keys)
-        run = lambda: self._done(Link.DEVICE_TO_HOST, keys, self.host.put(keys, blocks, namespace=namespace))
-        return self._queue(Link.DEVICE_TO_HOST, keys, run, lambda: None)
+    def offload(self, kv_pages, block_ids, slots, *, priority):
+        result = self.engine.offload(kv_pages, block_ids, slots, priority=priority).result()
+        return self._queue(Link.DEVICE_TO_HOST, lambda: result, lambda: None)
 
-    def fetch(self, keys, *, priority):
-        keys = tuple(keys)
-        if not self.host.lock(keys):
-            return _resolved(TransferResult(Link.HOST_TO_DEVICE, keys, ok=False, error="absent"))
-        run = lambda: TransferResult(Link.HOST_TO_DEVICE, keys, ok=True, done_keys=keys,
-                                     blocks=self.host.get(keys))  # fmt: skip
-        return self._queue(Link.HOST_TO_DEVICE, keys, run, lambda: self.host.unlock(keys))
+    def fetch(self, slots, *, priority):
+        return self._queue(Link.HOST_TO_DEVICE, lambda: self.engine.fetch(slots, priority=priority).result(),
+                           lambda: None)  # fmt: skip
 
-    def spill(self, keys, *, priority):
-        keys = tuple(keys)
-        locked = tuple(k for k in keys if self.host.lock([k]))
-        run = lambda: self._done(Link.HOST_TO_DISK, keys, self._spill(locked))
-        return self._queue(Link.HOST_TO_DISK, keys, run, lambda: self.host.unlock(locked))
+    def spill(self, keys, namespaces, slots, parents=None, *, priority):
+        run = lambda: self.engine.spill(keys, namespaces, slots, parents, priority=priority).result()
+        return self._queue(Link.HOST_TO_DISK, run, lambda: None)
 
-    def restore(self, keys, *, namespace, priority):
-        keys = tuple(keys)
-        locked = tuple(k for k in keys if self.disk.lock([k], namespace))
-        run = lambda: self._done(Link.DISK_TO_HOST, keys, self._restore(locked, namespace))
-        return self._queue(Link.DISK_TO_HOST, keys, run, lambda: self.disk.unlock(locked, namespace))
+    def restore(self, keys, namespace, slots, *, priority):
+        if not self.disk.lock(keys, namespace):  # pinned from submit to completion, as the real engine does
+            return _resolved(TransferResult(Link.DISK_TO_HOST, len(keys), ok=False, error="not on disk"))
+        run = lambda: self.engine.restore(keys, namespace, slots, priority=priority).result()
+        return self._queue(Link.DISK_TO_HOST, run, lambda: self.disk.unlock(keys, namespace))
 
     def complete(self, index: int, ok: bool = True) -> PendingTransfer:
         """Run (or, with ``ok=False``, fail) pending transfer ``index``; resolve its future."""
         job = self.pending.pop(index)
-        try:
-            result = job.run() if ok else TransferResult(job.link, job.keys, ok=False, error="injected")
-        finally:
-            job.release()
+        job.release()
+        result = job.run() if ok else TransferResult(job.link, 0, ok=False, error="injected")
         job.future.set_result(result)
         return job
 
@@ -115,28 +108,10 @@ class ManualTransfer:
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _queue(self, link, keys, run, release):
+    def _queue(self, link, run, release):
         future = concurrent.futures.Future()
-        self.pending.append(PendingTransfer(link, keys, run, release, future))
+        self.pending.append(PendingTransfer(link, run, release, future))
         return future
-
-    @staticmethod
-    def _done(link, keys, done_keys) -> TransferResult:
-        done = tuple(done_keys)
-        return TransferResult(link, keys, ok=len(done) == len(keys), done_keys=done)
-
-    def _spill(self, keys):
-        if not keys:
-            return []
-        namespaces = [self.host.namespace_of(k) for k in keys]
-        stored = set(self.disk.put(keys, self.host.get_host(keys), namespaces))
-        return [k for k, ns in zip(keys, namespaces) if k in stored or self.disk.contains(k, ns)]
-
-    def _restore(self, keys, namespace):
-        read = self.disk.get(keys, namespace)
-        hits = [k for k, hit in zip(keys, read.hits) if hit]
-        self.host.put(hits, read.blocks[read.hits], namespace=namespace)
-        return [k for k in hits if self.host.contains(k)]
 
 
 @dataclasses.dataclass
@@ -175,7 +150,7 @@ class MemoryDisk:
     def stats(self) -> MemoryDiskStats:
         return dataclasses.replace(self._stats)
 
-    def put(self, keys, blocks, namespaces):
+    def put(self, keys, blocks, namespaces, parents=None):
         if isinstance(namespaces, bytes):
             namespaces = [namespaces] * len(keys)
         stored = []

@@ -235,9 +235,9 @@ def test_prefetch_moves_a_waiting_request_prefix_up_and_admit_joins_it():
         cache.poll()
         cache.prefetch(tokens)
         fetches = [p.link.value for p in cache.transfer.pending]
-        assert fetches == ["host_to_device"] * 2  # 3 pages move as runs of 2 and 1 (two shapes)
+        assert fetches == ["host_to_device"]  # 3 pages move as one batch, padded to the 4-block bucket
         joining = cache.admit(tokens)  # admitted while the prefetch is in flight: no new fetch
-        assert len(cache.transfer.pending) == 2 and not cache.is_ready(joining)
+        assert len(cache.transfer.pending) == 1 and not cache.is_ready(joining)
         cache.transfer.complete_all()
         cache.poll()
         assert cache.is_ready(joining) and joining.num_hit_tokens == 12

@@ -328,7 +328,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                     copies.append((device, node.blocks[i], lossy[i]))
                 entry = cache.tiers.host_state(keys[i])
                 if bits & Tier.HOST and entry.ready:
-                    copies.append((stored, cache.host_tier.get_host([keys[i]])[0], variant.codec.lossy))
+                    copies.append((stored, cache.host_pool.read([entry.slot])[0], variant.codec.lossy))
                 if bits & Tier.DISK and self.disk.contains(keys[i], digest):
                     copies.append((stored, self.disk._blocks[(digest, keys[i])], variant.codec.lossy))
                 for where, copy, is_lossy in copies:

@@ -100,7 +100,7 @@ def test_quantized_blocks_round_trip_device_host_disk_bit_exact(tmp_path, quant,
     pool = quant_pool(quant, scale)
     blocks = random_quantized(pool, 3, seed=len(quant))
     with make(pool, disk_dir=tmp_path, write_policy=write_policy, selective_min_hits=1) as cache:
-        assert cache.host_tier.block_nbytes == pool.bytes_per_block  # data + scales, nothing more
+        assert cache.host_pool.block_nbytes == pool.bytes_per_block  # data + scales, nothing more
         compute(cache, TOKENS, blocks)
         # Every write policy has a host copy by the first eviction (selective: after one hit).
         served = serve_from_each_tier(cache, TOKENS, hit_kv, timeout=TIMEOUT)
@@ -149,7 +149,7 @@ def test_swap_store_moves_quantized_blocks_bit_exact():
     blocks = random_quantized(pool_config, 3, seed=3)
     pool.scatter([1, 4, 6], blocks)
     swap = SwapStore(pool, num_slots=3)
-    assert swap.tier.capacity_bytes == 3 * pool_config.bytes_per_block
+    assert swap.host.capacity_bytes == 3 * pool_config.bytes_per_block
     swap.swap_out([(1, 0), (4, 2), (6, 1)])
     pool.scatter([1, 4, 6], random_quantized(pool_config, 3, seed=9))  # the blocks are reused
     swap.swap_in([(0, 7), (2, 0), (1, 3)])
@@ -163,7 +163,7 @@ def test_swap_store_moves_quantized_blocks_bit_exact():
 def test_lossy_offload_comes_back_within_the_format_bound_and_marked_lossy(quant):
     blocks = np.random.default_rng(1).normal(size=(3, *FLOAT_POOL.block_shape)).astype(np.float32)
     with make(FLOAT_POOL, offload_quant=quant) as cache:
-        assert cache.codec.lossy and cache.host_tier.block_nbytes < FLOAT_POOL.bytes_per_block
+        assert cache.codec.lossy and cache.host_pool.block_nbytes < FLOAT_POOL.bytes_per_block
         compute(cache, TOKENS, blocks)
         num_hit, kv, lossy = hit_kv(cache, TOKENS)
         assert num_hit == 2 and same_bits(kv, blocks[:2]) and not lossy.any()  # device: exact
@@ -313,7 +313,7 @@ def test_default_config_is_lossless():
     blocks = random_blocks(3, FLOAT_POOL.block_shape, seed=4)  # NaN and inf patterns included
     with make(FLOAT_POOL) as cache:
         assert isinstance(cache.codec, IdentityCodec) and not cache.trie.lossy_offload
-        assert cache.host_tier.block_shape == FLOAT_POOL.block_shape
+        assert cache.host_pool.block_shape == FLOAT_POOL.block_shape
         compute(cache, TOKENS, blocks)
         cache.evict(8)
         assert not cache.match(TOKENS).lossy.any()
@@ -416,7 +416,12 @@ def test_fetch_from_disk_survives_making_host_room_that_splits_the_pages_node():
         cache.poll()  # the copies are ready (no spill: the host is not above its high watermark)
         assert cache.match(tokens).tiers.tolist() == [Tier.DEVICE | Tier.DISK] + [Tier.DEVICE | Tier.HOST] * 2
         cache.evict(8)
-        num_hit, kv, _ = hit_kv(cache, tokens[:5])  # page 0 from disk: host room evicts page 1
+        # Page 0 from disk needs a host slot. Host room is taken leaves first: page 2's copy
+        # (the node's last page) goes alone; page 1's would have dropped page 2 with it.
+        num_hit, kv, _ = hit_kv(cache, tokens[:5])
         assert num_hit == 1 and same_leaves(kv, blocks[:1])
-        assert cache.match(tokens).num_hit_blocks == 1  # pages 1 and 2 left with their last copy
+        assert cache.match(tokens).tiers.tolist() == [Tier.DEVICE | Tier.HOST | Tier.DISK, Tier.HOST]
+        cache.check_invariants()
+        cache.evict_host(1)  # page 1, its node's last page now, is the older copy that goes alone
+        assert cache.match(tokens).num_hit_blocks == 1  # page 1 left with its last copy
         cache.check_invariants()

@@ -102,7 +102,10 @@ def test_empty_trace_has_zero_rates():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: replay_trace(CYCLE, 0), r"device_blocks=0 must be >= 1"),
+        (lambda: replay_trace(CYCLE, 0), r"device_blocks=0 must be an int in \[1, 2147483646\] \(blocks\)"),
+        (lambda: replay_trace(CYCLE, 10**12), r"device_blocks=1000000000000 must be an int in \[1, 2147483646\]"),
+        (lambda: replay_trace(CYCLE, 2, host_blocks=-1), r"host_blocks=-1 must be an int in \[0, 2147483646\]"),
+        (lambda: replay_trace(CYCLE, 2, disk_blocks=4), r"disk_blocks=4 needs host_blocks > 0"),
         (lambda: replay_trace(CYCLE, 2, check_every=-1), r"check_every=-1 must be >= 0"),
         (lambda: offline_replay(CYCLE, 0), r"num_blocks=0 must be >= 1"),
         (lambda: replay_trace(CYCLE, 2, policy="nope"), r"unknown eviction policy 'nope'"),

@@ -5,7 +5,7 @@ Layout under the disk tier's directory:
     seg-000000000042/       orbax checkpoint {"payload": u8[num_blocks, block_nbytes]}, one
                             zarr3 chunk per block, uncompressed (KV does not compress)
     seg-000000000042.json   manifest: block shape, dtype and codec, each block's namespace,
-                            key and checksum; its presence is the segment's commit record
+                            key, parent key and checksum; its presence is the segment's commit record
 
 Commit protocol: orbax writes into a temporary directory and renames it when complete
 (`AtomicRenameTemporaryPath`, checked in orbax 0.12.8); then the manifest is written to a
@@ -68,6 +68,7 @@ class SegmentManifest:
     checksums: tuple[str, ...]  # block_checksum of (namespace, key, payload row)
     bytes_on_disk: int  # checkpoint files plus manifest
     codec: str = "raw"  # how a block's bytes encode pool KV (kvjax.tiers.block_codec); "raw" if absent
+    parents: tuple[bytes | None, ...] = ()  # each block's parent key (None: a first page); () if unknown
 
 
 def segment_name(seq: int) -> str:
@@ -147,7 +148,9 @@ def read_manifest(path: str) -> SegmentManifest:
             namespaces=tuple(bytes.fromhex(b["namespace"]) for b in blocks),
             keys=tuple(bytes.fromhex(b["key"]) for b in blocks),
             checksums=tuple(str(b["sha256_128"]) for b in blocks),
-            bytes_on_disk=int(raw["bytes_on_disk"]), codec=str(raw.get("codec", "raw")))
+            bytes_on_disk=int(raw["bytes_on_disk"]), codec=str(raw.get("codec", "raw")),
+            parents=tuple(None if b.get("parent") is None else bytes.fromhex(b["parent"]) for b in blocks)
+            if all("parent" in b for b in blocks) else ())  # fmt: skip
     except (OSError, KeyError, TypeError, ValueError) as err:  # JSONDecodeError is a ValueError
         raise ValueError(f"segment manifest {path} is unreadable: {err}") from err
     if os.path.basename(path) != manifest.name + ".json":
@@ -306,6 +309,8 @@ def _manifest_to_json(manifest: SegmentManifest, bytes_on_disk: int) -> bytes:
     blocks = [{"namespace": ns.hex(), "key": key.hex(), "sha256_128": checksum}
               for ns, key, checksum in zip(manifest.namespaces, manifest.keys,
                                            manifest.checksums)]
+    for block, parent in zip(blocks, manifest.parents):  # parents are optional (older segments lack them)
+        block["parent"] = None if parent is None else parent.hex()
     return json.dumps({
         "format": MANIFEST_FORMAT, "name": manifest.name,
         "block_shape": list(manifest.block_shape), "dtype": manifest.dtype,

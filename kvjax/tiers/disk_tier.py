@@ -17,6 +17,13 @@ blocks are discarded or it is evicted. `discard` is not persisted: after a reope
 segments still on disk are served again (a key always names the same content).
 
 One process per directory: reopening removes the files of uncommitted segments.
+
+``directory=None`` keeps the index and its segment accounting in memory and writes nothing
+(a trace replay): the same capacity, segments and eviction order, no bytes.
+
+Every block the tier comes to hold (a committed write, a segment found when opening) or
+stops holding (discard, eviction, a corrupt or unreadable block) is a block event on
+``events`` (thread-safe: writes run on a transfer worker).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache.block_events import EventLog
 from kvjax.tiers import disk_segments as seg
 
 __all__ = ["DiskRead", "DiskTier", "DiskTierStats"]
@@ -84,10 +92,11 @@ class _Segment:
 class DiskTier:
     """Blocks on disk in checksummed orbax segments, with whole-segment LRU eviction."""
 
-    def __init__(self, directory: str, block_shape: Sequence[int], dtype, capacity_bytes: int,
+    def __init__(self, directory: str | None, block_shape: Sequence[int], dtype, capacity_bytes: int,
                  *, segment_bytes: int = 64 << 20, use_ocdbt: bool = True,
-                 sync_data: bool = False, codec: str = "raw"):
-        """Opens (creating if needed) `directory` and indexes the segments already in it.
+                 sync_data: bool = False, codec: str = "raw", events: EventLog | None = None):
+        """Opens (creating if needed) `directory` and indexes the segments already in it
+        (None: in memory, no bytes; see the module docstring).
 
         Segments of another block shape, dtype or codec are skipped (left on disk, counted in
         `skipped_segments`): their bytes would not mean the same KV.
@@ -101,6 +110,7 @@ class DiskTier:
           wrong blocks).
         codec: name of the encoding of a block's bytes (`kvjax.tiers.block_codec`), recorded in
           every manifest; "raw" for blocks stored as the pool holds them.
+        events: where block events go (a private log by default).
         """
         self.block_shape = tuple(int(d) for d in block_shape)
         if not self.block_shape or min(self.block_shape) <= 0:
@@ -112,11 +122,12 @@ class DiskTier:
             raise ValueError(f"{codec=} must be a non-empty codec name")
         self.codec = codec
         self.block_nbytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
-        self.directory = os.path.abspath(directory)
+        self.directory = None if directory is None else os.path.abspath(directory)
+        self.events = events if events is not None else EventLog()
         self.capacity_bytes = int(capacity_bytes)
         self.blocks_per_segment = max(1, segment_bytes // self.block_nbytes)
         self.use_ocdbt = use_ocdbt
-        self._checkpointer = seg.make_checkpointer(use_ocdbt, sync_data)
+        self._checkpointer = None if directory is None else seg.make_checkpointer(use_ocdbt, sync_data)
         self._lock = threading.RLock()  # index state
         self._write_lock = threading.Lock()  # one segment write at a time
         self._segments: collections.OrderedDict[str, _Segment] = collections.OrderedDict()
@@ -124,8 +135,9 @@ class DiskTier:
         self._locks: dict[tuple[bytes, bytes], list[str]] = {}  # segments pinned per lock
         self._stats = DiskTierStats(self.capacity_bytes, 0, 0, 0)
         self._next_seq = 0
-        os.makedirs(self.directory, exist_ok=True)
-        self._open_directory()
+        if self.directory is not None:
+            os.makedirs(self.directory, exist_ok=True)
+            self._open_directory()
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -149,14 +161,18 @@ class DiskTier:
 
     # ---- data path -----------------------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], blocks, namespaces: bytes | Sequence[bytes]
-            ) -> list[bytes]:
+    def put(self, keys: Sequence[bytes], blocks, namespaces: bytes | Sequence[bytes],
+            parents: Sequence[bytes | None] | None = None) -> list[bytes]:
         """Writes blocks `[n, *block_shape]` in committed segments; returns the keys stored.
 
-        namespaces: one namespace digest for all blocks, or one per block. Blocks already on
-        disk are skipped; blocks whose segment does not fit or fails to write are dropped.
+        namespaces: one namespace digest for all blocks, or one per block; parents: each
+        block's parent key, kept in the manifest (None: unknown). Blocks already on disk are
+        skipped; blocks whose segment does not fit or fails to write are dropped.
         """
         keys, namespaces = _check_keys(keys, namespaces)
+        parents = [None] * len(keys) if parents is None else list(parents)
+        if len(parents) != len(keys):
+            raise ValueError(f"{len(parents)=} must equal {len(keys)=}")
         blocks = np.asarray(blocks)
         expected = (len(keys), *self.block_shape)
         if blocks.shape != expected or blocks.dtype != self.dtype:
@@ -171,7 +187,8 @@ class DiskTier:
             chunk = rows[start:start + self.blocks_per_segment]
             contiguous = chunk[-1] - chunk[0] == len(chunk) - 1  # then a view, not a copy
             segment = payload[chunk[0]:chunk[-1] + 1] if contiguous else payload[chunk]
-            if self._write(segment, [namespaces[r] for r in chunk], [keys[r] for r in chunk]):
+            if self._write(segment, [namespaces[r] for r in chunk], [keys[r] for r in chunk],
+                           [parents[r] for r in chunk]):  # fmt: skip
                 stored.extend(keys[r] for r in chunk)
             else:
                 with self._lock:
@@ -213,7 +230,7 @@ class DiskTier:
         with self._lock:
             dropped = 0
             for key in keys:
-                ref = self._blocks.pop((namespace, key), None)
+                ref = self._unindex(namespace, key)
                 if ref is not None:
                     dropped += 1
                     self._segments[ref[0]].live_rows.discard(ref[1])
@@ -260,7 +277,8 @@ class DiskTier:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _write(self, payload: np.ndarray, namespaces: list[bytes], keys: list[bytes]) -> bool:
+    def _write(self, payload: np.ndarray, namespaces: list[bytes], keys: list[bytes],
+               parents: list[bytes | None]) -> bool:  # fmt: skip
         estimate = payload.nbytes
         with self._lock:
             if not self._evict_until_free(estimate):
@@ -271,11 +289,13 @@ class DiskTier:
             name=name, block_shape=self.block_shape, dtype=self.dtype.name,
             block_nbytes=self.block_nbytes, use_ocdbt=self.use_ocdbt,
             namespaces=tuple(namespaces), keys=tuple(keys), checksums=(), bytes_on_disk=0,
-            codec=self.codec)
+            codec=self.codec, parents=tuple(parents))
         try:
-            with self._write_lock:
-                manifest = seg.write_segment(self._checkpointer, self.directory, manifest,
-                                             payload)
+            if self.directory is None:  # in memory: the payload's bytes, nothing written
+                manifest = dataclasses.replace(manifest, bytes_on_disk=payload.nbytes)
+            else:
+                with self._write_lock:
+                    manifest = seg.write_segment(self._checkpointer, self.directory, manifest, payload)
         except Exception as err:  # noqa: BLE001 - any write failure drops the batch
             enospc = _errno_in_chain(err) == errno.ENOSPC
             with self._lock:
@@ -302,6 +322,8 @@ class DiskTier:
         manifest = self._segments[name].manifest
         keys = [key for key, _ in wanted]
         rows = [row for _, row in wanted]
+        if self.directory is None:  # in memory: hits of zeros
+            return [True] * len(wanted)
         try:
             verified = seg.read_verified(self._checkpointer, self.directory, manifest,
                                          namespace, keys, rows, out, out_index)
@@ -319,7 +341,7 @@ class DiskTier:
             with self._lock:
                 self._stats.corrupt_blocks += 1
                 if self._blocks.get((namespace, key)) == (name, row):
-                    del self._blocks[(namespace, key)]
+                    self._unindex(namespace, key)
                     self._segments[name].live_rows.discard(row)
         return verified
 
@@ -354,14 +376,25 @@ class DiskTier:
 
     def _add_segment(self, manifest: seg.SegmentManifest) -> None:
         live = set()
-        for row, (ns, key) in enumerate(zip(manifest.namespaces, manifest.keys)):
-            old = self._blocks.get((ns, key))
-            if old is not None:  # a newer copy replaces the older one
-                self._segments[old[0]].live_rows.discard(old[1])
-                self._drop_if_unused(old[0])
-            self._blocks[(ns, key)] = (manifest.name, row)
-            live.add(row)
+        parents = manifest.parents or (None,) * len(manifest.keys)
         self._segments[manifest.name] = _Segment(manifest, live)
+        for row, (ns, key, parent) in enumerate(zip(manifest.namespaces, manifest.keys, parents)):
+            old = self._blocks.get((ns, key))
+            if old is not None:  # a newer copy replaces the older one: still held, no event
+                self._segments[old[0]].live_rows.discard(old[1])
+                self._blocks[(ns, key)] = (manifest.name, row)
+                self._drop_if_unused(old[0])
+            else:
+                self._blocks[(ns, key)] = (manifest.name, row)
+                self.events.record(ns, key, parent, "disk", "stored")
+            live.add(row)
+
+    def _unindex(self, namespace: bytes, key: bytes) -> tuple[str, int] | None:
+        """Forget a block (the caller fixes its segment's live rows); None if it was not held."""
+        ref = self._blocks.pop((namespace, key), None)
+        if ref is not None:
+            self.events.record(namespace, key, None, "disk", "removed")
+        return ref
 
     def _evict_until_free(self, nbytes: int) -> bool:
         """Evicts unpinned segments, least recently used first, until `nbytes` more fit."""
@@ -390,14 +423,15 @@ class DiskTier:
     def _forget_segment(self, name: str) -> None:
         segment = self._segments[name]
         for row in segment.live_rows:
-            self._blocks.pop((segment.manifest.namespaces[row], segment.manifest.keys[row]))
+            self._unindex(segment.manifest.namespaces[row], segment.manifest.keys[row])
         segment.live_rows.clear()  # files go when the last pin is released
 
     def _drop_segment(self, name: str) -> None:
         segment = self._segments.pop(name)
         for row in segment.live_rows:
-            self._blocks.pop((segment.manifest.namespaces[row], segment.manifest.keys[row]))
-        seg.remove_segment(self.directory, name)
+            self._unindex(segment.manifest.namespaces[row], segment.manifest.keys[row])
+        if self.directory is not None:
+            seg.remove_segment(self.directory, name)
 
 
 def _check_keys(keys: Sequence[bytes], namespaces) -> tuple[list[bytes], list[bytes]]:

@@ -22,7 +22,7 @@ import numpy as np
 from kvjax.cache.records import SeqHandle
 from kvjax.tiers.transfer import Priority
 
-__all__ = ["FetchJob", "Waiter", "pow2_runs", "resolved_future"]
+__all__ = ["FetchJob", "Waiter", "resolved_future"]
 
 
 class FetchJob:
@@ -39,9 +39,9 @@ class FetchJob:
         self.priority = priority
         self.to_device = to_device  # False: a prefetch that only restores disk -> host
         self.prereqs = 0  # copies (offloads, the restore) still to finish before the fetch
-        self.pending = 0  # host -> device fetches in flight (one per power-of-two run)
+        self.pending = 0  # host -> device fetches in flight (one per batch of at most the largest bucket)
         self.valid: int | None = None  # leading pages on device; None while running
-        self.chunks: dict = {}  # first row -> [run, *block_shape] device array, None if failed
+        self.chunks: dict = {}  # first row -> (blocks, decoded [bucket rows, ...] or None: no bytes); None: failed
         self.consumers: list[tuple[Waiter, int, int, int]] = []  # (waiter, page, row, count)
         self.held: list[bytes] = []  # host keys this job holds against eviction
         self.started = started  # time.monotonic() seconds, for the fetch latency metric
@@ -77,20 +77,6 @@ class Waiter:
             if got < count:
                 break
         return total
-
-
-def pow2_runs(count: int) -> list[tuple[int, int]]:
-    """(start, size) runs covering ``range(count)`` with power-of-two sizes, largest first.
-
-    Every transfer and scatter is compiled per number of blocks; runs of powers of two bound
-    the distinct shapes by log2 of the largest transfer instead of one per size.
-    """
-    runs, start = [], 0
-    for bit in reversed(range(count.bit_length())):
-        if count >> bit & 1:
-            runs.append((start, 1 << bit))
-            start += 1 << bit
-    return runs
 
 
 def resolved_future() -> concurrent.futures.Future:

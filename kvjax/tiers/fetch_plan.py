@@ -70,13 +70,14 @@ class AdmissionReport:
     anyway (the cost model chose it, or their fetch failed); ``refused_lossy_pages``: pages
     right after the hits that were cached only lossily and refused (``accept_lossy=False``);
     ``lossy_pages`` bool ``[hit pages]``: which hit pages hold KV that went through a lossy
-    offload codec.
+    offload codec; ``sources`` uint8 ``[hit pages]``: the Tier each hit page came from.
     """
 
     hit_tokens: dict[str, int]
     recomputed_pages: int
     refused_lossy_pages: int
     lossy_pages: np.ndarray
+    sources: np.ndarray
 
     @property
     def num_hit_tokens(self) -> int:
@@ -114,7 +115,10 @@ class HitSources:
         if device_lossy is not None:
             lossy[:first] = device_lossy
         lossy[first:] = self.lossy_codec
-        return AdmissionReport(hit_tokens, num_lower - (num_hit - device), refused, lossy)
+        sources = np.full(num_hit, _HOST, np.uint8)
+        sources[:device] = Tier.DEVICE
+        sources[device:][np.asarray(from_disk[: num_hit - device], bool)] = Tier.DISK
+        return AdmissionReport(hit_tokens, num_lower - (num_hit - device), refused, lossy, sources)
 
 
 def _cut_at_lossy(matched: list[tuple[Node, int]]) -> tuple[list[tuple[Node, int]], int]:

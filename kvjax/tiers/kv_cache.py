@@ -70,7 +70,7 @@ from kvjax.tiers.block_codec import make_codec
 from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.fetch_jobs import Waiter
 from kvjax.tiers.fetch_plan import AdmissionReport, FetchPlan, HitSources, plan_fetch
-from kvjax.tiers.host_tier import HostTier
+from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.kv_cache_config import KVCacheConfig
 from kvjax.tiers.mover import TierMover, TierReport
 from kvjax.tiers.page_pool import PagePool
@@ -99,19 +99,23 @@ class KVCache:
 
     ``impl`` picks the pool's kernels (see ``pallas_kernels.backend``); ``clock`` (seconds)
     drives eviction heat. ``disk_tier`` / ``transfer_factory`` replace the tiers' defaults
-    (tests inject fakes); the factory is called like ``TransferEngine(host_tier, disk_tier,
-    gather_blocks=...)``, with a gather that returns encoded blocks (see ``codec``), and a
-    given disk tier must store the codec's blocks.
+    (tests inject fakes); the factory is called like ``TransferEngine(host_pool, disk_tier,
+    gather_blocks=..., buckets=..., synchronous=...)``, with a gather that returns encoded
+    blocks (see ``codec``), and a given disk tier must store the codec's blocks.
+    ``move_bytes=False`` keeps every piece of bookkeeping and no bytes: no pool array, no
+    host array, transfers done at submit (a trace replay; give it an in-memory disk tier).
     """
 
     def __init__(self, config: KVCacheConfig, *, impl: str | None = None,
                  clock: Callable[[], float] = time.monotonic, disk_tier: DiskTier | None = None,
-                 transfer_factory: Callable[..., TransferEngine] | None = None):  # fmt: skip
+                 transfer_factory: Callable[..., TransferEngine] | None = None,
+                 move_bytes: bool = True):  # fmt: skip
         pool = config.pool
         self.config = config
         self.codec = make_codec(pool, config.offload_quant, config.offload_scale)
         self.events = EventLog()
-        self.pool = PagePool(pool, impl=impl)
+        self.move_bytes = move_bytes
+        self.pool = PagePool(pool, impl=impl, allocate=move_bytes)
         self.index = DeviceIndex(pool.num_blocks, pool.page_size, policy=config.policy,
                                  vocab_size=config.vocab_size, clock=clock,
                                  high_watermark=config.high_watermark, low_watermark=config.low_watermark,
@@ -119,12 +123,13 @@ class KVCache:
                                  events=self.events)  # fmt: skip
         self.trie = self.index.trie
         self.trie.lossy_offload = self.codec.lossy
-        self.host_tier: HostTier | None = None
+        self.host_pool: HostPool | None = None
         self.disk_tier: DiskTier | None = disk_tier
         self.transfer: TransferEngine | None = None
         if config.tiered:
             self._open_lower_tiers(impl, transfer_factory)
-        self.tiers = TierIndex(self.trie, self.host_tier, self.disk_tier, self.events)
+        self.tiers = TierIndex(self.trie, 0 if self.host_pool is None else self.host_pool.num_slots,
+                               self.disk_tier, self.events)  # fmt: skip
         self._mover = TierMover(self.trie, self.pool, self.tiers, self.transfer, config.high_watermark,
                                 config.low_watermark, self.codec)  # fmt: skip
         self._version = 0  # bumped by everything that may change what a lookup finds
@@ -235,7 +240,9 @@ class KVCache:
         admission = self.index.begin_admission(ns, buf, plan.matched, now)
         handle, fetched, from_disk = None, 0, plan.on_disk[:0]
         if admission is not None:
-            self._make_device_room(admission.short)
+            # Host slots the disk pages of this admission will be restored into come first:
+            # write-back copies of the blocks it evicts take what is left.
+            self._make_device_room(admission.short, host_reserve=int(plan.on_disk[: plan.num_fetch].sum()))
             handle = self.index.complete_admission(admission)
             if pages:
                 waiter = Waiter(handle, first, plan.on_disk[: plan.num_fetch], prefetch=False)
@@ -284,6 +291,7 @@ class KVCache:
         call."""
         self._apply_transfers()
         self._mover.spill_host()
+        self._apply_transfers()  # what finished meanwhile (at once, for a synchronous engine)
         self.events.flush()
         report, self._mover.report = self._mover.report, TierReport()
         return report
@@ -466,14 +474,19 @@ class KVCache:
 
     def _open_lower_tiers(self, impl: str | None, transfer_factory) -> None:
         config, codec = self.config, self.codec
-        self.host_tier = HostTier(codec.block_shape, codec.dtype, config.host_bytes)
+        self.host_pool = HostPool(codec.block_shape, codec.dtype, config.host_bytes // codec.block_nbytes,
+                                  store_bytes=self.move_bytes)  # fmt: skip
         if self.disk_tier is None and config.disk_dir is not None:
             self.disk_tier = DiskTier(config.disk_dir, codec.block_shape, codec.dtype, config.disk_bytes,
-                                      segment_bytes=config.disk_segment_bytes, codec=codec.name)  # fmt: skip
+                                      segment_bytes=config.disk_segment_bytes, codec=codec.name,
+                                      events=self.events)  # fmt: skip
         elif self.disk_tier is not None:
             codec.check_stored_by(self.disk_tier, "disk_tier")
+            self.disk_tier.events = self.events
         gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
-        self.transfer = (transfer_factory or TransferEngine)(self.host_tier, self.disk_tier, gather_blocks=gather)
+        self.transfer = (transfer_factory or TransferEngine)(
+            self.host_pool, self.disk_tier, gather_blocks=gather, buckets=config.transfer_buckets,
+            synchronous=not self.move_bytes)  # fmt: skip
 
     def _fresh_lookup(self, tokens: TokensLike | Lookup, namespace: NamespaceLike) -> Lookup:
         if not isinstance(tokens, Lookup):
@@ -500,13 +513,14 @@ class KVCache:
                           block_nbytes=self.codec.block_nbytes, lossy_codec=self.codec.lossy,
                           accept_lossy=accept)  # fmt: skip
 
-    def _make_device_room(self, num_blocks: int) -> np.ndarray:
+    def _make_device_room(self, num_blocks: int, host_reserve: int = 0) -> np.ndarray:
         """Evict ``num_blocks`` device blocks by policy; with write-back, leaving pages without
-        a lower copy keep one (as host room allows), copied before their blocks are reused."""
+        a lower copy keep one (as host room beyond ``host_reserve`` slots allows), copied
+        before their blocks are reused."""
         if num_blocks <= 0:
             return np.zeros(0, np.intp)
         write_back = self.config.write_policy == "write_back" and self.config.tiered
-        budget = self.tiers.host_room(num_blocks) if write_back else 0
+        budget = max(0, self.tiers.host_room(num_blocks + host_reserve) - host_reserve) if write_back else 0
         eviction = self.index.reclaim(num_blocks, keep_without_copy=budget)
         if eviction.kept:
             self._mover.write_back(eviction.kept, exclude=eviction.offloaded_keys)

@@ -41,6 +41,10 @@ class KVCacheConfig:
     went through it are marked lossy in the trie; ``accept_lossy=False`` makes admissions
     stop their match before the first lossy page (recomputing it) unless ``admit`` says
     otherwise. A quantized pool's blocks always travel bit-exact (``kvjax.tiers.block_codec``).
+
+    ``transfer_buckets``: batch sizes (blocks) every move between device and host is padded
+    to, so its device-side gather/scatter compiles once per bucket (``KVCache.warmup``);
+    larger moves go in batches of the largest.
     """
 
     pool: PoolConfig
@@ -58,6 +62,7 @@ class KVCacheConfig:
     offload_quant: str | None = None
     offload_scale: str = "token"
     accept_lossy: bool = True
+    transfer_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
     def __post_init__(self):
         if not isinstance(self.pool, PoolConfig):
@@ -87,6 +92,11 @@ class KVCacheConfig:
                              f"and needs a host tier; got host_bytes={self.host_bytes}")  # fmt: skip
         if not isinstance(self.accept_lossy, bool):
             raise ValueError(f"accept_lossy={self.accept_lossy!r} must be a bool")
+        buckets = tuple(self.transfer_buckets) if isinstance(self.transfer_buckets, (list, tuple)) else None
+        if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets) \
+                or list(buckets) != sorted(set(buckets)):  # fmt: skip
+            raise ValueError(f"transfer_buckets={self.transfer_buckets!r} must be ascending ints >= 1 (blocks)")
+        object.__setattr__(self, "transfer_buckets", buckets)
 
     @classmethod
     def from_dict(cls, values: Mapping) -> KVCacheConfig:

@@ -35,10 +35,11 @@ import numpy as np
 
 from kvjax.cache.trie_node import Node, Tier
 from kvjax.tiers.block_codec import BlockCodec
-from kvjax.tiers.fetch_jobs import FetchJob, Waiter, pow2_runs, resolved_future
+from kvjax.tiers.fetch_jobs import FetchJob, Waiter, resolved_future
 from kvjax.tiers.page_pool import PagePool
 from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferResult
+from pallas_kernels.kv_format import QuantizedPages
 
 __all__ = ["TierMover", "TierReport"]
 
@@ -177,14 +178,20 @@ class TierMover:
             self._copy_down(keys, np.asarray(blocks), namespace)
 
     def _copy_down(self, keys: list[bytes], blocks: np.ndarray, namespace: bytes) -> None:
-        """Gather ``blocks`` from the pool now and copy them to host under ``keys``."""
-        for start, size in pow2_runs(len(keys)):
+        """Gather ``blocks`` from the pool now and copy them into the host slots of ``keys``."""
+        for start, size in self._batches(len(keys)):
             run_keys = keys[start : start + size]
-            future = self.transfer.offload(self.pool.kv_pages, blocks[start : start + size], run_keys,
-                                           namespace=namespace, priority=Priority.SPILL)  # fmt: skip
+            slots = [self.index.slot_of(key) for key in run_keys]
+            future = self.transfer.offload(self.pool.kv_pages, blocks[start : start + size], slots,
+                                           priority=Priority.SPILL)  # fmt: skip
             for key in run_keys:
                 self.copies[key] = future
             self._on_done(future, lambda result, run_keys=run_keys: self._copied_down(run_keys, result))
+
+    def _batches(self, count: int) -> list[tuple[int, int]]:
+        """(start, size) batches of at most the largest transfer bucket, covering ``count``."""
+        step = self.transfer.buckets[-1] if self.transfer.buckets else max(count, 1)
+        return [(start, min(step, count - start)) for start in range(0, count, step)]
 
     def spill_host(self, everything: bool = False) -> None:
         """Copy host pages without a disk copy to disk, LRU first: above the high watermark,
@@ -203,7 +210,11 @@ class TierMover:
         if not keys:
             return
         index.hold_host(keys)
-        future = self.transfer.spill(keys, priority=Priority.SPILL)
+        trie = self.trie
+        parents = [trie.parent_key(*trie.locate(key)) for key in keys]
+        future = self.transfer.spill(keys, [index.host_entries[key].namespace for key in keys],
+                                     [index.slot_of(key) for key in keys], parents,
+                                     priority=Priority.SPILL)  # fmt: skip
         self.spills[id(keys)] = keys
         self._on_done(future, lambda result: self._spilled(keys, result))
 
@@ -299,7 +310,8 @@ class TierMover:
     def _restore(self, job: FetchJob, keys: list[bytes], pages: list[tuple[Node, int]]) -> None:
         for key, (node, index) in zip(keys, pages):
             self.index.add_host(key, job.namespace, node, index, ready=False)
-        future = self.transfer.restore(keys, namespace=job.namespace, priority=job.priority)
+        slots = [self.index.slot_of(key) for key in keys]
+        future = self.transfer.restore(keys, job.namespace, slots, priority=job.priority)
         for key in keys:
             self.copies[key] = future
         self._on_done(future, lambda result: self._restored(keys, job.namespace, result))
@@ -324,13 +336,15 @@ class TierMover:
         if not job.to_device or valid == 0:  # at the next poll: never inside the job's creator
             self._on_done(resolved_future(), lambda _: self._finish(job, 0 if job.to_device else valid))
             return
-        for start, size in pow2_runs(valid):
-            future = self.transfer.fetch(job.keys[start : start + size], priority=job.priority)
+        for start, size in self._batches(valid):
+            slots = [self.index.slot_of(key) for key in job.keys[start : start + size]]
+            future = self.transfer.fetch(slots, priority=job.priority)
             job.pending += 1
             self._on_done(future, lambda result, start=start: self._fetched(job, start, result))
 
     def _fetched(self, job: FetchJob, start: int, result: TransferResult) -> None:
-        job.chunks[start] = self.codec.decode(result.blocks) if result.ok else None
+        blocks = None if result.blocks is None else self.codec.decode(result.blocks)  # [rows, ...] padded
+        job.chunks[start] = (result.num_blocks, blocks) if result.ok else None
         job.pending -= 1
         if job.pending:
             return
@@ -339,7 +353,7 @@ class TierMover:
         for start in sorted(job.chunks):  # leading chunks that arrived
             if job.chunks[start] is None:
                 break
-            valid += job.chunks[start].shape[0]
+            valid += job.chunks[start][0]
         self._finish(job, valid)
 
     def _finish(self, job: FetchJob, valid: int) -> None:
@@ -361,18 +375,21 @@ class TierMover:
                 self._finalize(waiter)
 
     def _scatter(self, job: FetchJob) -> None:
-        """Each arrived chunk into the blocks of every live consumer of its rows."""
-        for start, blocks in job.chunks.items():
-            if blocks is None or start >= job.valid:
+        """Each arrived chunk into the blocks of every live consumer of its rows: one scatter
+        of the whole padded chunk per consumer, the rows it does not take aimed at no block
+        (id -1), so every scatter has its bucket's shape."""
+        for start, chunk in job.chunks.items():
+            if chunk is None or chunk[1] is None or start >= job.valid:
                 continue
-            end = start + blocks.shape[0]
+            blocks, end = chunk[1], start + chunk[0]
             for waiter, offset, row, count in job.consumers:
                 low, high = max(row, start), min(row + count, end)
                 if low >= high or not waiter.handle.alive:
                     continue
                 first = waiter.first + offset + low - row
-                part = blocks if (low, high) == (start, end) else blocks[low - start : high - start]
-                self.pool.scatter(waiter.handle.block_ids[first : first + high - low], part)
+                ids = np.full(_rows(blocks), -1, np.int32)
+                ids[low - start : high - start] = waiter.handle.block_ids[first : first + high - low]
+                self.pool.scatter(ids, blocks)
 
     def _finalize(self, waiter: Waiter) -> None:
         del self.waiters[waiter.handle.seq_id]
@@ -386,16 +403,17 @@ class TierMover:
         for key in keys:
             if self.copies.get(key) is not None:
                 del self.copies[key]
-            self.index.host_done(key)
-            done += self.index.host.contains(key)
+            self.index.host_done(key, result.ok)
+            done += result.ok
         self.counts["offloaded"] += done
         if done:
             self.report.add_spill("device_to_host", done, done * self.block_nbytes)
 
     def _restored(self, keys: list[bytes], namespace: bytes, result: TransferResult) -> None:
+        restored = set(result.done_keys)
         for key in keys:
             self.copies.pop(key, None)
-            self.index.host_done(key)
+            self.index.host_done(key, key in restored)
             if not self.index.disk.contains(key, namespace):  # corrupt or unreadable: gone
                 self.index.forget_disk(key, namespace)
         self._count_disk_errors()
@@ -426,3 +444,8 @@ class TierMover:
 
     def _on_done(self, future: concurrent.futures.Future, callback: Callable) -> None:
         self._callbacks.append((future, callback))
+
+
+def _rows(blocks) -> int:
+    """Rows of a decoded batch (an array, or QuantizedPages of data and scales)."""
+    return (blocks.data if isinstance(blocks, QuantizedPages) else blocks).shape[0]

@@ -129,15 +129,16 @@ class PagePool:
     ``impl`` / ``interpret`` pick the kernels (see :mod:`pallas_kernels.backend`). Inputs
     given as host arrays or lists are value-checked (slots and block ids inside the pool,
     distinct) before anything runs; device arrays are trusted, since checking them would
-    wait for the device.
+    wait for the device. ``allocate=False``: no array at all (``kv_pages`` is None; a trace
+    replay counts blocks and moves no bytes).
     """
 
     def __init__(self, config: PoolConfig, *, sharding: jax.sharding.Sharding | None = None,
-                 impl: str | None = None, interpret: bool | None = None):
+                 impl: str | None = None, interpret: bool | None = None, allocate: bool = True):
         self.config = config
         self._kernel_options = dict(impl=impl, interpret=interpret)
         zeros = lambda: empty_pool(config.shape, config.kv_format, config.dtype)
-        self._kv_pages = jax.jit(zeros, out_shardings=sharding)()
+        self._kv_pages = jax.jit(zeros, out_shardings=sharding)() if allocate else None
 
     @property
     def kv_pages(self) -> "jax.Array | QuantizedPages":
@@ -167,6 +168,8 @@ class PagePool:
 
     def check_invariants(self) -> None:
         """The pool holds live arrays of the configured shape, dtype and format."""
+        if self._kv_pages is None:
+            return
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self._kv_pages)):
             raise RuntimeError(
                 "the pool's array was donated to a step whose result was never handed back; "

@@ -1,23 +1,24 @@
 """Which trie pages have a host or disk copy, kept in step with what the tiers hold.
 
 The prefix trie records a page's copies as Tier bits and finds a page with a copy by its
-stable key (``PrefixTrie.locate``); the tiers hold blocks by key. ``TierIndex`` owns the
-host side of that link, one entry per host key, and the set of disk blocks the trie
-indexes. It is the one owner of each host block's LRU order and of its holds: the host tier
-below it never evicts on its own and the transfer engine never pins.
+stable key (``PrefixTrie.locate``); the host pool holds blocks in slots, the disk tier by
+key. ``TierIndex`` owns the host side of that link, one entry per host key with its slot,
+and the set of disk blocks the trie indexes. It is the one owner of each host block's slot,
+LRU order and holds: the host pool is bytes only and the transfer engine never pins.
 
 Rules it keeps:
 
 * a page has the HOST bit exactly when the index has a live host entry for its key; the
-  entry is *pending* while the copy is being made (an offload or a restore in flight) and
-  *ready* once the host tier holds it;
+  entry owns one host slot from the moment it is made; it is *pending* while the copy is
+  being made (an offload or a restore in flight) and *ready* once the bytes are in the slot;
 * a page has the DISK bit exactly when ``disk_entries`` holds its (namespace, key) and the
   disk tier holds the block (the disk tier may drop segments on its own when it writes;
   ``reconcile_disk`` clears the bits of what it dropped);
 * ``undisked`` lists, LRU first, the host entries whose page has no disk copy: what a
   spill to disk writes;
-* every host put is preceded by ``make_host_room``, which evicts unheld, ready host entries
-  in LRU order (clearing their HOST bits, so a page left without copies leaves the trie);
+* every new entry is preceded by ``make_host_room``, which evicts unheld, ready host entries
+  in LRU order (freeing their slots and clearing their HOST bits, so a page left without
+  copies leaves the trie);
 * a page that leaves the trie (``forget_dropped``, fed the trie's ``DroppedNode`` records)
   drops its host copy (at the end of the transfer using it, if one does) and keeps its disk
   copy unindexed: a later lookup finds it again by key (``probe_disk``), as it finds what a
@@ -39,7 +40,6 @@ from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cache.prefix_trie import DroppedNode, PrefixTrie
 from kvjax.cache.trie_node import Node, Tier
 from kvjax.tiers.disk_tier import DiskTier
-from kvjax.tiers.host_tier import HostTier
 
 __all__ = ["HostEntry", "TierIndex"]
 
@@ -49,25 +49,27 @@ _HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
 class HostEntry:
     """One host block the index knows about (see the module docstring)."""
 
-    __slots__ = ("namespace", "ready", "busy", "dropped")
+    __slots__ = ("namespace", "slot", "ready", "busy", "dropped")
 
-    def __init__(self, namespace: bytes, ready: bool):
+    def __init__(self, namespace: bytes, slot: int, ready: bool):
         self.namespace = namespace  # namespace digest
-        self.ready = ready  # the host tier holds the block (not only a copy in flight)
+        self.slot = slot  # where the host pool keeps the block's bytes
+        self.ready = ready  # the slot holds the block (not only a copy in flight)
         self.busy = 0  # transfers reading it (fetch, spill): never evicted meanwhile
         self.dropped = False  # its page left the trie; discard once no transfer reads it
 
 
 class TierIndex:
-    """Host and disk bookkeeping of one trie; see the module docstring. ``host`` None: no
-    host tier (capacity 0); ``disk`` None: no disk tier."""
+    """Host and disk bookkeeping of one trie; see the module docstring. ``host_slots``: the
+    host pool's slots (0: no host tier); ``disk`` None: no disk tier."""
 
-    def __init__(self, trie: PrefixTrie, host: HostTier | None, disk: DiskTier | None, events: EventLog):
+    def __init__(self, trie: PrefixTrie, host_slots: int, disk: DiskTier | None, events: EventLog):
         self.trie = trie
-        self.host = host
         self.disk = disk
         self.events = events
-        self.host_capacity = 0 if host is None else host.capacity_bytes // host.block_nbytes  # blocks
+        self.host_capacity = host_slots  # blocks
+        self._free_slots: list[int] = []  # freed slots, reused last-freed first
+        self._fresh_slots = 0  # slots >= this were never handed out (free too)
         self.host_entries: collections.OrderedDict[bytes, HostEntry] = collections.OrderedDict()
         self.disk_entries: set[tuple[bytes, bytes]] = set()  # (namespace, key) the trie indexes
         # live host entries whose page has no disk copy, LRU first: what a spill writes
@@ -96,23 +98,56 @@ class TierIndex:
         return free + sum(itertools.islice(evictable, limit - free))
 
     def make_host_room(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> int:
-        """Evict ready, unheld host blocks (LRU first, none in ``exclude``) until
-        ``num_blocks`` more fit; return how many fit (<= num_blocks)."""
+        """Evict ready, unheld host blocks (none in ``exclude``) until ``num_blocks`` more fit;
+        return how many fit (<= num_blocks).
+
+        Victims in LRU order, but leaves first: dropping the host copy of an off-device page
+        without a disk copy drops the page from the trie, and with it every page after it
+        (later pages of its node, its subtree), since a page is found only through its prefix.
+        So pages whose copy goes alone (on device, on disk, or a last page with nothing below)
+        go first, LRU among them; the others only when those run out.
+        """
         short = num_blocks - (self.host_capacity - self.host_used)
         if short > 0:
             exclude = set(exclude)
-            victims = list(itertools.islice(
-                (key for key, e in self.host_entries.items()
-                 if e.ready and not e.busy and key not in exclude), short))  # fmt: skip
-            for key in victims:
-                if key in self.host_entries and num_blocks > self.host_capacity - self.host_used:
+            candidates = [key for key, e in self.host_entries.items() if e.ready and not e.busy and key not in exclude]
+            alone = [key for key in candidates if self._evicts_alone(key)]
+            if len(alone) < short:
+                alone_set = set(alone)
+                alone += [key for key in candidates if key not in alone_set]
+            for key in alone:
+                if num_blocks <= self.host_capacity - self.host_used:
+                    break
+                if key in self.host_entries:  # an earlier eviction may have dropped it
                     self.evict_host(key)
         return max(0, min(num_blocks, self.host_capacity - self.host_used))
+
+    def _take_slot(self, key: bytes) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        if self._fresh_slots == self.host_capacity:
+            raise RuntimeError(f"no free host slot for {key.hex()[:8]}: make_host_room must come first")
+        self._fresh_slots += 1
+        return self._fresh_slots - 1
+
+    def _evicts_alone(self, key: bytes) -> bool:
+        """Whether dropping ``key``'s host copy leaves every other page indexed."""
+        located = self.trie.locate(key)
+        if located is None:
+            return True
+        node, index = located
+        if node.on_device or int(node.tiers[index]) & _DISK:
+            return True  # the page stays indexed by its other copy
+        return index == node.num_pages - 1 and not node.children
+
+    def slot_of(self, key: bytes) -> int:
+        """The host slot of ``key``'s entry."""
+        return self.host_entries[key].slot
 
     def evict_host(self, key: bytes) -> None:
         """Drop the host copy of ``key`` (ready and unheld); its page loses the HOST bit."""
         entry = self.host_entries.pop(key)
-        self.host.discard([key])
+        self._free_slots.append(entry.slot)
         self.undisked.pop(key, None)
         if entry.dropped:
             return
@@ -125,12 +160,13 @@ class TierIndex:
             self.forget_dropped(self.trie.clear_tier(node, index, Tier.HOST))
 
     def add_host(self, key: bytes, namespace: bytes, node: Node, index: int, *, ready: bool) -> None:
-        """Record a host copy of page ``index`` of ``node`` (pending until ``host_done``)."""
+        """Record a host copy of page ``index`` of ``node`` (pending until ``host_done``); a
+        new entry takes a free slot (``make_host_room`` first)."""
         entry = self.host_entries.get(key)
         if entry is not None and entry.dropped:  # same key, same content: adopt the old copy
             entry.dropped = False
         elif entry is None:
-            self.host_entries[key] = entry = HostEntry(namespace, ready)
+            self.host_entries[key] = entry = HostEntry(namespace, self._take_slot(key), ready)
         else:
             return  # live already
         self.trie.set_tier(node, index, Tier.HOST)
@@ -139,16 +175,17 @@ class TierIndex:
         if self.events.active:
             self.events.record(namespace, key, self.trie.parent_key(node, index), "host", "stored")
 
-    def host_done(self, key: bytes) -> None:
-        """A pending copy of ``key`` finished: ready if the host tier holds it, else forgotten."""
+    def host_done(self, key: bytes, ok: bool) -> None:
+        """A pending copy of ``key`` finished: ready if it succeeded (``ok``), else forgotten."""
         entry = self.host_entries.get(key)
         if entry is None or entry.ready:
             return
-        if self.host.contains(key):
+        if ok:
             entry.ready = True
             self.release_host(key, 0)
             return
         del self.host_entries[key]
+        self._free_slots.append(entry.slot)
         self.undisked.pop(key, None)
         if entry.dropped:
             return
@@ -174,7 +211,7 @@ class TierIndex:
         entry.busy -= count
         if entry.dropped and not entry.busy and entry.ready:
             del self.host_entries[key]
-            self.host.discard([key])
+            self._free_slots.append(entry.slot)
 
     # --- disk ------------------------------------------------------------------------------
 
@@ -242,8 +279,10 @@ class TierIndex:
         """Raise RuntimeError unless HOST/DISK bits, host entries, disk entries and the tiers
         agree (see the module docstring). ``disk_exact`` False: a spill or restore is in
         flight, so the disk tier may lag its DISK bits."""
-        if self.host is not None:
-            self.host.check_invariants()
+        slots = [entry.slot for entry in self.host_entries.values()] + self._free_slots
+        if sorted(slots) != list(range(self._fresh_slots)) or self._fresh_slots > self.host_capacity:
+            raise RuntimeError(f"host slots leak or repeat: {len(self.host_entries)} entries, "
+                               f"{len(self._free_slots)} freed, {self._fresh_slots} of {self.host_capacity} used")  # fmt: skip
         if self.disk is not None:
             self.disk.check_invariants()
         host_pages, disk_pages = self._check_page_tiers(disk_exact)
@@ -258,10 +297,6 @@ class TierIndex:
             raise RuntimeError(f"{len(disk_pages ^ self.disk_entries)} disk entries and DISK bits disagree")
         if self.host_used > self.host_capacity:
             raise RuntimeError(f"host holds {self.host_used} blocks; capacity {self.host_capacity}")
-        ready = sum(entry.ready for entry in self.host_entries.values())
-        held = 0 if self.host is None else len(self.host)
-        if not ready <= held <= self.host_used:  # pending copies may have landed
-            raise RuntimeError(f"host tier holds {held} blocks; the index knows {ready} ready of {self.host_used}")
         for key, entry in self.host_entries.items():
             if entry.dropped and not (entry.busy or not entry.ready):
                 raise RuntimeError(f"host block {key.hex()[:8]} left the trie but was not discarded")
@@ -286,8 +321,8 @@ class TierIndex:
                     entry = self.host_state(keys[i])
                     if entry is None or trie.locate(keys[i]) != (node, i):
                         raise RuntimeError(f"{where} has the HOST bit but no host entry of its own")
-                    if entry.ready and self.host.namespace_of(keys[i]) != digest:
-                        raise RuntimeError(f"{where}: host holds it under another namespace (or not at all)")
+                    if entry.namespace != digest:
+                        raise RuntimeError(f"{where}: its host entry is in another namespace")
                     host_pages.add(keys[i])
                 if bits & _DISK:
                     if (digest, keys[i]) not in self.disk_entries or trie.locate(keys[i]) != (node, i):
@@ -320,7 +355,7 @@ class TierIndex:
             entry.dropped = True
         else:
             del self.host_entries[key]
-            self.host.discard([key])
+            self._free_slots.append(entry.slot)
 
     def _host_event(self, key: bytes, namespace: bytes, kind: str) -> None:
         if self.events.active:

@@ -2,24 +2,32 @@
 
 Four links, each with its own queue and worker thread:
 
-    device_to_host   offload: blocks gathered from the page pool into the host tier
-    host_to_device   fetch:   host blocks copied to a device array the caller scatters
-    host_to_disk     spill:   host blocks written to disk segments (queued spills coalesce)
-    disk_to_host     restore: disk blocks read back into the host tier
+    device_to_host   offload: blocks gathered from the page pool into host slots
+    host_to_device   fetch:   host slots copied to a device array the caller scatters
+    host_to_disk     spill:   host slots written to disk segments (queued spills coalesce)
+    disk_to_host     restore: disk blocks read back into host slots
 
 Within a link, jobs run by priority (DEMAND < PREFETCH < SPILL), then in submission order. Each
 link may have a byte budget (a token bucket): background jobs wait for tokens; a demand job
 never waits and its bytes are charged to the bucket, so prefetch and spill cannot starve it.
 A running job is not preempted: keep jobs small when demand latency matters.
 
-Every submit returns a `concurrent.futures.Future` resolving to a `TransferResult`; failures
-(absent keys, I/O errors, engine closed) resolve it with `ok=False`, never raise. While a job
-is queued or running, its source blocks are locked in their tier (no eviction) and the
-caller's `lock_hook(link, keys)` / `unlock_hook(link, keys, result)` bracket it, so a prefix
-trie can lock its nodes too. Results are delivered only when the copy is complete.
+Every submit returns a ``concurrent.futures.Future`` resolving to a ``TransferResult``;
+failures (absent disk keys, I/O errors, engine closed) resolve it with ``ok=False``, never
+raise. Results are delivered only when the copy is complete.
 
-The page pool never leaves the caller: `offload` gathers on the calling thread (an async
-device op), and a fetch's result holds the blocks for the caller to scatter between steps.
+The engine moves bytes and nothing else: which slot holds which block, and that nothing
+evicts a slot a transfer reads or writes, is the tier index's (``kvjax.tiers.tier_index``),
+which holds those slots until the future resolves. The page pool never leaves the caller:
+``offload`` gathers on the calling thread (an async device op), and a fetch's result holds
+the blocks for the caller to scatter between steps.
+
+Batch sizes. Offloads and fetches move ``rows`` blocks where ``rows`` is the batch padded to
+a bucket (``transfer_buckets``): the device-side gather, encode, decode and scatter compile
+once per bucket, never during serving once ``KVCache.warmup`` ran.
+
+``synchronous=True`` runs every job on the caller's thread at submit (no workers): a replay
+that moves no bytes gets the same bookkeeping without threads.
 """
 
 from __future__ import annotations
@@ -32,17 +40,18 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from kvjax.tiers.disk_tier import DiskTier
-from kvjax.tiers.host_tier import HostTier
+from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.token_bucket import TokenBucket
 
-__all__ = ["Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult"]
+__all__ = ["Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult", "bucket_rows"]
 
 _log = logging.getLogger(__name__)
 _POLL_S = 0.05  # longest a waiting worker sleeps before re-reading the (injectable) clock
@@ -69,126 +78,150 @@ class LinkBudget:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TransferResult:
-    """Outcome of one transfer; `ok` when every key reached the destination."""
+    """Outcome of one transfer; ``ok`` when every block reached the destination."""
 
     link: Link
-    keys: tuple[bytes, ...]
+    num_blocks: int
     ok: bool
-    done_keys: tuple[bytes, ...] = ()  # keys now held by the destination tier
-    blocks: jax.Array | None = None  # host_to_device only: [n, *block_shape], ready
+    done_keys: tuple[bytes, ...] = ()  # spill / restore: keys now held by the destination
+    blocks: jax.Array | None = None  # host_to_device only: [rows, *block_shape], ready
     error: str | None = None
+
+
+def bucket_rows(num_blocks: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds ``num_blocks`` blocks (ValueError past the largest)."""
+    for rows in buckets:
+        if rows >= num_blocks:
+            return rows
+    raise ValueError(f"{num_blocks} blocks exceed the largest transfer bucket {buckets[-1]}; split the move")
 
 
 @dataclasses.dataclass(slots=True)
 class _Job:
     link: Link
     priority: Priority
-    keys: tuple[bytes, ...]
+    slots: np.ndarray  # host slots read or written
     nbytes: int
     future: concurrent.futures.Future
-    namespace: bytes = b""
-    blocks: jax.Array | None = None  # device_to_host: the gathered blocks
-    source_locked: tuple[bytes, ...] = ()  # keys locked in the source tier
-
-
-Hook = Callable[[Link, tuple[bytes, ...]], None]
-UnlockHook = Callable[[Link, tuple[bytes, ...], TransferResult], None]
+    keys: tuple[bytes, ...] = ()  # disk links: the blocks' keys
+    namespaces: tuple[bytes, ...] = ()  # disk links: each key's namespace digest
+    parents: tuple[bytes | None, ...] = ()  # spill: each block's parent key (disk manifests keep it)
+    rows: int = 0  # fetch: the bucket the batch is padded to
+    blocks: jax.Array | None = None  # device_to_host: the gathered (encoded) blocks
+    pinned: bool = False  # disk_to_host: its disk segments are pinned until it finishes
 
 
 class TransferEngine:
     """Queues, prioritises and runs block transfers; one worker thread per link.
 
-    >>> host = HostTier((2, 2, 1, 4, 8), jnp.float32, capacity_bytes=1 << 16)
+    >>> host = HostPool((2, 2, 1, 4, 8), jnp.float32, num_slots=8)
     >>> pool = jnp.ones((8, 2, 2, 1, 4, 8), jnp.float32)  # [num_blocks, *block_shape]
     >>> with TransferEngine(host) as engine:
-    ...     engine.offload(pool, [3, 5], [b"k" * 16, b"l" * 16], namespace=b"ns").result(5).ok
-    ...     engine.fetch([b"l" * 16]).result(5).blocks.shape
+    ...     engine.offload(pool, [3, 5], [0, 1]).result(5).ok
+    ...     engine.fetch([1]).result(5).blocks.shape
     True
     (1, 2, 2, 1, 4, 8)
     """
 
-    def __init__(self, host_tier: HostTier, disk_tier: DiskTier | None = None, *,
+    def __init__(self, host: HostPool, disk_tier: DiskTier | None = None, *,
                  gather_blocks: Callable | None = None, budgets: Mapping[Link, LinkBudget] = (),
-                 clock: Callable[[], float] = time.monotonic, lock_hook: Hook | None = None,
-                 unlock_hook: UnlockHook | None = None, paused: bool = False):
+                 clock: Callable[[], float] = time.monotonic, buckets: Sequence[int] = (),
+                 synchronous: bool = False, paused: bool = False):  # fmt: skip
         """Args:
-        gather_blocks: `(kv_pages, block_ids) -> [n, *block_shape]`, bit-exact; default
-          `pallas_kernels.gather_blocks`.
+        gather_blocks: ``(kv_pages, block_ids) -> [n, *block_shape]``, bit-exact, zero rows
+          for negative ids; default ``pallas_kernels.gather_blocks``.
         budgets: byte budget per link; links not named are unlimited.
         clock: seconds, for the budgets (tests inject a fake one).
-        paused: start with workers idle until `resume()` (tests queue up work first).
+        buckets: ascending batch sizes offloads and fetches are padded to (empty: no padding).
+        synchronous: run each job at submit on the caller's thread (no workers, no budgets).
+        paused: workers take no job until ``resume()`` (queue work up first, then start).
         """
-        self.host_tier = host_tier
+        self.host = host
         self.disk_tier = disk_tier
+        self.buckets = tuple(buckets)
+        self.synchronous = synchronous
         self._gather = gather_blocks or pallas_kernels.gather_blocks
         self._buckets = {link: TokenBucket(b.rate_bytes_per_s, b.burst_bytes, clock)
-                         for link, b in dict(budgets).items()}
-        self._lock_hook, self._unlock_hook = lock_hook, unlock_hook
+                         for link, b in dict(budgets).items()}  # fmt: skip
         self._cond = threading.Condition()
         self._queues: dict[Link, list] = {link: [] for link in Link}
         self._seq = itertools.count()
-        self._paused, self._closed = paused, False
+        self._closed, self._paused = False, paused
         self._running = {link: 0 for link in Link}
         self._counters = {link: {"jobs": 0, "failed": 0, "bytes": 0} for link in Link}
-        self._workers = [threading.Thread(target=self._work, args=(link,), daemon=True,
-                                          name=f"kvjax-{link.value}") for link in Link]
+        self._runners = {Link.DEVICE_TO_HOST: self._run_offload, Link.HOST_TO_DEVICE: self._run_fetch,
+                         Link.HOST_TO_DISK: self._run_spill, Link.DISK_TO_HOST: self._run_restore}  # fmt: skip
+        self._workers = [] if synchronous else [
+            threading.Thread(target=self._work, args=(link,), daemon=True, name=f"kvjax-{link.value}")
+            for link in Link]  # fmt: skip
         for worker in self._workers:
             worker.start()
 
     # ---- submitting ----------------------------------------------------------------------
 
-    def offload(self, kv_pages: jax.Array, block_ids: Sequence[int], keys: Sequence[bytes], *,
-                namespace: bytes, priority: Priority = Priority.SPILL
-                ) -> concurrent.futures.Future:
-        """Copies pool blocks `block_ids` into the host tier under `keys` (device_to_host).
+    def rows_for(self, num_blocks: int) -> int:
+        """Rows a move of ``num_blocks`` blocks is padded to (its bucket)."""
+        return bucket_rows(num_blocks, self.buckets) if self.buckets else num_blocks
 
-        The gather is issued here, so the pool may be updated (donated) right after return.
+    def offload(self, kv_pages, block_ids: Sequence[int], slots: Sequence[int], *,
+                priority: Priority = Priority.SPILL) -> concurrent.futures.Future:  # fmt: skip
+        """Copies pool blocks ``block_ids`` into host ``slots`` (device_to_host).
+
+        The gather is issued here (padded to the batch's bucket), so the pool may be updated
+        (donated) right after return. ``kv_pages`` None: no bytes move (a replay).
         """
-        keys = tuple(keys)
-        if len(block_ids) != len(keys):
-            raise ValueError(f"{len(block_ids)=} must equal {len(keys)=}")
-        job = self._job(Link.DEVICE_TO_HOST, priority, keys, namespace=namespace)
-        try:
-            job.blocks = self._gather(kv_pages, jnp.asarray(block_ids, jnp.int32))
-        except Exception as err:  # noqa: BLE001 - resolve, never raise into the request
-            return self._reject(job, f"gather failed: {err!r}")
+        slots = np.asarray(slots, np.intp)
+        if len(block_ids) != len(slots):
+            raise ValueError(f"{len(block_ids)=} must equal {len(slots)=}")
+        job = self._job(Link.DEVICE_TO_HOST, priority, slots)
+        if kv_pages is not None and len(slots):
+            ids = np.full(self.rows_for(len(slots)), -1, np.int32)
+            ids[: len(slots)] = block_ids
+            try:
+                job.blocks = self._gather(kv_pages, jnp.asarray(ids))
+            except Exception as err:  # noqa: BLE001 - resolve, never raise into the request
+                return self._reject(job, f"gather failed: {err!r}")
         return self._submit(job)
 
-    def fetch(self, keys: Sequence[bytes], *, priority: Priority = Priority.DEMAND
-              ) -> concurrent.futures.Future:
-        """Copies host blocks to the device (host_to_device); all keys or a failure."""
-        job = self._job(Link.HOST_TO_DEVICE, priority, tuple(keys))
-        if not self.host_tier.lock(job.keys):
-            return self._reject(job, "not all keys are in the host tier")
-        job.source_locked = job.keys
+    def fetch(self, slots: Sequence[int], *, priority: Priority = Priority.DEMAND) -> concurrent.futures.Future:
+        """Copies host ``slots`` to the device (host_to_device), padded to the batch's bucket."""
+        job = self._job(Link.HOST_TO_DEVICE, priority, np.asarray(slots, np.intp))
+        job.rows = self.rows_for(len(job.slots))
         return self._submit(job)
 
-    def spill(self, keys: Sequence[bytes], *, priority: Priority = Priority.SPILL
-              ) -> concurrent.futures.Future:
-        """Writes host blocks to disk (host_to_disk); keys absent from the host are not done."""
-        job = self._job(Link.HOST_TO_DISK, priority, tuple(keys))
+    def spill(self, keys: Sequence[bytes], namespaces: Sequence[bytes], slots: Sequence[int],
+              parents: Sequence[bytes | None] | None = None, *,
+              priority: Priority = Priority.SPILL) -> concurrent.futures.Future:  # fmt: skip
+        """Writes host ``slots`` to disk under ``keys`` (host_to_disk); ``done_keys`` says
+        which the disk holds after it (a failed or rejected write leaves some out)."""
+        job = self._job(Link.HOST_TO_DISK, priority, np.asarray(slots, np.intp))
         if self.disk_tier is None:
             return self._reject(job, "no disk tier")
-        job.source_locked = tuple(k for k in job.keys if self.host_tier.lock([k]))
+        job.keys, job.namespaces = tuple(keys), tuple(namespaces)
+        job.parents = tuple(parents) if parents is not None else (None,) * len(job.keys)
+        if not len(job.keys) == len(job.namespaces) == len(job.parents) == len(job.slots):
+            raise ValueError(f"spill of {len(job.slots)} slots needs as many keys, namespaces and parents")
         return self._submit(job)
 
-    def restore(self, keys: Sequence[bytes], *, namespace: bytes,
-                priority: Priority = Priority.PREFETCH) -> concurrent.futures.Future:
-        """Reads disk blocks of one namespace into the host tier (disk_to_host)."""
-        job = self._job(Link.DISK_TO_HOST, priority, tuple(keys), namespace=namespace)
+    def restore(self, keys: Sequence[bytes], namespace: bytes, slots: Sequence[int], *,
+                priority: Priority = Priority.PREFETCH) -> concurrent.futures.Future:  # fmt: skip
+        """Reads disk blocks of one namespace into host ``slots`` (disk_to_host); the disk
+        segments holding them are pinned from now until the read."""
+        job = self._job(Link.DISK_TO_HOST, priority, np.asarray(slots, np.intp))
         if self.disk_tier is None:
             return self._reject(job, "no disk tier")
-        job.source_locked = tuple(k for k in job.keys if self.disk_tier.lock([k], namespace))
+        job.keys, job.namespaces = tuple(keys), (namespace,)
+        if len(job.keys) != len(job.slots):
+            raise ValueError(f"restore of {len(job.keys)} keys into {len(job.slots)} slots")
+        if not self.disk_tier.lock(job.keys, namespace):
+            return self._reject(job, "not all keys are on disk")
+        job.pinned = True
         return self._submit(job)
 
     # ---- control -------------------------------------------------------------------------
 
-    def pause(self) -> None:
-        """Workers finish their current job and take no new one until `resume`."""
-        with self._cond:
-            self._paused = True
-
     def resume(self) -> None:
+        """Let the workers of an engine made with ``paused=True`` take jobs."""
         with self._cond:
             self._paused = False
             self._cond.notify_all()
@@ -207,8 +240,7 @@ class TransferEngine:
     def stats(self) -> dict[str, dict[str, int]]:
         """Per link: finished jobs, failed jobs, bytes delivered, jobs queued now."""
         with self._cond:
-            return {link.value: {**self._counters[link], "queued": len(self._queues[link])}
-                    for link in Link}
+            return {link.value: {**self._counters[link], "queued": len(self._queues[link])} for link in Link}
 
     def close(self, timeout: float = 10.0) -> None:
         """Lets running jobs finish, fails queued ones ("engine closed"), joins the workers."""
@@ -225,8 +257,7 @@ class TransferEngine:
         for worker in self._workers:
             worker.join(timeout)
             if worker.is_alive():
-                _log.warning("transfer engine: %s did not stop within %.1f s", worker.name,
-                             timeout)
+                _log.warning("transfer engine: %s did not stop within %.1f s", worker.name, timeout)
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -237,22 +268,23 @@ class TransferEngine:
     # ---- workers -------------------------------------------------------------------------
 
     def _work(self, link: Link) -> None:
-        runners = {Link.DEVICE_TO_HOST: self._run_offload, Link.HOST_TO_DEVICE: self._run_fetch,
-                   Link.HOST_TO_DISK: self._run_spill, Link.DISK_TO_HOST: self._run_restore}
         while True:
             jobs = self._next_jobs(link)
             if jobs is None:
                 return
-            try:
-                results = runners[link](jobs)
-            except Exception as err:  # noqa: BLE001 - a failed transfer is a result
-                _log.warning("transfer engine: %s failed: %r", link.value, err)
-                results = [self._failure(job, repr(err)) for job in jobs]
-            for job, result in zip(jobs, results):
-                self._finish(job, result)
+            self._run(link, jobs)
             with self._cond:
                 self._running[link] -= 1
                 self._cond.notify_all()
+
+    def _run(self, link: Link, jobs: list[_Job]) -> None:
+        try:
+            results = self._runners[link](jobs)
+        except Exception as err:  # noqa: BLE001 - a failed transfer is a result
+            _log.warning("transfer engine: %s failed: %r", link.value, err)
+            results = [self._failure(job, repr(err)) for job in jobs]
+        for job, result in zip(jobs, results):
+            self._finish(job, result)
 
     def _next_jobs(self, link: Link) -> list[_Job] | None:
         """Pops the next job (queued spills coalesce up to a segment); None when closed."""
@@ -293,53 +325,51 @@ class TransferEngine:
 
     def _run_offload(self, jobs: list[_Job]) -> list[TransferResult]:
         [job] = jobs
-        stored = self.host_tier.put(job.keys, job.blocks, namespace=job.namespace)
-        job.blocks = None  # frees the gathered device copy
-        self.host_tier.wait_until_ready(stored)
-        return [self._success(job, stored)]
+        if job.blocks is not None:
+            self.host.write(job.slots, job.blocks)
+            job.blocks = None  # frees the gathered device copy
+        return [self._success(job)]
 
     def _run_fetch(self, jobs: list[_Job]) -> list[TransferResult]:
         [job] = jobs
-        blocks = self.host_tier.get(job.keys)
-        if blocks is None:  # only if the host tier lost a locked block: a broken invariant
-            return [self._failure(job, "host tier lost a locked block")]
-        blocks.block_until_ready()
-        return [dataclasses.replace(self._success(job, job.keys), blocks=blocks)]
+        blocks = self.host.to_device(job.slots, job.rows)
+        if blocks is not None:
+            blocks.block_until_ready()
+        return [dataclasses.replace(self._success(job), blocks=blocks)]
 
     def _run_spill(self, jobs: list[_Job]) -> list[TransferResult]:
-        keys = [key for job in jobs for key in job.source_locked]
-        namespaces = [self.host_tier.namespace_of(key) for key in keys]
-        blocks = self.host_tier.get_host(keys)
-        stored = set(self.disk_tier.put(keys, blocks, namespaces)) if keys else set()
-        stored |= {k for k, ns in zip(keys, namespaces) if self.disk_tier.contains(k, ns)}
-        return [self._success(job, [k for k in job.source_locked if k in stored])
-                for job in jobs]
+        keys = [key for job in jobs for key in job.keys]
+        namespaces = [ns for job in jobs for ns in job.namespaces]
+        parents = [parent for job in jobs for parent in job.parents]
+        slots = np.concatenate([job.slots for job in jobs])
+        if keys:
+            self.disk_tier.put(keys, self.host.read(slots), namespaces, parents)
+        # Blocks written now and blocks the disk held already both count as done.
+        return [self._success(job, [k for k, ns in zip(job.keys, job.namespaces) if self.disk_tier.contains(k, ns)])
+                for job in jobs]  # fmt: skip
 
     def _run_restore(self, jobs: list[_Job]) -> list[TransferResult]:
         [job] = jobs
-        keys = list(job.source_locked)
-        read = self.disk_tier.get(keys, job.namespace)
-        hit_keys = [key for key, hit in zip(keys, read.hits) if hit]
-        self.host_tier.put(hit_keys, read.blocks[read.hits], namespace=job.namespace)
-        self.host_tier.wait_until_ready(hit_keys)
-        return [self._success(job, [k for k in hit_keys if self.host_tier.contains(k)])]
+        read = self.disk_tier.get(list(job.keys), job.namespaces[0])
+        self.host.write(job.slots[read.hits], read.blocks[read.hits])
+        return [self._success(job, [key for key, hit in zip(job.keys, read.hits) if hit])]
 
     # ---- job lifetime --------------------------------------------------------------------
 
-    def _job(self, link: Link, priority: Priority, keys: tuple[bytes, ...],
-             namespace: bytes = b"") -> _Job:
+    def _job(self, link: Link, priority: Priority, slots: np.ndarray) -> _Job:
         if not isinstance(priority, Priority):
             raise ValueError(f"{priority=} must be a Priority ({list(Priority)})")
-        nbytes = len(keys) * self.host_tier.block_nbytes
-        return _Job(link, priority, keys, nbytes, concurrent.futures.Future(), namespace)
+        if slots.ndim != 1 or (slots.size and (slots.min() < 0 or slots.max() >= self.host.num_slots)):
+            raise ValueError(f"slots {slots.tolist()} must be host slots in [0, {self.host.num_slots})")
+        return _Job(link, priority, slots, len(slots) * self.host.block_nbytes, concurrent.futures.Future())
 
     def _submit(self, job: _Job) -> concurrent.futures.Future:
-        if self._lock_hook is not None:
-            try:
-                self._lock_hook(job.link, job.keys)
-            except BaseException:  # the caller's hook failed: undo the tier locks, re-raise
-                self._finish(job, self._failure(job, "lock hook failed"), hooks=False)
-                raise
+        if self.synchronous:
+            if self._closed:
+                self._finish(job, self._failure(job, "engine closed"))
+            else:
+                self._run(job.link, [job])
+            return job.future
         with self._cond:
             if not self._closed:
                 heapq.heappush(self._queues[job.link], (job.priority, next(self._seq), job))
@@ -349,33 +379,33 @@ class TransferEngine:
         return job.future
 
     def _reject(self, job: _Job, error: str) -> concurrent.futures.Future:
-        self._finish(job, self._failure(job, error), hooks=False)
+        self._finish(job, self._failure(job, error))
         return job.future
 
-    def _finish(self, job: _Job, result: TransferResult, hooks: bool = True) -> None:
-        """Releases the job's locks (tier, then the caller's hook), then resolves its future."""
+    def _finish(self, job: _Job, result: TransferResult) -> None:
+        """Releases the disk segments a restore pinned, then resolves the job's future."""
         try:
-            if job.link is Link.DISK_TO_HOST and job.source_locked:
-                self.disk_tier.unlock(job.source_locked, job.namespace)
-            elif job.source_locked:
-                self.host_tier.unlock(job.source_locked)
-            if hooks and self._unlock_hook is not None:
-                self._unlock_hook(job.link, job.keys, result)
+            if job.pinned:
+                self.disk_tier.unlock(job.keys, job.namespaces[0])
         except Exception as err:  # noqa: BLE001 - the transfer itself is done
-            _log.error("transfer engine: releasing locks of %s failed: %r", job.link.value, err)
+            _log.error("transfer engine: releasing the disk pins of a restore failed: %r", err)
+        done = len(result.done_keys) if job.link in (Link.HOST_TO_DISK, Link.DISK_TO_HOST) else len(job.slots)
         with self._cond:
             counters = self._counters[job.link]
             counters["jobs"] += 1
             counters["failed"] += not result.ok
-            counters["bytes"] += len(result.done_keys) * self.host_tier.block_nbytes
+            counters["bytes"] += (done if result.ok or job.keys else 0) * self.host.block_nbytes
         job.future.set_result(result)
 
     @staticmethod
-    def _success(job: _Job, done_keys) -> TransferResult:
+    def _success(job: _Job, done_keys: Sequence[bytes] | None = None) -> TransferResult:
+        if done_keys is None:  # offload / fetch: all or nothing
+            return TransferResult(job.link, len(job.slots), ok=True)
         done = tuple(done_keys)
-        return TransferResult(job.link, job.keys, ok=len(done) == len(job.keys), done_keys=done,
-                              error=None if len(done) == len(job.keys) else "not all keys done")
+        ok = len(done) == len(job.keys)
+        return TransferResult(job.link, len(job.slots), ok=ok, done_keys=done,
+                              error=None if ok else "not all keys done")  # fmt: skip
 
     @staticmethod
     def _failure(job: _Job, error: str) -> TransferResult:
-        return TransferResult(job.link, job.keys, ok=False, error=error)
+        return TransferResult(job.link, len(job.slots), ok=False, error=error)

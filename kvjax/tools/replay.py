@@ -1,37 +1,33 @@
-"""Replay a request trace through the real prefix cache, with no model, to size a cache.
+"""Replay a request trace through the real KVCache, with no model and no bytes, to size a cache.
 
 Model of the replay (sequential: one request at a time, in timestamp order, no concurrency,
-no decode): for each request, match the leading run of cached blocks (the hits), admit it
-(lock the hits, allocate the rest, evicting by the policy as needed), commit all its blocks,
-release it. Every hash id of the trace is one cache block: the ids are fed to ``DeviceIndex``
-as tokens with ``page_size=1``, so the trace's own hashing decides what is shared (partial
-last blocks included). Token hit rates weigh each block by the tokens it holds (see
-``TraceRequest.block_tokens``). The clock the policy sees is the trace's arrival time, in
-seconds.
+no decode): for each request, admit it (the longest cached run of blocks hits, on device or
+fetched from host or disk; the rest is allocated, evicting by the policy as needed), commit
+all its blocks, release it. The cache is the product's own ``KVCache``, its eviction policy,
+write policy, host tier and disk tier with their capacities and eviction orders, built with
+``move_bytes=False``: no pool or host array, an in-memory disk index, transfers done at
+submit. So every figure is one the product would get, and memory and time grow with the
+trace, not with the capacity asked for.
 
-Two adaptations keep the real cache's rules from distorting the count:
-- ``DeviceIndex.admit`` always leaves a prompt's last token to compute (its logits are
-  needed), which would make a request's last block never hit. The replay admits the hash ids
-  followed by one sentinel token, and sizes the pool ``device_blocks + 1`` so the sentinel's
-  private page never costs a cached block; the sentinel is never committed.
+Every hash id of the trace is one cache block: the ids are fed to the cache as tokens with
+``page_size=1``, so the trace's own hashing decides what is shared (partial last blocks
+included). Token hit rates weigh each block by the tokens it holds (see
+``TraceRequest.block_tokens``). The clock the policy sees is the trace's arrival time, in
+seconds. Lower-tier hits are always fetched (the replay counts what the tiers hold, not
+what a cost model would decide for some model).
+
+Adaptations that keep the real cache's rules from distorting the count:
+- ``KVCache.admit`` always leaves a prompt's last token to compute (its logits are needed),
+  which would make a request's last block never hit. The replay admits the hash ids followed
+  by one sentinel token, and sizes the pool ``device_blocks + 1`` so the sentinel's private
+  page never costs a cached block; the sentinel is never committed.
 - A request longer than the cache gets its first ``device_blocks`` blocks admitted and
   cached; the rest count as misses.
 - Each block is fed to the cache as its interned prefix path id (``intern_block_paths``:
   one int per distinct chain of hash ids, dense from 0), so ids of any size fit the cache's
   int32 tokens and a page's token names its block; sharing is exactly as with the hash ids.
-
-Tiers (``host_blocks``/``disk_blocks`` > 0; bookkeeping in ``kvjax.tools.replay_tiers``, no data
-moves): the device tier is the DeviceIndex above with the chosen policy. When it evicts a
-block (the trie's ``before_evict`` hook), write-back stores the block on the host tier, which
-has its own capacity and eviction (``tier_policy``: LRU, or scan-resistant segmented LRU); a
-block the host evicts goes to the disk tier when it has capacity (same policy), and one the
-disk evicts is gone. ``write_through=True`` instead writes
-every block to the host as it is used on the device. A request's leading run continues past
-its device hits through blocks the host or disk holds; each hit counts for the highest tier
-holding it (device, then host, then disk). Every block of the request then occupies a device
-block again: blocks found below are admitted and committed like misses (so the device tier
-behaves exactly as without lower tiers) and, with write-back, leave the lower tier.
-Requests longer than the device still count the blocks past ``device_blocks`` as misses.
+- The disk tier is written in segments of ``disk_segment_blocks`` blocks (1 by default: a
+  trace block is 512 tokens, 64 MiB of a Llama-3-8B-like model in bf16, a segment's worth).
 
 ``replay_report`` adds the yardsticks of ``kvjax.tools.replay_bounds`` at the same capacity.
 """
@@ -42,24 +38,23 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from kvjax.cache.block_keys import Namespace, chained_block_keys
-from kvjax.cache.device_index import DeviceIndex
+from kvjax.cache.block_keys import Namespace
+from kvjax.cache.cost_model import CostModel
 from kvjax.cache.eviction import EvictionPolicy
 from kvjax.cache.policies import DEFAULT_POLICY
-from kvjax.tools.replay_bounds import (
-    HitCounter,
-    HitCounts,
-    intern_block_paths,
-    offline_replay,
-    unlimited_replay,
-)
-from kvjax.tools.replay_tiers import DEFAULT_TIER_POLICY, LowerTiers
+from kvjax.cache.trie_node import Tier
+from kvjax.tiers.disk_tier import DiskTier
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.tiers.page_pool import PoolConfig
+from kvjax.tools.replay_bounds import HitCounter, HitCounts, intern_block_paths, offline_replay, unlimited_replay
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["DEFAULT_POLICY", "ReplayReport", "replay_report", "replay_trace"]
 
 _NAMESPACE = Namespace(tenant="trace-replay")
 _SENTINEL = 0  # token admitted after the hash ids; never matched (admit stops before it)
+_MAX_BLOCKS = 2**31 - 2  # device blocks: the pool has one more (the sentinel's), ids are int32
+_ALWAYS_FETCH = CostModel(recompute_seconds_per_token=1.0)  # a lower-tier hit is always fetched
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,13 +63,12 @@ class ReplayReport:
 
     policy: str
     device_blocks: int
-    online: HitCounts  # the real DeviceIndex with ``policy`` (and the lower tiers, if any)
+    online: HitCounts  # the real KVCache with ``policy`` (and the lower tiers, if any)
     offline: HitCounts  # farthest-next-use (Belady/MIN), prefix-aware
     unlimited: HitCounts  # room for every block
     host_blocks: int = 0
     disk_blocks: int = 0
     write_through: bool = False
-    tier_policy: str = DEFAULT_TIER_POLICY
 
     def as_dict(self) -> dict[str, Any]:
         """Flat summary (rates are fractions in [0, 1]) for ``--json`` and benchmarks."""
@@ -85,7 +79,6 @@ class ReplayReport:
             "host_blocks": self.host_blocks,
             "disk_blocks": self.disk_blocks,
             "write": "through" if self.write_through else "back",
-            "tier_policy": self.tier_policy,
             "requests": online.requests,
             "blocks": online.blocks,
             "hit_blocks": online.hit_blocks,
@@ -111,46 +104,59 @@ def replay_trace(
     host_blocks: int = 0,
     disk_blocks: int = 0,
     write_through: bool = False,
-    tier_policy: str = DEFAULT_TIER_POLICY,
+    disk_segment_blocks: int = 1,
     check_every: int = 0,
 ) -> HitCounts:
-    """Replays ``requests`` (in the given order) through a ``DeviceIndex`` of ``device_blocks``
-    above host and disk tiers of ``host_blocks`` and ``disk_blocks`` (0: no such tier).
+    """Replays ``requests`` (in the given order) through a ``KVCache`` of ``device_blocks``
+    device blocks above host and disk tiers of ``host_blocks`` and ``disk_blocks`` (0: no such
+    tier; a disk tier needs a host tier). ``write_through``: every block gets its host copy
+    when committed, else when evicted from the device (write-back).
 
-    ``check_every=k > 0`` runs the cache's and tiers' ``check_invariants()`` after every k-th
-    request (for tests; it is O(cache size)). Raises ValueError for ``device_blocks < 1``,
-    negative tier sizes or an unknown policy name, before replaying anything.
+    ``check_every=k > 0`` runs the cache's ``check_invariants()`` after every k-th request (for
+    tests; it is O(cache size)). Raises ValueError naming the value for a capacity out of
+    range or an unknown policy name, before replaying anything.
     """
-    if device_blocks < 1:
-        raise ValueError(f"{device_blocks=} must be >= 1")
+    cache, now = replay_cache(device_blocks, policy=policy, host_blocks=host_blocks, disk_blocks=disk_blocks,
+                              write_through=write_through, disk_segment_blocks=disk_segment_blocks)  # fmt: skip
     if check_every < 0:
         raise ValueError(f"{check_every=} must be >= 0")
-    tiers = LowerTiers(host_blocks, disk_blocks, write_through=write_through, policy=tier_policy)
-    now = [0.0]  # seconds of trace time, read by the cache's clock
-    cache = DeviceIndex(device_blocks + 1, page_size=1, policy=policy, clock=lambda: now[0])
-    # The device's evictions, in order, from its block events: with page_size=1 a page's key
-    # names one block id (its token).
-    evictions = cache.events.subscribe() if host_blocks or disk_blocks else None
-    block_of_key: dict[bytes, int] = {}
     counts = HitCounter(block_tokens)
     paths, _ = intern_block_paths(requests)
-    for index, (request, path) in enumerate(zip(requests, paths)):
-        now[0] = request.timestamp_ms / 1000.0
-        tokens = path[:device_blocks]
-        device_hits = cache.match(tokens, _NAMESPACE).num_device_blocks
-        lower = tiers.run_tiers(tokens, device_hits)
-        _admit_and_commit(cache, tokens, device_hits)
-        if evictions is not None:
-            cache.events.flush()
-            tiers.device_evicted([block_of_key[event.key] for batch in evictions.poll() for event in batch
-                                  if event.kind == "removed"])  # fmt: skip
-            block_of_key.update(zip(chained_block_keys(tokens, 1, _NAMESPACE), tokens))
-        tiers.on_device(tokens)
-        counts.add(request, device_hits + len(lower), lower)
-        if check_every and (index + 1) % check_every == 0:
-            cache.check_invariants()
-            tiers.check_invariants()
-    return counts.result(evicted_blocks=cache.stats.evicted_blocks)
+    with cache:
+        for index, (request, path) in enumerate(zip(requests, paths)):
+            now[0] = request.timestamp_ms / 1000.0
+            counts.add(request, *_serve(cache, path[:device_blocks]))
+            if check_every and (index + 1) % check_every == 0:
+                cache.check_invariants()
+    return counts.result(evicted_blocks=cache.stats.prefix.evicted_blocks)
+
+
+def replay_cache(device_blocks: int, *, policy: str | EvictionPolicy = DEFAULT_POLICY, host_blocks: int = 0,
+                 disk_blocks: int = 0, write_through: bool = False,
+                 disk_segment_blocks: int = 1) -> tuple[KVCache, list[float]]:  # fmt: skip
+    """The replay's cache (one block per page, no bytes) and the one-element list its clock
+    reads (seconds). ValueError naming the value for a capacity out of range."""
+    for name, value, low in (("device_blocks", device_blocks, 1), ("host_blocks", host_blocks, 0),
+                             ("disk_blocks", disk_blocks, 0), ("disk_segment_blocks", disk_segment_blocks, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_BLOCKS:
+            raise ValueError(f"{name}={value!r} must be an int in [{low}, {_MAX_BLOCKS}] (blocks)")
+    if disk_blocks and not host_blocks:
+        raise ValueError(f"disk_blocks={disk_blocks} needs host_blocks > 0 (disk blocks are staged through host)")
+    pool = PoolConfig(num_blocks=device_blocks + 1, num_layers=1, num_kv_heads=1, page_size=1, head_dim=1,
+                      dtype="float32")  # fmt: skip
+    block = pool.bytes_per_block
+    config = KVCacheConfig(pool=pool, host_bytes=host_blocks * block, policy=policy if isinstance(policy, str)
+                           else policy.name, cost_model=_ALWAYS_FETCH,
+                           write_policy="write_through" if write_through else "write_back")  # fmt: skip
+    disk = None
+    if disk_blocks:
+        disk = DiskTier(None, pool.block_shape, pool.dtype, disk_blocks * block, segment_bytes=disk_segment_blocks * block)
+    now = [0.0]
+    cache = KVCache(config, clock=lambda: now[0], disk_tier=disk, move_bytes=False)
+    if not isinstance(policy, str):  # a policy instance (tests, benchmarks): the cache uses it as is
+        policy.bind(1, block, config.cost_model)
+        cache.trie.policy = cache.trie.queue.policy = policy
+    return cache, now
 
 
 def replay_report(
@@ -162,12 +168,10 @@ def replay_report(
     host_blocks: int = 0,
     disk_blocks: int = 0,
     write_through: bool = False,
-    tier_policy: str = DEFAULT_TIER_POLICY,
 ) -> ReplayReport:
     """The policy's replay (with the lower tiers) plus the offline policy at ``device_blocks``
     and unlimited capacity on the same requests."""
-    tiers = dict(host_blocks=host_blocks, disk_blocks=disk_blocks, write_through=write_through,
-                 tier_policy=tier_policy)  # fmt: skip
+    tiers = dict(host_blocks=host_blocks, disk_blocks=disk_blocks, write_through=write_through)
     online = replay_trace(requests, device_blocks, policy=policy, block_tokens=block_tokens, **tiers)
     return ReplayReport(
         policy=policy,
@@ -179,12 +183,14 @@ def replay_report(
     )
 
 
-def _admit_and_commit(cache: DeviceIndex, blocks: Sequence[int], device_hits: int) -> None:
-    """Admit, commit and release one request whose first ``device_hits`` blocks are cached."""
+def _serve(cache: KVCache, blocks: list[int]) -> tuple[int, list[Tier]]:
+    """Admit, commit and release one request; (hit blocks, the tier of each lower-tier hit)."""
     handle = cache.admit([*blocks, _SENTINEL], _NAMESPACE)
     if handle is None:  # nothing else is running, so the pool (device_blocks + 1) must fit it
         raise RuntimeError(f"admission of {len(blocks)} blocks failed in a sequential replay")
-    if handle.num_hit_tokens != device_hits:
-        raise RuntimeError(f"match found {device_hits} blocks but admit hit {handle.num_hit_tokens}")
+    cache.wait_ready(handle)
+    sources = cache.admission_report(handle).sources  # the tier of each hit block, in order
     cache.commit(handle, blocks)
     cache.release(handle)
+    cache.poll()  # spills to disk, as a serving step would
+    return len(sources), [Tier(int(tier)) for tier in sources if tier != Tier.DEVICE]

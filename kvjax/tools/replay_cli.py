@@ -1,8 +1,8 @@
 """``python -m kvjax replay TRACE --device-blocks N [--host-blocks M] [--disk-blocks K]
-[--write-through] [--tier-policy lru|segmented] [--policy NAME] [--json]``.
+[--write-through] [--policy NAME] [--json]``.
 
-Replays a Mooncake-format trace through the prefix cache (no model), above optional host and
-disk tiers (see ``kvjax.tools.replay``), and prints block and token hit rates, per tier and in all,
+Replays a Mooncake-format trace through the real KVCache (no model, no bytes), above optional
+host and disk tiers (see ``kvjax.tools.replay``), and prints block and token hit rates, per tier and in all,
 next to the offline (farthest next use) and unlimited-capacity yardsticks.
 With ``--json`` the last line is one JSON object (rates as fractions); see
 ``ReplayReport.as_dict`` for its keys. Bad input (a malformed line, a missing file) prints one
@@ -17,7 +17,6 @@ import sys
 
 from kvjax.cache.policies import POLICIES
 from kvjax.tools.replay import DEFAULT_POLICY, ReplayReport, replay_report
-from kvjax.tools.replay_tiers import DEFAULT_TIER_POLICY, TIER_POLICIES
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, load_trace
 
 __all__ = ["add_subcommand", "format_report", "run_replay"]
@@ -41,8 +40,6 @@ def add_subcommand(subparsers) -> None:
                         help="disk tier capacity in blocks (default: 0, no disk tier)")  # fmt: skip
     replay.add_argument("--write-through", action="store_true",
                         help="write every used block to the host (default: write-back on eviction)")  # fmt: skip
-    replay.add_argument("--tier-policy", default=DEFAULT_TIER_POLICY, choices=sorted(TIER_POLICIES),
-                        help=f"eviction policy of the host and disk tiers (default: {DEFAULT_TIER_POLICY})")  # fmt: skip
     replay.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                         help=f"eviction policy (default: {DEFAULT_POLICY})")  # fmt: skip
     replay.add_argument("--block-tokens", type=_positive_int, default=MOONCAKE_BLOCK_TOKENS,
@@ -53,17 +50,21 @@ def add_subcommand(subparsers) -> None:
 
 
 def run_replay(args: argparse.Namespace, out=None, err=None) -> int:
-    """Runs the parsed ``replay`` command; 0 on success, 2 for a bad or unreadable trace."""
+    """Runs the parsed ``replay`` command; 0 on success, 2 for a bad or unreadable trace or a
+    capacity out of range."""
     out, err = out or sys.stdout, err or sys.stderr  # looked up now: tests swap them
     try:
         requests = load_trace(args.trace, block_tokens=args.block_tokens)
     except (OSError, ValueError) as error:
         print(f"kvjax replay: error: {error}", file=err)
         return 2
-    report = replay_report(requests, args.device_blocks, policy=args.policy,
-                           block_tokens=args.block_tokens, host_blocks=args.host_blocks,
-                           disk_blocks=args.disk_blocks, write_through=args.write_through,
-                           tier_policy=args.tier_policy)  # fmt: skip
+    try:
+        report = replay_report(requests, args.device_blocks, policy=args.policy,
+                               block_tokens=args.block_tokens, host_blocks=args.host_blocks,
+                               disk_blocks=args.disk_blocks, write_through=args.write_through)  # fmt: skip
+    except ValueError as error:  # a capacity out of range, named with what was expected
+        print(f"kvjax replay: error: {error}", file=err)
+        return 2
     print(format_report(args.trace, report), file=out)
     if args.json:
         print(json.dumps(report.as_dict()), file=out)
@@ -79,7 +80,7 @@ def format_report(trace: str, report: ReplayReport) -> str:
         f"trace {trace}: {online.requests} requests, {online.blocks} blocks, "
         f"{online.tokens} prompt tokens",
         f"capacity {report.device_blocks} device blocks, {report.host_blocks} host, "
-        f"{report.disk_blocks} disk ({write}, {report.tier_policy}); sequential replay (no concurrency)",
+        f"{report.disk_blocks} disk ({write}); sequential replay (no concurrency)",
         f"{'':<28}{'block hits':>12}{'token hits':>12}{'evicted':>10}",
     ]
     rows = [(f"policy {report.policy}", online.block_hit_rate, online.token_hit_rate,
