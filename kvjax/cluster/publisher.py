@@ -1,0 +1,246 @@
+"""A node's side of the directory: registration, heartbeat and block events, on one thread.
+
+The node's engine loop hands over each step's event batches and the node's load with
+``submit`` and never waits on Redis. The publisher folds the events into its own copy of
+what the node holds (block -> tier mask), and per wake-up writes what changed, the batches of
+every step since the last write together, in one transaction (``Directory.write_blocks``).
+
+Failures and what follows them:
+
+* Redis unreachable, or a write that failed: the publisher keeps folding events in, and
+  retries; when Redis answers again it registers a new epoch and writes everything it holds
+  (so nothing written under the old epoch, complete or not, is read again).
+* Its record gone (it expired, or Redis restarted empty): the heartbeat says so; same as above,
+  which is how a lost Redis is rebuilt from the nodes.
+* A newer epoch of the same node id registered (a second process claiming the id): this one
+  stops writing (``status`` "superseded").
+* The cache's subscription lost batches: the node calls ``reset`` with the cache's full
+  holdings (``KVCache.block_index()``), then as above.
+
+Block entries carry a TTL; the heartbeat refreshes a slice of the held blocks each time so
+that every one is refreshed twice per ``block_ttl_s`` and entries nobody live holds expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import redis
+
+from kvjax.cluster.directory import TIER_BITS, ClusterInfo, Directory, NodeLoad
+from kvjax.tiers.block_events import BlockEvent
+
+__all__ = ["DirectoryPublisher"]
+
+_LOG = logging.getLogger(__name__)
+_FULL_PUBLISH_CHUNK = 2000  # blocks per transaction when writing everything (bounded latency)
+_Block = tuple[bytes, bytes]
+
+
+class DirectoryPublisher:
+    """Publishes one node's holdings and load into ``directory`` (see the module docstring).
+
+    ``holdings``: what the cache holds when publishing starts, as ``(namespace, key, tier)``
+    (``BlockIndex.entries()``); events submitted afterwards must follow it. ``heartbeat_s``
+    defaults to a third of the directory's node TTL.
+    """
+
+    def __init__(self, directory: Directory, node_id: str, address: str, cluster: ClusterInfo,
+                 holdings: Iterable[tuple[bytes, bytes, str]] = (), *,
+                 heartbeat_s: float | None = None):  # fmt: skip
+        self.directory, self.node_id, self.address, self.cluster = directory, node_id, address, cluster
+        self.heartbeat_s = directory.node_ttl_s / 3 if heartbeat_s is None else float(heartbeat_s)
+        if not 0 < self.heartbeat_s < directory.node_ttl_s:
+            raise ValueError(f"heartbeat_s={heartbeat_s!r} must be > 0 and below node_ttl_s={directory.node_ttl_s}")
+        self.epoch: int | None = None
+        self.status = "starting"  # registered | disconnected | superseded | closed
+        self.last_error: str | None = None
+        self.counters = {"published_batches": 0, "published_blocks": 0, "resyncs": 0, "errors": 0}
+        self._holdings: dict[_Block, int] = {}
+        self._fold_entries(holdings)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[BlockEvent, ...]] = []
+        self._pending_reset: list[tuple[bytes, bytes, str]] | None = None
+        self._load = NodeLoad()
+        self._written_load: NodeLoad | None = None
+        self._needs_resync = True
+        self._refresh_queue: list[_Block] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._registered = threading.Event()
+        self._fatal: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kvjax-publisher-{node_id}", daemon=True)
+
+    # --- the node's calls (any thread) -----------------------------------------------------
+
+    def start(self, timeout_s: float = 10.0) -> int:
+        """Start the thread and wait for the first registration; returns the epoch.
+
+        ValueError if the cluster record disagrees (another model or page size);
+        RuntimeError naming the last Redis error if registering took longer than
+        ``timeout_s``. Either way the thread is stopped.
+        """
+        self._thread.start()
+        self._registered.wait(timeout_s)
+        if self._fatal is not None or self.epoch is None:
+            self.close(deregister=False)
+            if isinstance(self._fatal, ValueError):
+                raise self._fatal
+            raise RuntimeError(f"node {self.node_id!r} could not register in the directory within "
+                               f"{timeout_s}s: {self.last_error}")  # fmt: skip
+        return self.epoch
+
+    def submit(self, batches: Sequence[tuple[BlockEvent, ...]], load: NodeLoad | None = None) -> None:
+        """Queue a step's event batches (oldest first) and the node's current load."""
+        with self._lock:
+            self._pending.extend(batches)
+            if load is not None:
+                self._load = load
+        self._wake.set()
+
+    def reset(self, holdings: Iterable[tuple[bytes, bytes, str]]) -> None:
+        """Replace what the node holds (the cache's full holdings, after its subscription lost
+        batches; batches submitted before this call are dropped) and publish it afresh."""
+        with self._lock:
+            self._pending_reset = list(holdings)
+            self._pending.clear()
+        self._wake.set()
+
+    def close(self, deregister: bool = True) -> None:
+        """Stop the thread; with ``deregister`` drop the node's record so routers stop
+        choosing it now rather than after its TTL."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        if deregister and self.epoch is not None and self.status == "registered":
+            try:
+                self.directory.deregister(self.node_id, self.epoch)
+            except redis.RedisError as error:
+                _LOG.warning("node %s: deregister failed: %s", self.node_id, error)
+        self.status = "closed"
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the node holds in at least one tier, as the publisher knows them."""
+        return len(self._holdings)
+
+    # --- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_heartbeat = time.monotonic()
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, next_heartbeat - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            changed, load = self._drain()
+            try:
+                if self._needs_resync:
+                    self._resync(load)
+                elif changed or load != self._written_load:
+                    self.directory.write_blocks(self.node_id, self.epoch, changed, load)
+                    self._written_load = load
+                    self.counters["published_blocks"] += len(changed)
+                if time.monotonic() >= next_heartbeat:
+                    next_heartbeat = time.monotonic() + self.heartbeat_s
+                    self._heartbeat(load)
+            except ValueError as error:  # the cluster record disagrees: nothing to retry
+                self._fatal, self.last_error, self.status = error, str(error), "disconnected"
+                self._registered.set()
+                return
+            except redis.RedisError as error:
+                self.counters["errors"] += 1
+                self.last_error = f"{type(error).__name__}: {error}"
+                if self.status != "disconnected":
+                    _LOG.warning("node %s: directory write failed (%s); will re-register", self.node_id, error)
+                self.status, self._needs_resync = "disconnected", True
+                next_heartbeat = min(next_heartbeat, time.monotonic() + min(self.heartbeat_s, 0.5))
+            if self.status == "superseded":
+                _LOG.error("node %s: a newer epoch registered the same id; this process stops publishing",
+                           self.node_id)  # fmt: skip
+                return
+
+    def _drain(self) -> tuple[dict[_Block, int], NodeLoad]:
+        """Fold the queued events into the holdings; returns the changed blocks' masks."""
+        with self._lock:
+            batches, self._pending = self._pending, []
+            reset, self._pending_reset = self._pending_reset, None
+            load = self._load
+        if reset is not None:
+            self._holdings.clear()
+            self._fold_entries(reset)
+            self._needs_resync = True
+        changed: set[_Block] = set()
+        for batch in batches:
+            self.counters["published_batches"] += 1
+            for event in batch:
+                self._fold_event(event, changed)
+        return {block: self._holdings.get(block, 0) for block in changed}, load
+
+    def _fold_event(self, event: BlockEvent, changed: set[_Block]) -> None:
+        bit = TIER_BITS[event.tier]
+        if event.kind == "cleared":
+            for block, mask in list(self._holdings.items()):
+                if mask & bit:
+                    changed.add(block)
+                    self._set_mask(block, mask & ~bit)
+            return
+        block = (event.namespace, event.key)
+        mask = self._holdings.get(block, 0)
+        self._set_mask(block, mask | bit if event.kind == "stored" else mask & ~bit)
+        changed.add(block)
+
+    def _fold_entries(self, entries: Iterable[tuple[bytes, bytes, str]]) -> None:
+        for namespace, key, tier in entries:
+            block = (namespace, key)
+            self._holdings[block] = self._holdings.get(block, 0) | TIER_BITS[tier]
+
+    def _set_mask(self, block: _Block, mask: int) -> None:
+        if mask:
+            self._holdings[block] = mask
+        else:
+            self._holdings.pop(block, None)
+
+    def _resync(self, load: NodeLoad) -> None:
+        """Register a new epoch and write everything held under it."""
+        epoch = self.directory.register(self.node_id, self.address, self.cluster)
+        items = list(self._holdings.items())
+        for start in range(0, max(len(items), 1), _FULL_PUBLISH_CHUNK):
+            chunk = dict(items[start : start + _FULL_PUBLISH_CHUNK])
+            self.directory.write_blocks(self.node_id, epoch, chunk, load if start == 0 else None)
+        self.epoch, self._written_load, self._needs_resync = epoch, load, False
+        self._refresh_queue = []
+        self.counters["resyncs"] += 1
+        self.counters["published_blocks"] += len(items)
+        if self.status != "registered":
+            _LOG.info("node %s: registered epoch %d with %d blocks", self.node_id, epoch, len(items))
+        self.status, self.last_error = "registered", None
+        self._registered.set()
+
+    def _heartbeat(self, load: NodeLoad) -> None:
+        status = self.directory.heartbeat(self.node_id, self.epoch, load)
+        if status == "gone":
+            _LOG.warning("node %s: its directory record is gone; re-registering", self.node_id)
+            self._needs_resync = True
+            self._wake.set()
+            return
+        if status == "superseded":
+            self.status = "superseded"
+            return
+        self._written_load = load
+        self._refresh_slice()
+
+    def _refresh_slice(self) -> None:
+        """Extend the TTL of the next slice of held blocks (all of them every block_ttl_s / 2)."""
+        if not self._refresh_queue:
+            self._refresh_queue = list(self._holdings)
+        rounds = max(1.0, self.directory.block_ttl_s / 2 / self.heartbeat_s)
+        count = math.ceil(len(self._holdings) / rounds)
+        if count:
+            blocks, self._refresh_queue = self._refresh_queue[:count], self._refresh_queue[count:]
+            self.directory.refresh_blocks(blocks)

@@ -1,0 +1,279 @@
+"""The prefix directory on a real Redis: registration and epochs, block entries from synthetic
+event batches, lookups, TTLs, namespace isolation, and a lost Redis rebuilt from a node."""
+
+import time
+
+import pytest
+
+from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad, tier_mask
+from kvjax.cluster.publisher import DirectoryPublisher
+from kvjax.cluster.redis_process import RedisProcess
+from kvjax.tiers.block_events import BlockEvent
+
+CLUSTER = ClusterInfo(model="tiny", page_size=4)
+TENANT_A, TENANT_B = Namespace("tenant-a"), Namespace("tenant-b")
+TOKENS = list(range(40))  # 10 blocks of 4 tokens
+
+
+def keys_of(namespace, tokens=TOKENS):
+    return chained_block_keys(tokens, CLUSTER.page_size, namespace)
+
+
+def stored(namespace, keys, tier="device", kind="stored", seq=0):
+    """One batch of events: ``kind`` of every key, chained parents, on ``tier``."""
+    digest = namespace.digest()
+    return tuple(BlockEvent(seq + i, digest, key, keys[i - 1] if i else None, tier, kind) for i, key in enumerate(keys))
+
+
+def masks_of(batch):
+    """What a publisher would write for a batch of "stored" events on one tier."""
+    return {(event.namespace, event.key): tier_mask([event.tier]) for event in batch}
+
+
+def by_id(views):
+    return {view.node_id: view for view in views}
+
+
+def wait_until(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def test_register_increments_the_epoch_and_lists_the_live_node(directory):
+    assert directory.register("n1", "http://127.0.0.1:1", CLUSTER) == 1
+    assert directory.register("n1", "http://127.0.0.1:2", CLUSTER) == 2
+    (view,) = directory.live_nodes()
+    assert (view.node_id, view.epoch, view.address, view.load) == ("n1", 2, "http://127.0.0.1:2", NodeLoad(0, 0))
+    assert directory.cluster_info() == CLUSTER
+
+
+def test_a_node_of_another_model_or_page_size_is_refused(directory):
+    directory.register("n1", "http://a", CLUSTER)
+    with pytest.raises(ValueError, match=r"cannot join prefix .*cluster page_size=4 but this node has 16"):
+        directory.register("n2", "http://b", ClusterInfo(model="tiny", page_size=16))
+    assert [view.node_id for view in directory.live_nodes()] == ["n1"]
+
+
+@pytest.mark.parametrize("bad", ["", "a:b", "a b", None])
+def test_bad_node_ids_are_refused(directory, bad):
+    with pytest.raises(ValueError, match="node_id=.* must be a non-empty str"):
+        directory.register(bad, "http://a", CLUSTER)
+
+
+def test_bad_directory_options_are_refused(redis_server):
+    with pytest.raises(ValueError, match="prefix='a:b' must be a non-empty name without ':'"):
+        Directory.connect(redis_server.url, prefix="a:b")
+    with pytest.raises(ValueError, match="node_ttl_s=0 must be > 0 seconds"):
+        Directory.connect(redis_server.url, node_ttl_s=0)
+
+
+def test_lookup_returns_each_nodes_leading_run_by_tier(directory):
+    keys = keys_of(TENANT_A)
+    e1 = directory.register("n1", "http://a", CLUSTER)
+    e2 = directory.register("n2", "http://b", CLUSTER)
+    directory.register("n3", "http://c", CLUSTER)
+    # n1: blocks 0-5, 0-2 on device (and host), 3-5 on host only; n2: blocks 0-1 and 3-9 (a gap at 2)
+    directory.write_blocks("n1", e1, {**masks_of(stored(TENANT_A, keys[:3], "host")),
+                                      **{b: 3 for b in masks_of(stored(TENANT_A, keys[:3]))},
+                                      **masks_of(stored(TENANT_A, keys[3:6], "host"))})  # fmt: skip
+    directory.write_blocks("n2", e2, masks_of(stored(TENANT_A, keys[:2] + keys[3:], "disk")))
+    views = by_id(directory.lookup(TENANT_A.digest(), keys))
+    assert views["n1"].prefix_blocks == 6
+    assert views["n1"].blocks_by_tier == {"device": 3, "host": 3, "disk": 0}
+    assert views["n2"].prefix_blocks == 2
+    assert views["n2"].blocks_by_tier == {"device": 0, "host": 0, "disk": 2}
+    assert views["n3"].prefix_blocks == 0
+    other_prompt = keys_of(TENANT_A, [7] + TOKENS[1:])  # differs in the first token: every key differs
+    assert [view.prefix_blocks for view in directory.lookup(TENANT_A.digest(), other_prompt)] == [0, 0, 0]
+
+
+def test_removed_entries_shorten_the_run_and_leave_no_key_behind(directory):
+    keys = keys_of(TENANT_A)
+    epoch = directory.register("n1", "http://a", CLUSTER)
+    directory.write_blocks("n1", epoch, masks_of(stored(TENANT_A, keys)))
+    name = directory.block_key(TENANT_A.digest(), keys[4])
+    assert 0 < directory.client.pttl(name) <= directory.block_ttl_s * 1000
+    directory.write_blocks("n1", epoch, {(TENANT_A.digest(), keys[4]): 0})
+    assert directory.lookup(TENANT_A.digest(), keys)[0].prefix_blocks == 4
+    assert not directory.client.exists(name)  # the node's field was the last: the hash is gone
+
+
+def test_entries_of_an_old_epoch_are_never_used(directory):
+    keys = keys_of(TENANT_A)
+    old = directory.register("n1", "http://a", CLUSTER)
+    directory.write_blocks("n1", old, masks_of(stored(TENANT_A, keys)))
+    new = directory.register("n1", "http://a", CLUSTER)  # the node restarted
+    assert directory.lookup(TENANT_A.digest(), keys)[0].prefix_blocks == 0
+    directory.write_blocks("n1", old, masks_of(stored(TENANT_A, keys)))  # a late write of the old process
+    assert directory.lookup(TENANT_A.digest(), keys)[0].prefix_blocks == 0
+    directory.write_blocks("n1", new, masks_of(stored(TENANT_A, keys[:3])))
+    assert directory.lookup(TENANT_A.digest(), keys)[0].prefix_blocks == 3
+
+
+def test_a_node_without_heartbeat_leaves_within_its_ttl(redis_server, redis_prefix):
+    directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=0.3)
+    keys = keys_of(TENANT_A)
+    epoch = directory.register("n1", "http://a", CLUSTER)
+    directory.write_blocks("n1", epoch, masks_of(stored(TENANT_A, keys)))
+    assert directory.heartbeat("n1", epoch, NodeLoad(1, 10)) == "ok"
+    assert directory.lookup(TENANT_A.digest(), keys)[0].load == NodeLoad(1, 10)
+    time.sleep(0.5)
+    assert directory.lookup(TENANT_A.digest(), keys) == []  # its entries are there, unused
+    assert directory.heartbeat("n1", epoch, NodeLoad()) == "gone"
+    assert directory.add_load("n1", 1, 100) is False
+    assert not directory.client.exists(directory.node_key("n1"))  # no record resurrected by the router
+
+
+def test_a_newer_epoch_of_the_same_id_supersedes_the_old_process(directory):
+    old = directory.register("n1", "http://a", CLUSTER)
+    directory.register("n1", "http://b", CLUSTER)
+    assert directory.heartbeat("n1", old, NodeLoad()) == "superseded"
+    directory.deregister("n1", old)  # the old process shutting down must not drop the new record
+    assert [view.address for view in directory.live_nodes()] == ["http://b"]
+
+
+def test_deregister_drops_the_node_at_once_and_heartbeats_prune_the_set(directory):
+    e1 = directory.register("n1", "http://a", CLUSTER)
+    e2 = directory.register("n2", "http://b", CLUSTER)
+    directory.deregister("n1", e1)
+    assert [view.node_id for view in directory.live_nodes()] == ["n2"]
+    directory.heartbeat("n2", e2, NodeLoad())
+    assert directory.client.smembers(f"{directory.prefix}:nodes") == {b"n2"}
+
+
+def test_routing_time_load_adds_to_the_node_record(directory):
+    directory.register("n1", "http://a", CLUSTER)
+    assert directory.add_load("n1", 1, 300) and directory.add_load("n1", 1, 20)
+    assert directory.live_nodes()[0].load == NodeLoad(2, 320)
+
+
+def test_no_tenant_sees_another_tenants_blocks(directory):
+    keys_a, keys_b = keys_of(TENANT_A), keys_of(TENANT_B)  # identical prompts
+    assert not set(keys_a) & set(keys_b)
+    epoch = directory.register("n1", "http://a", CLUSTER)
+    directory.write_blocks("n1", epoch, masks_of(stored(TENANT_A, keys_a)))
+    assert directory.lookup(TENANT_A.digest(), keys_a)[0].prefix_blocks == 10
+    assert directory.lookup(TENANT_B.digest(), keys_b)[0].prefix_blocks == 0
+    assert directory.lookup(TENANT_B.digest(), keys_a)[0].prefix_blocks == 0  # B's digest, A's keys
+    names = directory.client.keys(f"{directory.prefix}:b:*")
+    assert {name.decode().split(":")[2] for name in names} == {TENANT_A.digest().hex()}
+
+
+# --- the publisher: events in, one transaction per wake-up, resync on loss -----------------
+
+
+def make_publisher(directory, node_id="n1", holdings=(), **options):
+    publisher = DirectoryPublisher(directory, node_id, f"http://{node_id}", CLUSTER, holdings,
+                                   heartbeat_s=options.pop("heartbeat_s", 0.1), **options)  # fmt: skip
+    publisher.start()
+    return publisher
+
+
+def run_of(directory, namespace, keys, node_id="n1"):
+    return by_id(directory.lookup(namespace.digest(), keys)).get(node_id)
+
+
+def test_the_publisher_folds_event_batches_into_entries(directory):
+    keys = keys_of(TENANT_A)
+    initial = [(TENANT_A.digest(), key, "disk") for key in keys[:2]]  # the cache's holdings at start
+    publisher = make_publisher(directory, holdings=initial)
+    try:
+        assert run_of(directory, TENANT_A, keys).prefix_blocks == 2
+        publisher.submit([stored(TENANT_A, keys[:6]), stored(TENANT_A, keys[:6], "host", seq=6)], NodeLoad(2, 64))
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 6)
+        view = run_of(directory, TENANT_A, keys)
+        assert view.blocks_by_tier == {"device": 6, "host": 0, "disk": 0} and view.load == NodeLoad(2, 64)
+        publisher.submit([stored(TENANT_A, keys[3:4], "host", kind="removed", seq=12)])  # still on device
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).blocks_by_tier["host"] == 0)
+        assert run_of(directory, TENANT_A, keys).prefix_blocks == 6
+        publisher.submit([(BlockEvent(13, None, None, None, "device", "cleared"),)])  # block 3 is gone now
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
+        assert run_of(directory, TENANT_A, keys).blocks_by_tier == {"device": 0, "host": 3, "disk": 0}
+    finally:
+        publisher.close()
+    assert directory.live_nodes() == []  # a clean shutdown deregisters
+
+
+def test_a_restarted_redis_is_rebuilt_from_the_node(tmp_path, redis_prefix):
+    with RedisProcess.start(directory=tmp_path) as server:
+        directory = Directory.connect(server.url, prefix=redis_prefix, node_ttl_s=0.6)
+        keys = keys_of(TENANT_A)
+        publisher = make_publisher(directory)
+        try:
+            publisher.submit([stored(TENANT_A, keys[:5])])
+            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 5)
+            epoch = publisher.epoch
+            server.restart()  # empty: no persistence
+            assert wait_until(lambda: (run_of(directory, TENANT_A, keys) or None) is not None
+                              and run_of(directory, TENANT_A, keys).prefix_blocks == 5)  # fmt: skip
+            assert publisher.status == "registered" and publisher.counters["resyncs"] >= 2
+            assert run_of(directory, TENANT_A, keys).epoch == 1 and epoch == 1  # a fresh counter
+            publisher.submit([stored(TENANT_A, keys[5:7], seq=5)])  # events after the rebuild still flow
+            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 7)
+        finally:
+            publisher.close()
+
+
+def test_the_publisher_rewrites_everything_under_a_new_epoch_after_a_lapse(directory):
+    keys = keys_of(TENANT_A)
+    publisher = make_publisher(directory)
+    try:
+        publisher.submit([stored(TENANT_A, keys[:4])])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 4)
+        directory.client.delete(directory.node_key("n1"))  # its record lapsed (e.g. a long pause)
+        assert wait_until(lambda: (view := run_of(directory, TENANT_A, keys)) is not None and view.epoch == 2)
+        assert run_of(directory, TENANT_A, keys).prefix_blocks == 4
+    finally:
+        publisher.close()
+
+
+def test_reset_replaces_the_holdings_after_lost_batches(directory):
+    keys = keys_of(TENANT_A)
+    publisher = make_publisher(directory)
+    try:
+        publisher.submit([stored(TENANT_A, keys[:8])])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 8)
+        publisher.reset([(TENANT_A.digest(), key, "host") for key in keys[:3]])  # what the cache holds
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
+        assert run_of(directory, TENANT_A, keys).blocks_by_tier == {"device": 0, "host": 3, "disk": 0}
+    finally:
+        publisher.close()
+
+
+def test_a_second_process_with_the_same_id_supersedes_the_first(directory):
+    first = make_publisher(directory)
+    second = make_publisher(directory)
+    try:
+        assert wait_until(lambda: first.status == "superseded")
+        assert second.status == "registered" and directory.live_nodes()[0].epoch == second.epoch
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_publisher_refreshes_block_ttls(redis_server, redis_prefix):
+    directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=2.0, block_ttl_s=1.0)
+    keys = keys_of(TENANT_A)
+    publisher = make_publisher(directory)
+    try:
+        publisher.submit([stored(TENANT_A, keys[:4])])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 4)
+        time.sleep(1.5)  # past the block TTL: only the heartbeat's refreshes keep the entries
+        assert run_of(directory, TENANT_A, keys).prefix_blocks == 4
+    finally:
+        publisher.close(deregister=False)
+    time.sleep(1.2)
+    assert directory.client.keys(f"{redis_prefix}:b:*") == []  # nobody refreshes them: gone
+
+
+def test_registration_fails_clearly_without_redis(redis_prefix):
+    directory = Directory.connect("redis://127.0.0.1:1/0", prefix=redis_prefix, timeout_s=0.2)
+    publisher = DirectoryPublisher(directory, "n1", "http://a", CLUSTER, heartbeat_s=0.05)
+    with pytest.raises(RuntimeError, match=r"node 'n1' could not register in the directory within 0.3s: "
+                                           r"ConnectionError"):  # fmt: skip
+        publisher.start(timeout_s=0.3)
