@@ -1,4 +1,5 @@
-"""Fixtures for the cluster tests: a real redis-server, and a fresh directory per test.
+"""Fixtures for the cluster tests: a real redis-server, a fresh directory per test, and node
+and router processes.
 
 The server is one per session on a free loopback port (``RedisProcess``: started from the
 binary the project's install brings, stopped by pid). Tests stay apart by key prefix, not by
@@ -9,7 +10,12 @@ No server binary is a failure with the install command, not a skip.
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import select
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -17,6 +23,16 @@ from kvjax.cluster.directory import Directory
 from kvjax.cluster.redis_process import RedisProcess, find_redis_server
 
 _prefixes = itertools.count()
+
+
+def wait_until(predicate, timeout=10.0, interval=0.05):
+    """Poll ``predicate`` until it is true (True) or ``timeout`` seconds passed (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +59,109 @@ def directory(redis_server, redis_prefix):
     directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=2.0)
     yield directory
     directory.client.close()
+
+
+# --- node and router processes -------------------------------------------------------------
+
+
+class ServiceProcess:
+    """``python -m kvjax.cluster <args>`` as a child process; ready once it prints its JSON
+    line (``.ready``: the parsed line, ``.url``). Stopped by pid; stderr goes to ``log``."""
+
+    def __init__(self, args, log_path, env=None):
+        self.args, self.log_path = args, log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen([sys.executable, "-m", "kvjax.cluster", *args], stdout=subprocess.PIPE,
+                                        stderr=self._log, env={**os.environ, **(env or {})})  # fmt: skip
+        self.ready = None
+
+    def wait_ready(self, timeout=180.0):
+        deadline = time.monotonic() + timeout
+        line = b""
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if self.process.poll() is not None or remaining <= 0:
+                self.stop()
+                log = open(self.log_path, errors="replace").read()[-3000:]
+                pytest.fail(f"{' '.join(self.args[:1])} did not get ready (exit {self.process.returncode}): {log}")
+            readable, _, _ = select.select([self.process.stdout], [], [], min(remaining, 0.5))
+            if readable:
+                line += os.read(self.process.stdout.fileno(), 4096)
+        self.ready = json.loads(line.decode().splitlines()[0])
+        return self
+
+    @property
+    def url(self):
+        return self.ready["ready"]
+
+    def stop(self):
+        """SIGTERM by pid (a clean shutdown), SIGKILL after 15 s."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+    def kill(self):
+        """SIGKILL by pid: a node that dies without deregistering."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def jax_cache_env(tmp_path_factory):
+    """Environment for node processes: CPU, and one persistent compilation cache so every
+    node after the first skips most of its compile time."""
+    return {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1"}  # fmt: skip
+
+
+def start_node(node_id, redis_url, prefix, log_dir, env, extra=()):
+    """A node process, not waited for (``.wait_ready()``)."""
+    return ServiceProcess(["node", "--node-id", node_id, "--port", "0", "--redis", redis_url, "--prefix", prefix,
+                           *extra], log_dir / f"{node_id}.log", env)  # fmt: skip
+
+
+def start_router(redis_url, prefix, log_dir, strategy="prefix", name="router", wait=True):
+    router = ServiceProcess(["router", "--port", "0", "--redis", redis_url, "--prefix", prefix, "--strategy", strategy],
+                            log_dir / f"{name}.log")  # fmt: skip
+    return router.wait_ready() if wait else router
+
+
+class Cluster:
+    """Two nodes and a prefix router on one prefix of the session's Redis."""
+
+    def __init__(self, redis_url, prefix, nodes, router):
+        self.redis_url, self.prefix, self.nodes, self.router = redis_url, prefix, nodes, router
+
+    def directory(self):
+        return Directory.connect(self.redis_url, prefix=self.prefix)
+
+
+@pytest.fixture(scope="session")
+def cluster(redis_server, tmp_path_factory, jax_cache_env):
+    """Nodes n1 and n2 (the tiny preset, no tiers) and a ``prefix`` router, as real processes,
+    shared by every test of the session (JAX import and compilation cost seconds per node)."""
+    log_dir = tmp_path_factory.mktemp("cluster-logs")
+    prefix = f"cluster{os.getpid()}"
+    started = []
+    try:
+        # The first node fills the compilation cache; the second and the router start together.
+        started.append(start_node("n1", redis_server.url, prefix, log_dir, jax_cache_env, ["--no-tiers"]).wait_ready())
+        started.append(start_node("n2", redis_server.url, prefix, log_dir, jax_cache_env, ["--no-tiers"]))
+        started.append(start_router(redis_server.url, prefix, log_dir, wait=False))
+        for process in started[1:]:
+            process.wait_ready()
+    except BaseException:
+        for process in started:
+            process.stop()
+        raise
+    n1, n2, router = started
+    yield Cluster(redis_server.url, prefix, {"n1": n1, "n2": n2}, router)
+    for process in started:
+        process.stop()

@@ -5,4 +5,4 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Cluster fixtures (a real redis-server per session, node and router processes).
-from cluster_fixtures import directory, redis_prefix, redis_server  # noqa: E402,F401
+from cluster_fixtures import cluster, directory, jax_cache_env, redis_prefix, redis_server  # noqa: E402,F401

@@ -4,6 +4,7 @@ event batches, lookups, TTLs, namespace isolation, and a lost Redis rebuilt from
 import time
 
 import pytest
+from cluster_fixtures import wait_until
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad, tier_mask
@@ -33,15 +34,6 @@ def masks_of(batch):
 
 def by_id(views):
     return {view.node_id: view for view in views}
-
-
-def wait_until(predicate, timeout=10.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
 
 
 def test_register_increments_the_epoch_and_lists_the_live_node(directory):

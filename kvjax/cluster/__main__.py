@@ -1,0 +1,147 @@
+"""``python -m kvjax.cluster {redis,node,router}``: run the pieces of a cluster by hand.
+
+* ``redis``: a redis-server on loopback from the binary the install brought (for machines
+  without a system Redis; see ``kvjax.cluster.redis_process``).
+* ``node``: the ``tiny`` (or another) preset's engine behind the OpenAI-compatible API,
+  registered in the directory at ``--redis`` (without it: a standalone server).
+* ``router``: the OpenAI-compatible front that routes by the directory.
+
+Each prints one JSON line once it serves, e.g. ``{"ready": "http://127.0.0.1:8001",
+"node_id": "n1"}``, then logs warnings only; Ctrl-C (SIGINT) or SIGTERM stops it cleanly
+(a node drops its directory record on the way out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+
+import uvicorn
+
+from kvjax.cluster.directory import Directory
+from kvjax.cluster.node_server import create_node_app, start_worker
+from kvjax.cluster.redis_process import RedisProcess
+from kvjax.cluster.router import STRATEGIES, RouterConfig, RoutingPolicy
+from kvjax.cluster.router_server import RouterService, create_router_app
+from kvjax.serving.engine import Engine
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvjax.cluster", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    redis_parser = commands.add_parser("redis", help="run a redis-server on loopback")
+    redis_parser.add_argument("--port", type=int, default=6379)
+    redis_parser.set_defaults(func=_run_redis)
+    node = commands.add_parser("node", help="serve one engine")
+    _common(node, default_port=8001)
+    node.add_argument("--node-id", required=True, help="stable name of this node (no ':' or spaces)")
+    node.add_argument("--advertise", help="URL routers use to reach this node (default: http://HOST:PORT)")
+    node.add_argument("--preset", default="tiny", help="configs/<preset>.toml")
+    node.add_argument("--model-name", help="the model name clients send (default: the preset's name)")
+    node.add_argument("--no-tiers", action="store_true", help="leave out the preset's host and disk tiers")
+    node.add_argument("--weights", help="an orbax checkpoint directory (default: random weights from the seed)")
+    node.set_defaults(func=_run_node)
+    router = commands.add_parser("router", help="route requests to the nodes")
+    _common(router, default_port=8000)
+    router.add_argument("--strategy", default="prefix", choices=STRATEGIES)
+    router.add_argument("--imbalance-abs", type=float, default=RouterConfig().imbalance_abs,
+                        help="load units (requests) a holder may be above the least loaded node")
+    router.add_argument("--imbalance-rel", type=float, default=RouterConfig().imbalance_rel,
+                        help="the same as a fraction of the mean load (the larger of the two applies)")
+    router.add_argument("--max-attempts", type=int, default=3, help="nodes to try per request")
+    router.set_defaults(func=_run_router)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.command == "redis" else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)  # fmt: skip
+    return int(args.func(args) or 0)
+
+
+def _common(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=default_port, help="0: any free port")
+    parser.add_argument("--redis", help="the directory's Redis, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument("--prefix", default="kvjax", help="the cluster's key prefix in Redis")
+    parser.add_argument("--node-ttl", type=float, default=6.0, help="seconds a node stays listed without heartbeat")
+
+
+def _run_redis(args) -> int:
+    server = RedisProcess.start(port=args.port)
+    print(json.dumps({"ready": server.url, "pid": server.pid, "binary": server.binary}), flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        server.stop()
+    return 0
+
+
+def _run_node(args) -> int:
+    engine = Engine.from_preset(args.preset, tiers=not args.no_tiers, weights=args.weights)
+    engine.warmup()  # compile before registering: a router must not send work to a compiling node
+    sock = _listen(args.host, args.port)
+    address = args.advertise or f"http://{args.host}:{sock.getsockname()[1]}"
+    directory = _directory(args)
+    model = args.model_name or args.preset
+    worker = start_worker(engine, node_id=args.node_id, address=address, model=model, directory=directory)
+    try:
+        _serve(create_node_app(worker, model, args.node_id), sock,
+               {"ready": address, "node_id": args.node_id, "model": model})  # fmt: skip
+    finally:
+        worker.stop()
+        engine.close()
+    return 0
+
+
+def _run_router(args) -> int:
+    directory = _directory(args)
+    if directory is None:
+        raise SystemExit("router: --redis URL is required (the directory it routes by)")
+    config = RouterConfig(args.strategy, imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel)
+    service = RouterService(directory, RoutingPolicy(config), max_attempts=args.max_attempts)
+    sock = _listen(args.host, args.port)
+    address = f"http://{args.host}:{sock.getsockname()[1]}"
+    _serve(create_router_app(service), sock, {"ready": address, "strategy": args.strategy})
+    return 0
+
+
+def _directory(args) -> Directory | None:
+    if not args.redis:
+        return None
+    return Directory.connect(args.redis, prefix=args.prefix, node_ttl_s=args.node_ttl)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind before serving, so that port 0 gives a known port and the ready line is true."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def _serve(app, sock: socket.socket, ready: dict) -> None:
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+
+    async def serve():
+        async def announce():
+            while not server.started:
+                await asyncio.sleep(0.01)
+            print(json.dumps(ready), flush=True)
+
+        announcer = asyncio.ensure_future(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            announcer.cancel()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

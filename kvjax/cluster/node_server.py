@@ -1,0 +1,348 @@
+"""A serving node: one Engine behind an OpenAI-compatible HTTP API, publishing to the directory.
+
+Endpoints: ``POST /v1/completions`` (streamed as server-sent events or not; see
+``kvjax.cluster.openai_api`` for the fields and the ``namespace`` extension), ``GET
+/v1/models``, ``GET /health`` (200 while the engine loop runs, 503 after it failed or a newer
+process took over the node id) and ``GET /metrics`` (Prometheus text: the engine's metrics and
+the node's own).
+
+Threads: the engine is single-threaded, so one thread (``EngineWorker``) owns it: HTTP
+handlers hand it requests and cancellations through a queue, and it hands each request's
+events back to that request's asyncio queue. After every step it polls the cache's block
+event subscription and passes the batches, with the node's load, to the directory
+publisher's thread, so neither the HTTP loop nor the engine waits on Redis.
+
+Load (what the router compares): requests accepted and not finished, and the prompt tokens
+of those without a first token yet that the cache did not hold when they arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvjax.cache.block_keys import Namespace
+from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad
+from kvjax.cluster.openai_api import (
+    CompletionRequest,
+    RequestError,
+    TextStream,
+    completion_body,
+    error_body,
+    parse_completion_request,
+    sse,
+    stream_chunk,
+    usage_body,
+)
+from kvjax.cluster.publisher import DirectoryPublisher
+from kvjax.serving.engine import Engine
+from kvjax.serving.engine_events import FinishEvent, TokenEvent
+from kvjax.serving.sampling import SamplingParams
+
+__all__ = ["EngineWorker", "cluster_info_of", "create_node_app", "start_worker"]
+
+_LOG = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its queue before looking again
+
+Sink = Callable[[object], None]  # receives TokenEvent / FinishEvent / an exception
+
+
+class EngineWorker:
+    """Runs ``engine`` on its own thread; see the module docstring.
+
+    ``publisher`` (optional) receives each step's block event batches and the node's load.
+    """
+
+    def __init__(self, engine: Engine, publisher: DirectoryPublisher | None = None, events=None):
+        self.engine, self.publisher = engine, publisher
+        self._events = events  # the cache's block event Subscription, when there is a directory
+        self._lost_batches = 0
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._prefill_tokens: dict[str, int] = {}  # requests without a first token yet
+        self._load = NodeLoad()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the engine thread, then the publisher (which drops the node's record)."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread.is_alive():
+            self._thread.join(timeout=10.0)
+        if self.publisher is not None:
+            self.publisher.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def load(self) -> NodeLoad:
+        return self._load
+
+    def submit(self, request_id: str, request: CompletionRequest, sink: Sink) -> None:
+        """Queue a request; its events (or a ValueError from the engine) go to ``sink``."""
+        self._commands.put(("add", request_id, request, sink))
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", request_id))
+
+    # --- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._take_commands(block=not self.engine.has_unfinished)
+                if self.engine.has_unfinished:
+                    for event in self.engine.step():
+                        self._deliver(event)
+                self._publish()
+        except Exception as error:  # a broken engine: fail every request, report unhealthy
+            _LOG.exception("engine loop failed")
+            self.error = error
+            for sink in self._sinks.values():
+                sink(RuntimeError(f"the engine failed: {error}"))
+            self._sinks.clear()
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, request_id, request, sink = command
+            try:
+                self._add(request_id, request)
+            except ValueError as error:
+                sink(RequestError(str(error)))
+                return
+            self._sinks[request_id] = sink
+        elif command[0] == "cancel":
+            self.engine.cancel(command[1])
+
+    def _add(self, request_id: str, request: CompletionRequest) -> None:
+        engine = self.engine
+        namespace = Namespace(request.namespace) if request.namespace else None
+        sampling = SamplingParams(request.temperature, request.top_k, request.seed)
+        if request.prompt is not None:
+            prompt = {"prompt": request.prompt}
+            tokens = engine.tokenizer.encode(request.prompt)
+        else:
+            prompt = {"tokens": request.prompt_tokens}
+            tokens = request.prompt_tokens
+        uncached = len(tokens) - engine.cache.match(tokens, namespace).hit_tokens  # validates the ids too
+        engine.add_request(request_id, **prompt, max_new_tokens=request.max_tokens, sampling=sampling,
+                           namespace=namespace)  # fmt: skip
+        self._prefill_tokens[request_id] = uncached
+
+    def _deliver(self, event) -> None:
+        if isinstance(event, TokenEvent):
+            self._prefill_tokens.pop(event.request_id, None)
+            sink = self._sinks.get(event.request_id)
+        elif isinstance(event, FinishEvent):
+            self._prefill_tokens.pop(event.request_id, None)
+            sink = self._sinks.pop(event.request_id, None)
+        else:
+            return
+        if sink is not None:
+            sink(event)
+
+    def _publish(self) -> None:
+        load, self._load = self._load, NodeLoad(len(self._sinks), sum(self._prefill_tokens.values()))
+        if self.publisher is None:
+            return
+        batches = self._events.poll() if self._events is not None else []
+        if self._events is not None and self._events.lost_batches != self._lost_batches:
+            self._lost_batches = self._events.lost_batches  # fell behind: start again from the holdings
+            self._events.poll()
+            self.publisher.reset(self.engine.cache.block_index().entries())
+            batches = []
+        if batches or self._load != load:
+            self.publisher.submit(batches, self._load)
+
+
+def start_worker(engine: Engine, *, node_id: str, address: str, model: str,
+                 directory: Directory | None = None, register_timeout_s: float = 10.0) -> EngineWorker:  # fmt: skip
+    """The engine's worker thread, started; with ``directory``, registered there first and
+    publishing the cache's holdings and block events (ValueError / RuntimeError from
+    ``DirectoryPublisher.start`` when it cannot register)."""
+    publisher = events = None
+    if directory is not None:
+        holdings = ()
+        # The tiered cache's event stream (subscribe / block_index) is landing in parallel;
+        # until it has, a node registers and reports load but publishes no blocks.
+        if hasattr(engine.cache, "subscribe"):
+            events = engine.cache.subscribe()
+            holdings = list(engine.cache.block_index().entries())
+        else:
+            _LOG.warning("the cache has no block event stream: node %s publishes load only", node_id)
+        publisher = DirectoryPublisher(directory, node_id, address, cluster_info_of(engine, model), holdings)
+        publisher.start(register_timeout_s)
+    worker = EngineWorker(engine, publisher, events)
+    worker.start()
+    return worker
+
+
+def cluster_info_of(engine: Engine, model: str) -> ClusterInfo:
+    """What a router needs to key prompts the way ``engine`` does."""
+    tokenizer = getattr(engine.tokenizer, "name", type(engine.tokenizer).__name__)
+    canonicalize = engine.canonicalize is not None and engine.canonicalize.enabled
+    return ClusterInfo(model, engine.pool.config.page_size, "byte" if tokenizer == "ByteTokenizer" else tokenizer,
+                       canonicalize)  # fmt: skip
+
+
+def create_node_app(worker: EngineWorker, model: str, node_id: str) -> FastAPI:
+    """The node's FastAPI app around a started ``worker``."""
+    app = FastAPI(title=f"kvjax node {node_id}")
+    registry = _node_metrics(worker)
+    decode = worker.engine.tokenizer.decode
+
+    @app.exception_handler(RequestError)
+    async def request_error(_, error: RequestError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.post("/v1/completions")
+    async def completions(http_request: Request):
+        request = parse_completion_request(await http_request.body(), http_request.headers)
+        if request.model != model:
+            raise RequestError(f"model={request.model!r} is not served here; this node serves {model!r}",
+                               status=404, param="model")  # fmt: skip
+        if not worker.alive:
+            raise RequestError(f"node {node_id} cannot serve: {worker.error}", status=503, kind="server_error")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        worker.submit(request_id, request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        try:
+            first = await events.get()
+            _raise_if_failed(first)
+            headers = {"x-kvjax-node": node_id}
+            if request.stream:
+                chunks = _stream(worker, request_id, request, first, events, TextStream(decode))
+                return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+            finish = first
+            while not isinstance(finish, FinishEvent):
+                finish = await events.get()
+                _raise_if_failed(finish)
+        except asyncio.CancelledError:  # the client went away before the answer was complete
+            worker.cancel(request_id)
+            raise
+        body = completion_body(request_id, model, finish.text or "", _finish_reason(finish), _usage(finish))
+        return JSONResponse(body, headers=headers)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "kvjax"}]}
+
+    @app.get("/health")
+    async def health():
+        publisher = worker.publisher
+        body = {"status": "ok" if worker.alive else "failed", "node_id": node_id, "model": model,
+                "inflight": worker.load.inflight, "prefill_tokens": worker.load.prefill_tokens,
+                "directory": None if publisher is None else publisher.status,
+                "epoch": None if publisher is None else publisher.epoch}  # fmt: skip
+        healthy = worker.alive and (publisher is None or publisher.status != "superseded")
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        text = worker.engine.metrics.prometheus_text() + prometheus_client.generate_latest(registry).decode()
+        return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _stream(worker: EngineWorker, request_id: str, request: CompletionRequest, first,
+                  events: asyncio.Queue, text: TextStream):  # fmt: skip
+    """The SSE chunks of one streamed request; a client that goes away cancels it."""
+    event, finished = first, False
+    try:
+        while True:
+            if isinstance(event, Exception):
+                yield sse(error_body(str(event), kind="server_error"))
+                break
+            if isinstance(event, TokenEvent):
+                delta = text.push(event.token_id)
+                if delta:
+                    yield sse(stream_chunk(request_id, request.model, delta))
+            elif isinstance(event, FinishEvent):
+                finished = True
+                yield sse(stream_chunk(request_id, request.model, text.finish(event.text or ""), _finish_reason(event)))
+                if request.include_usage:
+                    yield sse(stream_chunk(request_id, request.model, "", usage=_usage(event)))
+                break
+            event = await events.get()
+        yield sse("[DONE]")
+    finally:
+        if not finished:
+            worker.cancel(request_id)
+
+
+def _raise_if_failed(event) -> None:
+    """A request error from the engine thread, or a rejection, as the HTTP error it becomes."""
+    if isinstance(event, RequestError):
+        raise event
+    if isinstance(event, Exception):
+        raise RequestError(str(event), status=500, kind="server_error")
+    if isinstance(event, FinishEvent) and event.status == "rejected":
+        raise RequestError(f"the engine rejected the request: {event.reason}", status=503, kind="server_error")
+
+
+def _finish_reason(event: FinishEvent) -> str:
+    return event.reason if event.reason in ("length", "stop") else event.status
+
+
+def _usage(event: FinishEvent) -> dict:
+    return usage_body(len(event.prompt_token_ids), len(event.output_token_ids), event.num_hit_tokens)
+
+
+def _node_metrics(worker: EngineWorker) -> prometheus_client.CollectorRegistry:
+    """The node's own series next to the engine's: load and directory publishing."""
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(_NodeCollector(worker))
+    return registry
+
+
+class _NodeCollector:
+    """Reads the worker's load and the publisher's counters at scrape time."""
+
+    _PUBLISHER = (("published_batches", "Block event batches folded into the directory"),
+                  ("published_blocks", "Block entries written to the directory"),
+                  ("resyncs", "Registrations that rewrote every held block"),
+                  ("errors", "Directory writes that failed"))  # fmt: skip
+
+    def __init__(self, worker: EngineWorker):
+        self.worker = worker
+
+    def collect(self):
+        load = self.worker.load
+        yield GaugeMetricFamily("kvjax_node_inflight_requests", "Requests accepted and not finished",
+                                value=load.inflight)  # fmt: skip
+        yield GaugeMetricFamily("kvjax_node_pending_prefill_tokens",
+                                "Uncached prompt tokens of requests without a first token", value=load.prefill_tokens)
+        publisher = self.worker.publisher
+        if publisher is not None:
+            for name, help_text in self._PUBLISHER:
+                yield CounterMetricFamily(f"kvjax_node_directory_{name}", help_text, value=publisher.counters[name])

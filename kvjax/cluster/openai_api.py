@@ -1,0 +1,239 @@
+"""The OpenAI completions protocol as nodes and the router speak it: request parsing and
+validation, response and stream-chunk bodies, error bodies, incremental text for streams.
+
+Accepted request fields (anything else is refused with the list of these):
+
+* ``model`` (required; the served model's name), ``prompt`` (a string, a list of one string,
+  or a list of token ids), ``max_tokens`` (default 16), ``stream``, ``stream_options``
+  (``include_usage``), ``temperature`` (default 0: greedy, unlike OpenAI's 1, so a prompt's
+  output does not depend on the node that served it), ``top_k`` (0: all), ``seed``, ``user``;
+* OpenAI fields kvjax does not implement are accepted only at their neutral value: ``n`` /
+  ``best_of`` 1, ``echo`` false, ``top_p`` 1, ``frequency_penalty`` / ``presence_penalty`` 0,
+  ``logprobs`` / ``suffix`` / ``stop`` / ``logit_bias`` null;
+* ``namespace`` (kvjax's extension): the tenant whose cached blocks the request may share,
+  a string (default: the default namespace). The same can come in the ``X-KVJax-Namespace``
+  header, which is where a gateway that authenticates tenants sets it; body and header
+  must agree when both are given. The namespace is trusted input: whoever can choose it can
+  hit that tenant's cache, so expose the router to tenants only behind such a gateway.
+
+The official client passes the extension as ``extra_body={"namespace": "tenant-a"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "NAMESPACE_HEADER",
+    "CompletionRequest",
+    "RequestError",
+    "TextStream",
+    "completion_body",
+    "error_body",
+    "parse_completion_request",
+    "sse",
+    "stream_chunk",
+    "usage_body",
+]
+
+NAMESPACE_HEADER = "x-kvjax-namespace"
+
+_NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0,
+            "logprobs": None, "suffix": None, "stop": None, "logit_bias": None}  # fmt: skip
+_FIELDS = ("model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_k", "seed", "user",
+           "namespace", *_NEUTRAL)  # fmt: skip
+
+
+class RequestError(ValueError):
+    """A bad request: ``status`` (400, 404, 503, ...) and the OpenAI error ``param``."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error"):  # fmt: skip
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+    def body(self) -> dict:
+        return error_body(str(self), param=self.param, kind=self.kind)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A validated ``/v1/completions`` body."""
+
+    model: str
+    prompt: str | None  # text, or None when the prompt came as token ids
+    prompt_tokens: tuple[int, ...] | None
+    max_tokens: int = 16
+    stream: bool = False
+    include_usage: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+    namespace: str | None = None
+
+
+def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, str] | None = None) -> CompletionRequest:
+    """Validate a request body (JSON text or a parsed object); RequestError naming the field,
+    its value and what was expected."""
+    body = _json_object(raw)
+    unknown = sorted(set(body) - set(_FIELDS))
+    if unknown:
+        raise RequestError(f"unknown fields {unknown}; expected some of {list(_FIELDS)}", param=unknown[0])
+    for name, neutral in _NEUTRAL.items():
+        if name in body and body[name] != neutral and not (neutral is None and body[name] in ({}, [])):
+            raise RequestError(f"{name}={body[name]!r} is not supported; kvjax accepts only {neutral!r}", param=name)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError(f"model={model!r} must be the served model's name (a non-empty string)", param="model")
+    prompt, tokens = _prompt(body.get("prompt"))
+    stream = _typed(body, "stream", bool, False)
+    options = _typed(body, "stream_options", dict, None) or {}
+    if not stream and options:
+        raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool) or set(options) - {"include_usage"}:
+        raise RequestError(f"stream_options={options!r}; expected {{'include_usage': bool}}", param="stream_options")
+    return CompletionRequest(
+        model=model, prompt=prompt, prompt_tokens=tokens,
+        max_tokens=_int_in(body, "max_tokens", 16, 1, None), stream=stream, include_usage=include_usage,
+        temperature=_number_in(body, "temperature", 0.0, 0.0, 2.0), top_k=_int_in(body, "top_k", 0, 0, None),
+        seed=_int_in(body, "seed", None, 0, 2**32 - 1), namespace=_namespace(body, headers or {}))  # fmt: skip
+
+
+def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    """An OpenAI error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: dict) -> dict:
+    """A non-streamed completion."""
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage}  # fmt: skip
+
+
+def stream_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None,
+                 usage: dict | None = None) -> dict:  # fmt: skip
+    """One streamed chunk; with ``usage`` the usage-only chunk (no choices)."""
+    choices = [] if usage is not None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    chunk = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+             "choices": choices}  # fmt: skip
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI usage, with the prompt tokens served from cached KV in ``prompt_tokens_details``."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
+
+
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event: ``data: <json>`` (or ``data: [DONE]``) and a blank line."""
+    text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+class TextStream:
+    """Text deltas of a growing token sequence, never splitting a character.
+
+    A byte-level tokenizer can end a prefix in the middle of a UTF-8 character, which decodes
+    to one U+FFFD until the rest arrives (the decoder replaces an incomplete character by a
+    single U+FFFD; invalid bytes before it are final). So one trailing U+FFFD is held back
+    and the deltas concatenate to the final text exactly.
+    """
+
+    def __init__(self, decode):
+        self._decode = decode
+        self._ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token_id: int) -> str:
+        """The new stable text after ``token_id`` ("" if none)."""
+        self._ids.append(token_id)
+        text = self._decode(self._ids)
+        if text.endswith("\ufffd"):
+            text = text[:-1]
+        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
+        self.sent += delta
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of ``final_text`` (the whole output decoded) not sent yet."""
+        delta = final_text[len(self.sent) :] if final_text.startswith(self.sent) else ""
+        self.sent += delta
+        return delta
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _json_object(raw) -> dict:
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0], None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, tuple(prompt)
+    raise RequestError(f"prompt={_short(prompt)} must be a string, a list of one string or a non-empty list of "
+                       "token ids", param="prompt")  # fmt: skip
+
+
+def _namespace(body: Mapping, headers: Mapping[str, str]) -> str | None:
+    in_body, in_header = body.get("namespace"), headers.get(NAMESPACE_HEADER)
+    if in_body is not None and (not isinstance(in_body, str) or not in_body):
+        raise RequestError(f"namespace={in_body!r} must be a non-empty string (a tenant name)", param="namespace")
+    if in_body is not None and in_header is not None and in_body != in_header:
+        raise RequestError(f"namespace={in_body!r} in the body but {in_header!r} in the {NAMESPACE_HEADER} header",
+                           param="namespace")  # fmt: skip
+    return in_body if in_body is not None else (in_header or None)
+
+
+def _typed(body: Mapping, name: str, kind: type, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise RequestError(f"{name}={_short(value)} must be a {kind.__name__}", param=name)
+    return value
+
+
+def _int_in(body: Mapping, name: str, default, low: int, high: int | None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"{name}={_short(value)} must be an integer {bounds}", param=name)
+    return value
+
+
+def _number_in(body: Mapping, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
+        raise RequestError(f"{name}={_short(value)} must be a number in [{low}, {high}]", param=name)
+    return float(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

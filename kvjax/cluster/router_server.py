@@ -1,0 +1,206 @@
+"""The router's HTTP front: the nodes' OpenAI-compatible API, each request sent to one node.
+
+Per request: parse and validate the body (``kvjax.cluster.openai_api``), tokenize the prompt
+the way the nodes do (``ClusterInfo``: tokenizer, canonicalization, page size), compute the
+namespace's chained block keys, look them up in the directory (one round trip), choose a
+node (``RoutingPolicy``), count the request on it (``Directory.add_load``), and forward the
+body as it came; a streamed answer is passed through chunk by chunk. The answer carries the
+chosen node in the ``X-KVJax-Node`` header and why in ``X-KVJax-Route`` (the decision's reason
+and the prefix blocks it holds).
+
+A node that cannot be reached, or answers 503 (rejected, failed), before its answer started
+is excluded and the request routed again, up to ``max_attempts`` nodes. A stream that breaks
+after it started is not retried (the client has text already).
+
+Nothing is kept here that a restart would lose: the directory, the nodes' records and their
+loads live in Redis; only the round-robin position and the cluster record are cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Mapping
+
+import anyio.to_thread
+import httpx
+import prometheus_client
+import redis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cluster.directory import ClusterInfo, Directory
+from kvjax.cluster.openai_api import NAMESPACE_HEADER, CompletionRequest, RequestError, parse_completion_request
+from kvjax.cluster.router import Decision, RoutingPolicy
+from kvjax.text.canonicalize import CanonicalizeConfig, canonicalize
+from kvjax.text.tokenizer import ByteTokenizer
+
+__all__ = ["RouterService", "create_router_app"]
+
+_RETRY_STATUS = 503
+
+
+class RouterService:
+    """Routing decisions against ``directory`` with ``policy``; thread-safe."""
+
+    def __init__(self, directory: Directory, policy: RoutingPolicy | None = None, *, max_attempts: int = 3):
+        if not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"max_attempts={max_attempts!r} must be an int >= 1")
+        self.directory, self.policy, self.max_attempts = directory, policy or RoutingPolicy(), max_attempts
+        self._cluster: ClusterInfo | None = None
+        self._lock = threading.Lock()
+        self._tokenizer = ByteTokenizer()
+        self.registry = prometheus_client.CollectorRegistry()
+        self.routed = prometheus_client.Counter("kvjax_router_requests", "Requests sent to a node, by reason",
+                                                ["node", "reason"], registry=self.registry)  # fmt: skip
+        self.decision_seconds = prometheus_client.Histogram(
+            "kvjax_router_decision_seconds", "Tokenize, directory lookup, choice and load update",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)  # fmt: skip
+        self.forward_errors = prometheus_client.Counter("kvjax_router_forward_errors",
+                                                        "Nodes that failed a forwarded request before answering",
+                                                        ["node"], registry=self.registry)  # fmt: skip
+
+    def cluster(self) -> ClusterInfo:
+        """The cluster record the nodes registered (cached once found)."""
+        with self._lock:
+            if self._cluster is None:
+                try:
+                    self._cluster = self.directory.cluster_info()
+                except redis.RedisError as error:
+                    raise _directory_down(error) from None
+                if self._cluster is None:
+                    raise RequestError(f"no node has registered under prefix {self.directory.prefix!r} yet",
+                                       status=503, kind="server_error")  # fmt: skip
+            return self._cluster
+
+    def prompt_tokens(self, request: CompletionRequest) -> list[int]:
+        """The prompt's token ids, as the nodes compute them."""
+        if request.prompt is None:
+            return list(request.prompt_tokens)
+        cluster = self.cluster()
+        if cluster.tokenizer != "byte":
+            raise RequestError(f"the nodes tokenize with {cluster.tokenizer!r}; the router knows only 'byte'",
+                               status=500, kind="server_error")  # fmt: skip
+        text = canonicalize(request.prompt, CanonicalizeConfig()).text if cluster.canonicalize else request.prompt
+        return self._tokenizer.encode(text).tolist()
+
+    def route(self, request: CompletionRequest, exclude: frozenset[str] = frozenset()) -> Decision:
+        """Choose the node for ``request`` and count it there (blocking: Redis round trips).
+
+        RequestError: 404 for another model, 400 for bad token ids, 503 when no node is live
+        or the directory cannot be reached.
+        """
+        start = time.perf_counter()
+        cluster = self.cluster()
+        if request.model != cluster.model:
+            raise RequestError(f"model={request.model!r} is not served here; the cluster serves {cluster.model!r}",
+                               status=404, param="model")  # fmt: skip
+        namespace = Namespace(request.namespace) if request.namespace else Namespace()
+        tokens = self.prompt_tokens(request)
+        try:
+            keys = chained_block_keys(tokens, cluster.page_size, namespace)
+        except ValueError as error:
+            raise RequestError(str(error), param="prompt") from None
+        try:
+            views = self.directory.lookup(namespace.digest(), keys)
+            try:
+                decision = self.policy.choose(views, len(tokens), cluster.page_size, exclude)
+            except ValueError as error:
+                raise RequestError(str(error), status=503, kind="server_error") from None
+            self.directory.add_load(decision.node_id, 1, decision.uncached_tokens)
+        except redis.RedisError as error:
+            raise _directory_down(error) from None
+        self.routed.labels(decision.node_id, decision.reason).inc()
+        self.decision_seconds.observe(time.perf_counter() - start)
+        return decision
+
+
+def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0) -> FastAPI:
+    """The router's FastAPI app: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``."""
+    timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=30.0, pool=30.0)
+    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="kvjax router", lifespan=lifespan)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_, error: RequestError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.post("/v1/completions")
+    async def completions(http_request: Request):
+        raw = await http_request.body()
+        request = parse_completion_request(raw, http_request.headers)
+        return await _forward(service, client, raw, http_request.headers, request)
+
+    @app.get("/v1/models")
+    async def models():
+        cluster = await anyio.to_thread.run_sync(service.cluster)
+        return {"object": "list", "data": [{"id": cluster.model, "object": "model", "created": 0, "owned_by": "kvjax"}]}
+
+    @app.get("/health")
+    async def health():
+        try:
+            nodes = await anyio.to_thread.run_sync(service.directory.live_nodes)
+        except redis.RedisError as error:
+            return JSONResponse({"status": "directory unreachable", "error": str(error)}, status_code=503)
+        body = {"status": "ok" if nodes else "no live node", "strategy": service.policy.config.strategy,
+                "nodes": {view.node_id: {"address": view.address, "epoch": view.epoch, "inflight": view.load.inflight,
+                                         "prefill_tokens": view.load.prefill_tokens} for view in nodes}}  # fmt: skip
+        return JSONResponse(body, status_code=200 if nodes else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(prometheus_client.generate_latest(service.registry),
+                        media_type=prometheus_client.CONTENT_TYPE_LATEST)  # fmt: skip
+
+    return app
+
+
+async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes, headers: Mapping[str, str],
+                   request: CompletionRequest) -> Response:  # fmt: skip
+    """Send the body to the chosen node; on a failure before it answered, to the next one."""
+    forward_headers = {"content-type": "application/json"}
+    if NAMESPACE_HEADER in headers:
+        forward_headers[NAMESPACE_HEADER] = headers[NAMESPACE_HEADER]
+    excluded: set[str] = set()
+    failures = []
+    for _ in range(service.max_attempts):
+        decision = await anyio.to_thread.run_sync(service.route, request, frozenset(excluded))
+        node = decision.node
+        try:
+            upstream = await client.send(client.build_request("POST", f"{node.address}/v1/completions", content=raw,
+                                                              headers=forward_headers), stream=True)  # fmt: skip
+        except httpx.TransportError as error:
+            failures.append(f"{node.node_id}: {type(error).__name__}")
+            service.forward_errors.labels(node.node_id).inc()
+            excluded.add(node.node_id)
+            continue
+        reply_headers = {"x-kvjax-node": node.node_id,
+                         "x-kvjax-route": f"{decision.reason}; prefix_blocks={decision.prefix_blocks}"}
+        if upstream.status_code == _RETRY_STATUS:
+            failures.append(f"{node.node_id}: {(await upstream.aread()).decode(errors='replace')[:200]}")
+            await upstream.aclose()
+            excluded.add(node.node_id)
+            continue
+        if request.stream and upstream.status_code == 200:
+            return StreamingResponse(upstream.aiter_raw(), media_type=upstream.headers.get("content-type"),
+                                     headers=reply_headers, background=BackgroundTask(upstream.aclose))  # fmt: skip
+        body = await upstream.aread()
+        await upstream.aclose()
+        return Response(body, status_code=upstream.status_code, headers=reply_headers,
+                        media_type=upstream.headers.get("content-type"))  # fmt: skip
+    raise RequestError(f"no node could serve the request ({len(failures)} tried: {'; '.join(failures)})",
+                       status=503, kind="server_error")  # fmt: skip
+
+
+def _directory_down(error: Exception) -> RequestError:
+    return RequestError(f"the directory cannot be reached: {type(error).__name__}: {error}", status=503,
+                        kind="server_error")  # fmt: skip

@@ -1,0 +1,102 @@
+"""A node as a real process: the official openai client, streamed and not, health, metrics,
+bad input, and namespaces on the node's own cache."""
+
+import uuid
+
+import httpx
+import openai
+import pytest
+from cluster_fixtures import wait_until
+
+PROMPT = "You are a terse assistant.\nQ: what is a KV cache?\nA:"
+
+
+@pytest.fixture(scope="module")
+def node_url(cluster):
+    return cluster.nodes["n1"].url
+
+
+@pytest.fixture(scope="module")
+def client(node_url):
+    with openai.OpenAI(base_url=f"{node_url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def streamed(client, **kwargs):
+    chunks = list(client.completions.create(model="tiny", stream=True, **kwargs))
+    text = "".join(choice.text for chunk in chunks for choice in chunk.choices)
+    finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+    return text, finish, chunks
+
+
+def test_openai_client_non_streamed(client):
+    completion = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    choice = completion.choices[0]
+    assert completion.object == "text_completion" and completion.model == "tiny"
+    assert choice.finish_reason == "length" and isinstance(choice.text, str)
+    assert completion.usage.prompt_tokens == len(PROMPT.encode())
+    assert completion.usage.completion_tokens == 12
+
+
+def test_openai_client_streamed_gives_the_same_text(client):
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12).choices[0].text
+    text, finish, chunks = streamed(client, prompt=PROMPT, max_tokens=12, stream_options={"include_usage": True})
+    assert text == whole and finish == ["length"]
+    assert len(chunks) > 2  # text arrives in pieces, not only at the end
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+
+
+def test_a_repeated_prompt_hits_the_cache_within_its_namespace_only(client):
+    prompt = f"System prompt {uuid.uuid4().hex}, long enough to fill a few pages of sixteen tokens.\nQ: hi\nA:"
+
+    def cached_tokens(tenant):
+        usage = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"namespace": tenant}).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens("tenant-a") == 0
+    assert cached_tokens("tenant-a") == (len(prompt.encode()) - 1) // 16 * 16  # whole pages; the last token is computed
+    assert cached_tokens("tenant-b") == 0  # the same prompt in another tenant shares nothing
+
+
+def test_token_id_prompts_are_served(client):
+    completion = client.completions.create(model="tiny", prompt=list(PROMPT.encode()), max_tokens=4)
+    assert completion.usage.prompt_tokens == len(PROMPT.encode())
+
+
+def test_health_models_and_metrics(node_url):
+    health = httpx.get(f"{node_url}/health").json()
+    assert health["status"] == "ok" and health["node_id"] == "n1" and health["directory"] == "registered"
+    assert httpx.get(f"{node_url}/v1/models").json()["data"][0]["id"] == "tiny"
+    metrics = httpx.get(f"{node_url}/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert "kvjax_ttft_seconds" in metrics.text and "kvjax_node_inflight_requests" in metrics.text
+    assert "kvjax_node_directory_resyncs_total" in metrics.text
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b"{not json", 400, "the request body is not valid JSON"),
+        (b'{"model": "llama", "prompt": "x"}', 404, "model='llama' is not served here; this node serves 'tiny'"),
+        (b'{"model": "tiny", "prompt": "x", "best_of": 3}', 400, "best_of=3 is not supported"),
+        (b'{"model": "tiny", "prompt": [1, 999]}', 400, "token id 999 at index 1 is out of range"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 100000}', 400, "max_model_len=2048"),
+    ],
+)
+def test_bad_requests_get_a_clear_error(node_url, body, status, message):
+    response = httpx.post(f"{node_url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    assert message in response.json()["error"]["message"]
+
+
+def test_the_openai_client_sees_a_bad_request_error(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0 must be an integer >= 1"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(node_url):
+    with httpx.stream("POST", f"{node_url}/v1/completions", json={"model": "tiny", "prompt": PROMPT,
+                                                                 "max_tokens": 1500, "stream": True}) as response:
+        next(response.iter_lines())
+    # the node goes back to idle instead of generating 1,500 tokens for nobody
+    assert wait_until(lambda: httpx.get(f"{node_url}/health").json()["inflight"] == 0, timeout=20)

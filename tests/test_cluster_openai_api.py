@@ -1,0 +1,107 @@
+"""The completions protocol: every validation message, and streamed text that concatenates to
+the final text whatever bytes the model produces."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax.cluster.openai_api import (
+    NAMESPACE_HEADER,
+    CompletionRequest,
+    RequestError,
+    TextStream,
+    parse_completion_request,
+    sse,
+)
+from kvjax.text.tokenizer import ByteTokenizer
+
+
+def parse(body, headers=None):
+    return parse_completion_request(json.dumps(body), headers)
+
+
+def test_a_minimal_request_gets_the_defaults():
+    assert parse({"model": "tiny", "prompt": "hi"}) == CompletionRequest("tiny", "hi", None)
+
+
+def test_every_supported_field_is_read():
+    request = parse({"model": "tiny", "prompt": ["hi"], "max_tokens": 5, "stream": True,
+                     "stream_options": {"include_usage": True}, "temperature": 0.7, "top_k": 4, "seed": 3,
+                     "user": "u1", "namespace": "tenant-a", "n": 1, "echo": False, "stop": None, "top_p": 1})  # fmt: skip
+    assert request == CompletionRequest("tiny", "hi", None, 5, True, True, 0.7, 4, 3, "tenant-a")
+    assert parse({"model": "tiny", "prompt": [1, 2, 3]}).prompt_tokens == (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"model": "tiny", "prompt": "x", "frobnicate": 1}, r"unknown fields \['frobnicate'\]; expected some of \['model'"),
+        ({"prompt": "x"}, r"model=None must be the served model's name"),
+        ({"model": "tiny"}, r"prompt=None must be a string, a list of one string or a non-empty list of token ids"),
+        ({"model": "tiny", "prompt": ["a", "b"]}, r"prompt=\['a', 'b'\] must be a string"),
+        ({"model": "tiny", "prompt": []}, r"prompt=\[\] must be"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, r"max_tokens=0 must be an integer >= 1"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, r"max_tokens='5' must be an integer >= 1"),
+        ({"model": "tiny", "prompt": "x", "temperature": 3}, r"temperature=3 must be a number in \[0.0, 2.0\]"),
+        ({"model": "tiny", "prompt": "x", "seed": -1}, r"seed=-1 must be an integer in \[0, 4294967295\]"),
+        ({"model": "tiny", "prompt": "x", "stream": "yes"}, r"stream='yes' must be a bool"),
+        ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
+         r"stream_options is only allowed with stream=true"),
+        ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"usage": 1}},
+         r"stream_options=\{'usage': 1\}; expected \{'include_usage': bool\}"),
+        ({"model": "tiny", "prompt": "x", "n": 2}, r"n=2 is not supported; kvjax accepts only 1"),
+        ({"model": "tiny", "prompt": "x", "stop": ["\n"]}, r"stop=\['\\n'\] is not supported; kvjax accepts only None"),
+        ({"model": "tiny", "prompt": "x", "namespace": 5}, r"namespace=5 must be a non-empty string"),
+    ],
+)
+def test_bad_requests_name_the_field_and_what_was_expected(body, message):
+    with pytest.raises(RequestError, match=message) as error:
+        parse(body)
+    assert error.value.status == 400
+    assert error.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("raw, message", [(b"{", "not valid JSON"), (b"[1]", "must be a JSON object, got list"),
+                                          (b"\xff", "not valid JSON")])  # fmt: skip
+def test_a_body_that_is_not_a_json_object_is_refused(raw, message):
+    with pytest.raises(RequestError, match=message):
+        parse_completion_request(raw)
+
+
+def test_the_namespace_may_come_in_a_header_and_must_agree_with_the_body():
+    assert parse({"model": "tiny", "prompt": "x"}, {NAMESPACE_HEADER: "tenant-b"}).namespace == "tenant-b"
+    assert parse({"model": "tiny", "prompt": "x", "namespace": "a"}, {NAMESPACE_HEADER: "a"}).namespace == "a"
+    with pytest.raises(RequestError, match="namespace='a' in the body but 'b' in the x-kvjax-namespace header"):
+        parse({"model": "tiny", "prompt": "x", "namespace": "a"}, {NAMESPACE_HEADER: "b"})
+
+
+def test_sse_frames():
+    assert sse("[DONE]") == b"data: [DONE]\n\n"
+    assert sse({"a": 1}) == b'data: {"a":1}\n\n'
+
+
+UTF8_PIECES = st.sampled_from([b"a", b"\n", "é".encode(), "€".encode(), "😀".encode(), b"\x80", b"\xc3",
+                                b"\xe2\x82", b"\xf0\x9f", b"\xf8", b"\xed\xa0", b"\xff"])  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 255).map(lambda b: bytes([b])), UTF8_PIECES), max_size=30))
+def test_streamed_deltas_concatenate_to_the_final_text(pieces):
+    byte_ids = list(b"".join(pieces))
+    decode = ByteTokenizer().decode
+    stream = TextStream(decode)
+    deltas = [stream.push(token) for token in byte_ids]
+    held = len(decode(byte_ids)) - len(stream.sent)
+    deltas.append(stream.finish(decode(byte_ids)))
+    assert "".join(deltas) == decode(byte_ids)
+    assert held <= 1  # at most one character waits for the end
+
+
+def test_streaming_waits_for_the_rest_of_a_character_only():
+    stream = TextStream(ByteTokenizer().decode)
+    euro = list("€".encode())
+    assert [stream.push(t) for t in [ord("a"), *euro[:2]]] == ["a", "", ""]
+    assert stream.push(euro[2]) == "€"
+    assert [stream.push(t) for t in [0xF8, 0xF8, ord("b")]] == ["", "\ufffd", "\ufffdb"]  # invalid bytes do not stall

@@ -1,0 +1,139 @@
+"""The router as a real process in front of two real nodes, on a real Redis: the openai client
+through it gives a single node's text; routing follows the directory, per namespace; a node
+that cannot be reached is skipped; a second router process sees the same state."""
+
+import uuid
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from cluster_fixtures import start_router
+
+from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cluster.__main__ import main as cluster_main
+from kvjax.cluster.directory import ClusterInfo, tier_mask
+from kvjax.cluster.router_server import RouterService, create_router_app
+
+PROMPT = "You are a terse assistant.\nQ: name a prime number.\nA:"
+
+
+@pytest.fixture(scope="module")
+def router_client(cluster):
+    with openai.OpenAI(base_url=f"{cluster.router.url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def node_client(cluster):
+    with openai.OpenAI(base_url=f"{cluster.nodes['n1'].url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def post(url, body, **kwargs):
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60, **kwargs)
+
+
+def pretend_node_holds(directory, node_id, prompt, namespace=None, blocks=None):
+    """Write directory entries as if ``node_id`` held the prompt's blocks (the cache's event
+    stream is not wired to nodes yet; the router's path is what this exercises)."""
+    keys = chained_block_keys(list(prompt.encode()), 16, namespace)[:blocks]
+    epoch = {view.node_id: view.epoch for view in directory.live_nodes()}[node_id]
+    digest = (Namespace(namespace) if namespace else Namespace()).digest()
+    directory.write_blocks(node_id, epoch, {(digest, key): tier_mask(["device"]) for key in keys})
+    return len(keys)
+
+
+def test_openai_client_through_the_router_gives_a_single_nodes_text(router_client, node_client):
+    direct = node_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16).choices[0].text
+    routed = router_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16).choices[0].text
+    chunks = list(router_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, stream=True))
+    streamed = "".join(choice.text for chunk in chunks for choice in chunk.choices)
+    assert routed == direct and streamed == direct
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]
+
+
+def test_the_router_follows_the_directory_within_the_namespace(cluster):
+    directory = cluster.directory()
+    prompt = f"Shared system prompt {uuid.uuid4().hex} that spans several pages of tokens.\nQ: hi\nA:"
+    blocks = pretend_node_holds(directory, "n2", prompt, "tenant-a")
+    for _ in range(3):  # affinity, not a lucky turn
+        response = post(cluster.router.url, {"model": "tiny", "prompt": prompt, "max_tokens": 2, "namespace": "tenant-a"})
+        assert response.status_code == 200
+        assert response.headers["x-kvjax-node"] == "n2"
+        assert response.headers["x-kvjax-route"] == f"affinity; prefix_blocks={blocks}"
+    # the same prompt in another tenant gets no routing signal from tenant-a's blocks
+    other = post(cluster.router.url, {"model": "tiny", "prompt": prompt, "max_tokens": 2},
+                 headers={"x-kvjax-namespace": "tenant-b"})  # fmt: skip
+    assert other.status_code == 200 and other.headers["x-kvjax-route"].startswith("no_prefix")
+
+
+def test_a_restarted_router_routes_from_the_same_state(cluster, redis_server, tmp_path):
+    directory = cluster.directory()
+    prompt = f"Another system prompt {uuid.uuid4().hex} that spans several pages.\nQ: hi\nA:"
+    pretend_node_holds(directory, "n1", prompt)
+    second = start_router(redis_server.url, cluster.prefix, tmp_path, name="router2")  # a new process: no memory
+    try:
+        response = post(second.url, {"model": "tiny", "prompt": prompt, "max_tokens": 2})
+        assert response.status_code == 200 and response.headers["x-kvjax-node"] == "n1"
+    finally:
+        second.stop()
+
+
+def test_a_node_that_cannot_be_reached_is_skipped(cluster):
+    directory = cluster.directory()
+    prompt = f"A prompt {uuid.uuid4().hex} whose blocks a dead address seems to hold.\nQ: hi\nA:"
+    directory.register("ghost", "http://127.0.0.1:1", ClusterInfo("tiny", 16))  # nothing listens there
+    try:
+        pretend_node_holds(directory, "ghost", prompt)
+        response = post(cluster.router.url, {"model": "tiny", "prompt": prompt, "max_tokens": 2})
+        assert response.status_code == 200 and response.headers["x-kvjax-node"] in {"n1", "n2"}
+        metrics = httpx.get(f"{cluster.router.url}/metrics").text
+        assert 'kvjax_router_forward_errors_total{node="ghost"} 1.0' in metrics
+    finally:
+        directory.client.delete(directory.node_key("ghost"))
+
+
+def test_health_lists_the_live_nodes_and_metrics_count_decisions(cluster):
+    health = httpx.get(f"{cluster.router.url}/health").json()
+    assert health["status"] == "ok" and health["strategy"] == "prefix"
+    assert {"n1", "n2"} <= set(health["nodes"])
+    assert httpx.get(f"{cluster.router.url}/v1/models").json()["data"][0]["id"] == "tiny"
+    post(cluster.router.url, {"model": "tiny", "prompt": "count me", "max_tokens": 1})
+    metrics = httpx.get(f"{cluster.router.url}/metrics").text
+    assert "kvjax_router_requests_total{" in metrics and "kvjax_router_decision_seconds_bucket" in metrics
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"model": "llama", "prompt": "x"}, 404, "model='llama' is not served here; the cluster serves 'tiny'"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens=-1 must be an integer >= 1"),
+        ({"model": "tiny", "prompt": [1, -5]}, 400, "token id -5 at index 1 is out of range"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 100000}, 400, "max_model_len=2048"),  # the node's answer
+    ],
+)
+def test_bad_requests_get_a_clear_error_from_the_router(cluster, body, status, message):
+    response = post(cluster.router.url, body)
+    assert response.status_code == status
+    assert message in response.json()["error"]["message"]
+
+
+def test_a_body_that_is_not_json_is_refused(cluster):
+    response = httpx.post(f"{cluster.router.url}/v1/completions", content=b"model=tiny")
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_a_router_without_nodes_says_so(directory):
+    with TestClient(create_router_app(RouterService(directory))) as router:  # in-process: an empty prefix
+        response = router.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert response.status_code == 503
+        assert f"no node has registered under prefix {directory.prefix!r} yet" in response.json()["error"]["message"]
+        assert router.get("/health").status_code == 503
+
+
+def test_an_unknown_strategy_is_refused_at_start(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--strategy", "fastest"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
