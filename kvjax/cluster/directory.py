@@ -326,36 +326,44 @@ return 1
 
 # KEYS: the request's block keys in order. ARGV: prefix.
 # Returns per live node {id, epoch, address, inflight, prefill_tokens, run, device, host, disk}.
+# Per key it asks only for the fields of nodes whose run is still unbroken, and matches an
+# entry against that node's "{epoch}:{mask}" strings (a table lookup, no parsing).
 _LOOKUP = """
 local prefix = ARGV[1]
-local live, epoch, run, tiers = {}, {}, {}, {}
+local live, valid, run, tiers, extending = {}, {}, {}, {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', prefix .. ':nodes')) do
   local rec = redis.call('HMGET', prefix .. ':node:' .. id, 'epoch', 'address', 'inflight', 'prefill_tokens')
   if rec[1] then
     live[#live + 1] = {id, rec}
-    epoch[id] = rec[1]
+    extending[#extending + 1] = id
+    local e = rec[1] .. ':'
+    -- entry -> its fastest tier: 1 device, 2 host, 3 disk
+    valid[id] = {[e .. '1'] = 1, [e .. '2'] = 2, [e .. '3'] = 1, [e .. '4'] = 3, [e .. '5'] = 1, [e .. '6'] = 2,
+                 [e .. '7'] = 1}
     run[id] = 0
     tiers[id] = {0, 0, 0}
   end
 end
-local extending = #live
 for i, key in ipairs(KEYS) do
-  if extending == 0 then break end
-  extending = 0
-  local held = redis.call('HGETALL', key)
-  for j = 1, #held, 2 do
-    local id = held[j]
-    if run[id] == i - 1 then
-      local entry = held[j + 1]
-      local sep = string.find(entry, ':', 1, true)
-      if sep and string.sub(entry, 1, sep - 1) == epoch[id] then
-        local mask = tonumber(string.sub(entry, sep + 1))
-        local fastest = (mask % 2 == 1) and 1 or ((mask % 4 >= 2) and 2 or 3)
-        run[id] = i
-        tiers[id][fastest] = tiers[id][fastest] + 1
-        extending = extending + 1
-      end
+  if #extending == 0 then break end
+  local entries = redis.call('HMGET', key, unpack(extending))
+  local broken = false
+  for j, id in ipairs(extending) do
+    local fastest = entries[j] and valid[id][entries[j]]
+    if fastest then
+      run[id] = i
+      local counts = tiers[id]
+      counts[fastest] = counts[fastest] + 1
+    else
+      broken = true
     end
+  end
+  if broken then
+    local still = {}
+    for _, id in ipairs(extending) do
+      if run[id] == i then still[#still + 1] = id end
+    end
+    extending = still
   end
 end
 local out = {}

@@ -3,8 +3,9 @@
 Per request: parse and validate the body (``kvjax.cluster.openai_api``), tokenize the prompt
 the way the nodes do (``ClusterInfo``: tokenizer, canonicalization, page size), compute the
 namespace's chained block keys, look them up in the directory (one round trip), choose a
-node (``RoutingPolicy``), count the request on it (``Directory.add_load``), and forward the
-body as it came; a streamed answer is passed through chunk by chunk. The answer carries the
+node (``RoutingPolicy``), and forward the body as it came while the request is counted on
+the node (``Directory.add_load``, a second round trip overlapped with the forward); a
+streamed answer is passed through chunk by chunk. The answer carries the
 chosen node in the ``X-KVJax-Node`` header and why in ``X-KVJax-Route`` (the decision's reason
 and the prefix blocks it holds).
 
@@ -18,7 +19,9 @@ loads live in Redis; only the round-robin position and the cluster record are ca
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -40,6 +43,7 @@ from kvjax.text.tokenizer import ByteTokenizer
 
 __all__ = ["RouterService", "create_router_app"]
 
+_LOG = logging.getLogger(__name__)
 _RETRY_STATUS = 503
 
 
@@ -87,8 +91,8 @@ class RouterService:
         text = canonicalize(request.prompt, CanonicalizeConfig()).text if cluster.canonicalize else request.prompt
         return self._tokenizer.encode(text).tolist()
 
-    def route(self, request: CompletionRequest, exclude: frozenset[str] = frozenset()) -> Decision:
-        """Choose the node for ``request`` and count it there (blocking: Redis round trips).
+    def decide(self, request: CompletionRequest, exclude: frozenset[str] = frozenset()) -> Decision:
+        """Choose the node for ``request`` (blocking: one directory round trip).
 
         RequestError: 404 for another model, 400 for bad token ids, 503 when no node is live
         or the directory cannot be reached.
@@ -106,16 +110,24 @@ class RouterService:
             raise RequestError(str(error), param="prompt") from None
         try:
             views = self.directory.lookup(namespace.digest(), keys)
-            try:
-                decision = self.policy.choose(views, len(tokens), cluster.page_size, exclude)
-            except ValueError as error:
-                raise RequestError(str(error), status=503, kind="server_error") from None
-            self.directory.add_load(decision.node_id, 1, decision.uncached_tokens)
         except redis.RedisError as error:
             raise _directory_down(error) from None
+        try:
+            decision = self.policy.choose(views, len(tokens), cluster.page_size, exclude)
+        except ValueError as error:
+            raise RequestError(str(error), status=503, kind="server_error") from None
         self.routed.labels(decision.node_id, decision.reason).inc()
         self.decision_seconds.observe(time.perf_counter() - start)
         return decision
+
+    def count(self, decision: Decision) -> None:
+        """Add the routed request to its node's load now, before the node's own figures catch
+        up (a second round trip; the HTTP front overlaps it with forwarding). A failure is
+        logged only: the node's next write sets its load anyway."""
+        try:
+            self.directory.add_load(decision.node_id, 1, decision.uncached_tokens)
+        except redis.RedisError as error:
+            _LOG.warning("could not count a request on node %s: %s", decision.node_id, error)
 
 
 def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0) -> FastAPI:
@@ -173,8 +185,9 @@ async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes
     excluded: set[str] = set()
     failures = []
     for _ in range(service.max_attempts):
-        decision = await anyio.to_thread.run_sync(service.route, request, frozenset(excluded))
+        decision = await anyio.to_thread.run_sync(service.decide, request, frozenset(excluded))
         node = decision.node
+        counting = asyncio.ensure_future(anyio.to_thread.run_sync(service.count, decision))
         try:
             upstream = await client.send(client.build_request("POST", f"{node.address}/v1/completions", content=raw,
                                                               headers=forward_headers), stream=True)  # fmt: skip
@@ -183,6 +196,8 @@ async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes
             service.forward_errors.labels(node.node_id).inc()
             excluded.add(node.node_id)
             continue
+        finally:
+            await counting
         reply_headers = {"x-kvjax-node": node.node_id,
                          "x-kvjax-route": f"{decision.reason}; prefix_blocks={decision.prefix_blocks}"}
         if upstream.status_code == _RETRY_STATUS:
