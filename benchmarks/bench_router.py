@@ -141,27 +141,23 @@ def shared(directory: Directory) -> list[str]:
     return prompts
 
 
-def hot(directory: Directory) -> list[str]:
-    nodes = register(directory, 8)
-    prompt = prompt_of(0, 0, 768, 1024)
-    for node in nodes:
-        hold(directory, node, prompt, 64)
-    return [prompt]
+def all_held(num_nodes: int, system_bytes: int, total_bytes: int):
+    """Every node holds every block of one prompt: the lookup walks all keys for all nodes."""
 
+    def setup(directory: Directory) -> list[str]:
+        prompt = prompt_of(0, 0, system_bytes, total_bytes)
+        for node in register(directory, num_nodes):
+            hold(directory, node, prompt, total_bytes // PAGE_SIZE)
+        return [prompt]
 
-def long(directory: Directory) -> list[str]:
-    nodes = register(directory, 4)
-    prompt = prompt_of(0, 0, 3072, 4096)
-    for node in nodes:
-        hold(directory, node, prompt, 256)
-    return [prompt]
+    return setup
 
 
 SCENARIOS = [
     ("cold: 4 nodes, 64-block prompts, nothing held", cold),
     ("shared: 4 nodes, 64-block prompts, 48-block prefix on one node each", shared),
-    ("hot: 8 nodes all holding all 64 blocks", hot),
-    ("long: 4 nodes all holding all 256 blocks", long),
+    ("hot: 8 nodes all holding all 64 blocks", all_held(8, 768, 1024)),
+    ("long: 4 nodes all holding all 256 blocks", all_held(4, 3072, 4096)),
 ]
 
 

@@ -1,6 +1,7 @@
 """The prefix directory on a real Redis: registration and epochs, block entries from synthetic
 event batches, lookups, TTLs, namespace isolation, and a lost Redis rebuilt from a node."""
 
+import contextlib
 import time
 
 import pytest
@@ -159,11 +160,15 @@ def test_no_tenant_sees_another_tenants_blocks(directory):
 # --- the publisher: events in, one transaction per wake-up, resync on loss -----------------
 
 
-def make_publisher(directory, node_id="n1", holdings=(), **options):
-    publisher = DirectoryPublisher(directory, node_id, f"http://{node_id}", CLUSTER, holdings,
-                                   heartbeat_s=options.pop("heartbeat_s", 0.1), **options)  # fmt: skip
+@contextlib.contextmanager
+def running_publisher(directory, node_id="n1", holdings=(), deregister=True):
+    """A started publisher (heartbeat every 0.1 s), closed on the way out."""
+    publisher = DirectoryPublisher(directory, node_id, f"http://{node_id}", CLUSTER, holdings, heartbeat_s=0.1)
     publisher.start()
-    return publisher
+    try:
+        yield publisher
+    finally:
+        publisher.close(deregister=deregister)
 
 
 def run_of(directory, namespace, keys, node_id="n1"):
@@ -173,8 +178,7 @@ def run_of(directory, namespace, keys, node_id="n1"):
 def test_the_publisher_folds_event_batches_into_entries(directory):
     keys = keys_of(TENANT_A)
     initial = [(TENANT_A.digest(), key, "disk") for key in keys[:2]]  # the cache's holdings at start
-    publisher = make_publisher(directory, holdings=initial)
-    try:
+    with running_publisher(directory, holdings=initial) as publisher:
         assert run_of(directory, TENANT_A, keys).prefix_blocks == 2
         publisher.submit([stored(TENANT_A, keys[:6]), stored(TENANT_A, keys[:6], "host", seq=6)], NodeLoad(2, 64))
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 6)
@@ -186,8 +190,6 @@ def test_the_publisher_folds_event_batches_into_entries(directory):
         publisher.submit([(BlockEvent(13, None, None, None, "device", "cleared"),)])  # block 3 is gone now
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
         assert run_of(directory, TENANT_A, keys).blocks_by_tier == {"device": 0, "host": 3, "disk": 0}
-    finally:
-        publisher.close()
     assert directory.live_nodes() == []  # a clean shutdown deregisters
 
 
@@ -195,70 +197,51 @@ def test_a_restarted_redis_is_rebuilt_from_the_node(tmp_path, redis_prefix):
     with RedisProcess.start(directory=tmp_path) as server:
         directory = Directory.connect(server.url, prefix=redis_prefix, node_ttl_s=0.6)
         keys = keys_of(TENANT_A)
-        publisher = make_publisher(directory)
-        try:
+        with running_publisher(directory) as publisher:
             publisher.submit([stored(TENANT_A, keys[:5])])
             assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 5)
-            epoch = publisher.epoch
             server.restart()  # empty: no persistence
-            assert wait_until(lambda: (run_of(directory, TENANT_A, keys) or None) is not None
-                              and run_of(directory, TENANT_A, keys).prefix_blocks == 5)  # fmt: skip
+            assert wait_until(lambda: (view := run_of(directory, TENANT_A, keys)) is not None
+                              and view.prefix_blocks == 5)  # fmt: skip
             assert publisher.status == "registered" and publisher.counters["resyncs"] >= 2
-            assert run_of(directory, TENANT_A, keys).epoch == 1 and epoch == 1  # a fresh counter
             publisher.submit([stored(TENANT_A, keys[5:7], seq=5)])  # events after the rebuild still flow
             assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 7)
-        finally:
-            publisher.close()
 
 
 def test_the_publisher_rewrites_everything_under_a_new_epoch_after_a_lapse(directory):
     keys = keys_of(TENANT_A)
-    publisher = make_publisher(directory)
-    try:
+    with running_publisher(directory) as publisher:
         publisher.submit([stored(TENANT_A, keys[:4])])
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 4)
         directory.client.delete(directory.node_key("n1"))  # its record lapsed (e.g. a long pause)
         assert wait_until(lambda: (view := run_of(directory, TENANT_A, keys)) is not None and view.epoch == 2)
         assert run_of(directory, TENANT_A, keys).prefix_blocks == 4
-    finally:
-        publisher.close()
 
 
 def test_reset_replaces_the_holdings_after_lost_batches(directory):
     keys = keys_of(TENANT_A)
-    publisher = make_publisher(directory)
-    try:
+    with running_publisher(directory) as publisher:
         publisher.submit([stored(TENANT_A, keys[:8])])
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 8)
         publisher.reset([(TENANT_A.digest(), key, "host") for key in keys[:3]])  # what the cache holds
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
         assert run_of(directory, TENANT_A, keys).blocks_by_tier == {"device": 0, "host": 3, "disk": 0}
-    finally:
-        publisher.close()
 
 
 def test_a_second_process_with_the_same_id_supersedes_the_first(directory):
-    first = make_publisher(directory)
-    second = make_publisher(directory)
-    try:
+    with running_publisher(directory) as first, running_publisher(directory) as second:
         assert wait_until(lambda: first.status == "superseded")
         assert second.status == "registered" and directory.live_nodes()[0].epoch == second.epoch
-    finally:
-        first.close()
-        second.close()
 
 
 def test_the_publisher_refreshes_block_ttls(redis_server, redis_prefix):
     directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=2.0, block_ttl_s=1.0)
     keys = keys_of(TENANT_A)
-    publisher = make_publisher(directory)
-    try:
+    with running_publisher(directory, deregister=False) as publisher:
         publisher.submit([stored(TENANT_A, keys[:4])])
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 4)
         time.sleep(1.5)  # past the block TTL: only the heartbeat's refreshes keep the entries
         assert run_of(directory, TENANT_A, keys).prefix_blocks == 4
-    finally:
-        publisher.close(deregister=False)
     time.sleep(1.2)
     assert directory.client.keys(f"{redis_prefix}:b:*") == []  # nobody refreshes them: gone
 
