@@ -50,8 +50,9 @@ def test_a_repeated_prompt_hits_the_cache_within_its_namespace_only(client):
     prompt = f"System prompt {uuid.uuid4().hex}, long enough to fill a few pages of sixteen tokens.\nQ: hi\nA:"
 
     def cached_tokens(tenant):
-        usage = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"namespace": tenant}).usage
-        return usage.prompt_tokens_details.cached_tokens
+        completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                               extra_body={"namespace": tenant})  # fmt: skip
+        return completion.usage.prompt_tokens_details.cached_tokens
 
     assert cached_tokens("tenant-a") == 0
     assert cached_tokens("tenant-a") == (len(prompt.encode()) - 1) // 16 * 16  # whole pages; the last token is computed

@@ -29,7 +29,8 @@ def test_a_minimal_request_gets_the_defaults():
 def test_every_supported_field_is_read():
     request = parse({"model": "tiny", "prompt": ["hi"], "max_tokens": 5, "stream": True,
                      "stream_options": {"include_usage": True}, "temperature": 0.7, "top_k": 4, "seed": 3,
-                     "user": "u1", "namespace": "tenant-a", "n": 1, "echo": False, "stop": None, "top_p": 1})  # fmt: skip
+                     "user": "u1", "namespace": "tenant-a", "n": 1, "echo": False, "stop": None,
+                     "top_p": 1})  # fmt: skip
     assert request == CompletionRequest("tiny", "hi", None, 5, True, True, 0.7, 4, 3, "tenant-a")
     assert parse({"model": "tiny", "prompt": [1, 2, 3]}).prompt_tokens == (1, 2, 3)
 
@@ -37,7 +38,8 @@ def test_every_supported_field_is_read():
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"model": "tiny", "prompt": "x", "frobnicate": 1}, r"unknown fields \['frobnicate'\]; expected some of \['model'"),
+        ({"model": "tiny", "prompt": "x", "frobnicate": 1},
+         r"unknown fields \['frobnicate'\]; expected some of \['model'"),
         ({"prompt": "x"}, r"model=None must be the served model's name"),
         ({"model": "tiny"}, r"prompt=None must be a string, a list of one string or a non-empty list of token ids"),
         ({"model": "tiny", "prompt": ["a", "b"]}, r"prompt=\['a', 'b'\] must be a string"),

@@ -7,8 +7,8 @@ import uuid
 import httpx
 import openai
 import pytest
-from fastapi.testclient import TestClient
 from cluster_fixtures import start_router
+from fastapi.testclient import TestClient
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.__main__ import main as cluster_main
@@ -58,7 +58,8 @@ def test_the_router_follows_the_directory_within_the_namespace(cluster):
     prompt = f"Shared system prompt {uuid.uuid4().hex} that spans several pages of tokens.\nQ: hi\nA:"
     blocks = pretend_node_holds(directory, "n2", prompt, "tenant-a")
     for _ in range(3):  # affinity, not a lucky turn
-        response = post(cluster.router.url, {"model": "tiny", "prompt": prompt, "max_tokens": 2, "namespace": "tenant-a"})
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "namespace": "tenant-a"}
+        response = post(cluster.router.url, body)
         assert response.status_code == 200
         assert response.headers["x-kvjax-node"] == "n2"
         assert response.headers["x-kvjax-route"] == f"affinity; prefix_blocks={blocks}"

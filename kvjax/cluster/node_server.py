@@ -26,9 +26,9 @@ import uuid
 from collections.abc import Callable
 
 import prometheus_client
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvjax.cache.block_keys import Namespace
 from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 __all__ = [
     "NAMESPACE_HEADER",
@@ -118,7 +118,8 @@ def completion_body(request_id: str, model: str, text: str, finish_reason: str, 
 def stream_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None,
                  usage: dict | None = None) -> dict:  # fmt: skip
     """One streamed chunk; with ``usage`` the usage-only chunk (no choices)."""
-    choices = [] if usage is not None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choices = [] if usage is not None else [choice]
     chunk = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
              "choices": choices}  # fmt: skip
     if usage is not None:

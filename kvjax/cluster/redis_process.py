@@ -94,7 +94,8 @@ class RedisProcess:
             _terminate(process)
             if port:
                 break
-        log = (directory / "redis.log").read_text(errors="replace")[-2000:] if (directory / "redis.log").exists() else ""
+        log_path = directory / "redis.log"
+        log = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
         raise RuntimeError(f"{binary} did not answer on 127.0.0.1:{chosen} within {timeout}s; log:\n{log}")
 
     @property
