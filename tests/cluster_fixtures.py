@@ -10,16 +10,13 @@ No server binary is a failure with the install command, not a skip.
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import select
-import subprocess
-import sys
 import time
 
 import pytest
 
 from kvjax.cluster.directory import Directory
+from kvjax.cluster.processes import ServiceProcess
 from kvjax.cluster.redis_process import RedisProcess, find_redis_server
 
 _prefixes = itertools.count()
@@ -62,55 +59,6 @@ def directory(redis_server, redis_prefix):
 
 
 # --- node and router processes -------------------------------------------------------------
-
-
-class ServiceProcess:
-    """``python -m kvjax.cluster <args>`` as a child process; ready once it prints its JSON
-    line (``.ready``: the parsed line, ``.url``). Stopped by pid; stderr goes to ``log``."""
-
-    def __init__(self, args, log_path, env=None):
-        self.args, self.log_path = args, log_path
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "kvjax.cluster", *args], stdout=subprocess.PIPE,
-                                        stderr=self._log, env={**os.environ, **(env or {})})  # fmt: skip
-        self.ready = None
-
-    def wait_ready(self, timeout=180.0):
-        deadline = time.monotonic() + timeout
-        line = b""
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if self.process.poll() is not None or remaining <= 0:
-                self.stop()
-                log = open(self.log_path, errors="replace").read()[-3000:]
-                pytest.fail(f"{' '.join(self.args[:1])} did not get ready (exit {self.process.returncode}): {log}")
-            readable, _, _ = select.select([self.process.stdout], [], [], min(remaining, 0.5))
-            if readable:
-                line += os.read(self.process.stdout.fileno(), 4096)
-        self.ready = json.loads(line.decode().splitlines()[0])
-        return self
-
-    @property
-    def url(self):
-        return self.ready["ready"]
-
-    def stop(self):
-        """SIGTERM by pid (a clean shutdown), SIGKILL after 15 s."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-
-    def kill(self):
-        """SIGKILL by pid: a node that dies without deregistering."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="session")

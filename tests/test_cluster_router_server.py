@@ -2,18 +2,20 @@
 through it gives a single node's text; routing follows the directory, per namespace; a node
 that cannot be reached is skipped; a second router process sees the same state."""
 
+import socket
+import threading
 import uuid
 
 import httpx
 import openai
 import pytest
 from cluster_fixtures import start_router
-from fastapi.testclient import TestClient
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.__main__ import main as cluster_main
 from kvjax.cluster.directory import ClusterInfo, tier_mask
-from kvjax.cluster.router_server import RouterService, create_router_app
+from kvjax.cluster.openai_api import CompletionRequest, RequestError
+from kvjax.cluster.router_server import RouterService
 
 PROMPT = "You are a terse assistant.\nQ: name a prime number.\nA:"
 
@@ -95,6 +97,31 @@ def test_a_node_that_cannot_be_reached_is_skipped(cluster):
         directory.client.delete(directory.node_key("ghost"))
 
 
+def test_a_node_that_breaks_off_its_answer_is_skipped(cluster):
+    """A node that sends headers and half a body, then dies: the router retries elsewhere."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+
+        def break_off():
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n{\"id")
+
+        threading.Thread(target=break_off, daemon=True).start()
+        directory = cluster.directory()
+        prompt = f"A prompt {uuid.uuid4().hex} whose blocks a failing node seems to hold.\nQ: hi\nA:"
+        directory.register("broken", f"http://127.0.0.1:{listener.getsockname()[1]}", ClusterInfo("tiny", 16))
+        try:
+            pretend_node_holds(directory, "broken", prompt)
+            response = post(cluster.router.url, {"model": "tiny", "prompt": prompt, "max_tokens": 2})
+            assert response.status_code == 200 and response.headers["x-kvjax-node"] in {"n1", "n2"}
+            assert response.json()["choices"][0]["finish_reason"] == "length"
+        finally:
+            directory.client.delete(directory.node_key("broken"))
+
+
 def test_health_lists_the_live_nodes_and_metrics_count_decisions(cluster):
     health = httpx.get(f"{cluster.router.url}/health").json()
     assert health["status"] == "ok" and health["strategy"] == "prefix"
@@ -126,11 +153,14 @@ def test_a_body_that_is_not_json_is_refused(cluster):
 
 
 def test_a_router_without_nodes_says_so(directory):
-    with TestClient(create_router_app(RouterService(directory))) as router:  # in-process: an empty prefix
-        response = router.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
-        assert response.status_code == 503
-        assert f"no node has registered under prefix {directory.prefix!r} yet" in response.json()["error"]["message"]
-        assert router.get("/health").status_code == 503
+    service = RouterService(directory)  # an empty prefix: no node ever registered
+    with pytest.raises(RequestError, match=f"no node has registered under prefix {directory.prefix!r} yet") as error:
+        service.decide(CompletionRequest("tiny", "x", None))
+    assert error.value.status == 503
+    directory.register("gone", "http://127.0.0.1:1", ClusterInfo("tiny", 16))
+    directory.client.delete(directory.node_key("gone"))  # registered once, not live now
+    with pytest.raises(RequestError, match=r"no live node to route to \(0 live, excluded: \[\]\)"):
+        service.decide(CompletionRequest("tiny", "x", None))
 
 
 def test_an_unknown_strategy_is_refused_at_start(capsys):

@@ -9,9 +9,9 @@ streamed answer is passed through chunk by chunk. The answer carries the
 chosen node in the ``X-KVJax-Node`` header and why in ``X-KVJax-Route`` (the decision's reason
 and the prefix blocks it holds).
 
-A node that cannot be reached, or answers 503 (rejected, failed), before its answer started
-is excluded and the request routed again, up to ``max_attempts`` nodes. A stream that breaks
-after it started is not retried (the client has text already).
+A node that cannot be reached, answers 503 (rejected, failed), or breaks off a non-streamed
+answer is excluded and the request routed again, up to ``max_attempts`` nodes. A stream that
+breaks after it started is not retried (the client has text already).
 
 Nothing is kept here that a restart would lose: the directory, the nodes' records and their
 loads live in Redis; only the round-robin position and the cluster record are cached.
@@ -186,34 +186,52 @@ async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes
     failures = []
     for _ in range(service.max_attempts):
         decision = await anyio.to_thread.run_sync(service.decide, request, frozenset(excluded))
-        node = decision.node
         counting = asyncio.ensure_future(anyio.to_thread.run_sync(service.count, decision))
         try:
-            upstream = await client.send(client.build_request("POST", f"{node.address}/v1/completions", content=raw,
-                                                              headers=forward_headers), stream=True)  # fmt: skip
-        except httpx.TransportError as error:
-            failures.append(f"{node.node_id}: {type(error).__name__}")
-            service.forward_errors.labels(node.node_id).inc()
-            excluded.add(node.node_id)
-            continue
+            return await _send(client, decision, raw, forward_headers, request.stream)
+        except _NodeFailed as failure:
+            failures.append(f"{decision.node_id}: {failure}")
+            if failure.unreachable:
+                service.forward_errors.labels(decision.node_id).inc()
+            excluded.add(decision.node_id)
         finally:
             await counting
-        reply_headers = {"x-kvjax-node": node.node_id,
-                         "x-kvjax-route": f"{decision.reason}; prefix_blocks={decision.prefix_blocks}"}
-        if upstream.status_code == _RETRY_STATUS:
-            failures.append(f"{node.node_id}: {(await upstream.aread()).decode(errors='replace')[:200]}")
-            await upstream.aclose()
-            excluded.add(node.node_id)
-            continue
-        if request.stream and upstream.status_code == 200:
-            return StreamingResponse(upstream.aiter_raw(), media_type=upstream.headers.get("content-type"),
-                                     headers=reply_headers, background=BackgroundTask(upstream.aclose))  # fmt: skip
-        body = await upstream.aread()
-        await upstream.aclose()
-        return Response(body, status_code=upstream.status_code, headers=reply_headers,
-                        media_type=upstream.headers.get("content-type"))  # fmt: skip
     raise RequestError(f"no node could serve the request ({len(failures)} tried: {'; '.join(failures)})",
                        status=503, kind="server_error")  # fmt: skip
+
+
+class _NodeFailed(Exception):
+    """A node gave no answer the client can have: unreachable, broke off a non-streamed
+    answer, or said 503 (rejected, failed)."""
+
+    def __init__(self, message: str, unreachable: bool):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, headers: dict[str, str],
+                stream: bool) -> Response:  # fmt: skip
+    """The chosen node's answer, passed through (a 200 stream chunk by chunk)."""
+    url = f"{decision.node.address}/v1/completions"
+    try:
+        upstream = await client.send(client.build_request("POST", url, content=raw, headers=headers), stream=True)
+    except httpx.TransportError as error:
+        raise _NodeFailed(type(error).__name__, unreachable=True) from None
+    reply_headers = {"x-kvjax-node": decision.node_id,
+                     "x-kvjax-route": f"{decision.reason}; prefix_blocks={decision.prefix_blocks}"}  # fmt: skip
+    media_type = upstream.headers.get("content-type")
+    if stream and upstream.status_code == 200:
+        return StreamingResponse(upstream.aiter_raw(), media_type=media_type, headers=reply_headers,
+                                 background=BackgroundTask(upstream.aclose))  # fmt: skip
+    try:
+        body = await upstream.aread()
+    except httpx.TransportError as error:
+        raise _NodeFailed(f"{type(error).__name__} while answering", unreachable=True) from None
+    finally:
+        await upstream.aclose()
+    if upstream.status_code == _RETRY_STATUS:
+        raise _NodeFailed(body.decode(errors="replace")[:200], unreachable=False)
+    return Response(body, status_code=upstream.status_code, headers=reply_headers, media_type=media_type)
 
 
 def _directory_down(error: Exception) -> RequestError:

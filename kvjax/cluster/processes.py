@@ -1,0 +1,88 @@
+"""Cluster pieces as child processes: ``python -m kvjax.cluster <command>`` started, waited for
+until it prints its ready line, and stopped by pid. For tests and the cluster demo.
+
+>>> node = ServiceProcess(["node", "--node-id", "n1", "--port", "0", "--redis", url], "n1.log")  # doctest: +SKIP
+>>> node.wait_ready().url                                                                     # doctest: +SKIP
+'http://127.0.0.1:41383'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["ServiceProcess"]
+
+
+class ServiceProcess:
+    """One ``python -m kvjax.cluster <args>`` child; its stderr goes to ``log_path``.
+
+    ``env`` adds to this process's environment (e.g. ``JAX_COMPILATION_CACHE_DIR``).
+    """
+
+    def __init__(self, args: Sequence[str], log_path: str | Path, env: Mapping[str, str] | None = None):
+        self.args, self.log_path = list(args), Path(log_path)
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen([sys.executable, "-m", "kvjax.cluster", *self.args], stdout=subprocess.PIPE,
+                                        stderr=self._log, env={**os.environ, **(env or {})})  # fmt: skip
+        self.ready: dict | None = None
+
+    def wait_ready(self, timeout_s: float = 180.0) -> ServiceProcess:
+        """Wait for the JSON line it prints once it serves (``.ready``); RuntimeError with the
+        end of its log if it exits or takes longer than ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        line = b""
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if self.process.poll() is not None or remaining <= 0:
+                self.stop()
+                log = self.log_path.read_text(errors="replace")[-3000:]
+                command = f"python -m kvjax.cluster {' '.join(self.args)}"
+                raise RuntimeError(f"`{command}` did not get ready within {timeout_s}s "
+                                   f"(exit code {self.process.returncode}); its log ends:\n{log}")  # fmt: skip
+            readable, _, _ = select.select([self.process.stdout], [], [], min(remaining, 0.5))
+            if readable:
+                line += os.read(self.process.stdout.fileno(), 4096)
+        self.ready = json.loads(line.decode().splitlines()[0])
+        return self
+
+    @property
+    def url(self) -> str:
+        """What it serves at (the ready line's ``ready``)."""
+        if self.ready is None:
+            raise RuntimeError("not ready yet: call wait_ready()")
+        return self.ready["ready"]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM by pid (a clean shutdown: a node drops its directory record), SIGKILL after
+        ``timeout_s``; idempotent."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._close()
+
+    def kill(self) -> None:
+        """SIGKILL by pid: a process that dies without cleaning up."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._close()
+
+    def _close(self) -> None:
+        self._log.close()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
