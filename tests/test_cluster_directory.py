@@ -7,11 +7,11 @@ import time
 import pytest
 from cluster_fixtures import wait_until
 
+from kvjax.cache.block_events import BlockEvent
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad, tier_mask
 from kvjax.cluster.publisher import DirectoryPublisher
 from kvjax.cluster.redis_process import RedisProcess
-from kvjax.tiers.block_events import BlockEvent
 
 CLUSTER = ClusterInfo(model="tiny", page_size=4)
 TENANT_A, TENANT_B = Namespace("tenant-a"), Namespace("tenant-b")

@@ -9,7 +9,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from cluster_fixtures import start_router
+from cluster_fixtures import start_router, wait_until
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.__main__ import main as cluster_main
@@ -69,6 +69,31 @@ def test_the_router_follows_the_directory_within_the_namespace(cluster):
     other = post(cluster.router.url, {"model": "tiny", "prompt": prompt, "max_tokens": 2},
                  headers={"x-kvjax-namespace": "tenant-b"})  # fmt: skip
     assert other.status_code == 200 and other.headers["x-kvjax-route"].startswith("no_prefix")
+
+
+def test_requests_follow_the_blocks_a_node_published(cluster):
+    """No pretending: the node that served a prompt publishes its blocks (the cache's events),
+    and the next request sharing the prompt goes there; another tenant's does not."""
+    directory = cluster.directory()
+    prompt = f"System prompt {uuid.uuid4().hex}: answer in one word, politely and precisely.\nQ: sky?\nA:"
+    first = post(cluster.router.url, {"model": "tiny", "prompt": prompt, "max_tokens": 4, "namespace": "tenant-x"})
+    served_by = first.headers["x-kvjax-node"]
+    keys = chained_block_keys(list(prompt.encode()), 16, "tenant-x")
+
+    def held():
+        return {view.node_id: view.prefix_blocks for view in directory.lookup(Namespace("tenant-x").digest(), keys)}
+
+    assert wait_until(lambda: held()[served_by] == len(keys))
+    assert max(blocks for node, blocks in held().items() if node != served_by) == 0
+    follow_up = {"model": "tiny", "prompt": prompt + " Blue.\nQ: grass?\nA:", "max_tokens": 4, "namespace": "tenant-x"}
+    for _ in range(2):
+        response = post(cluster.router.url, follow_up)
+        assert response.headers["x-kvjax-node"] == served_by
+        assert response.headers["x-kvjax-route"].startswith("affinity; prefix_blocks=")
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(keys) * 16
+    other_tenant = post(cluster.router.url, {**follow_up, "namespace": "tenant-y"})
+    assert other_tenant.headers["x-kvjax-route"].startswith("no_prefix")
+    assert other_tenant.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_a_restarted_router_routes_from_the_same_state(cluster, redis_server, tmp_path):

@@ -8,9 +8,9 @@ the node's own).
 
 Threads: the engine is single-threaded, so one thread (``EngineWorker``) owns it: HTTP
 handlers hand it requests and cancellations through a queue, and it hands each request's
-events back to that request's asyncio queue. After every step it polls the cache's block
-event subscription and passes the batches, with the node's load, to the directory
-publisher's thread, so neither the HTTP loop nor the engine waits on Redis.
+events back to that request's asyncio queue. After every step it closes the cache's batch of
+block events, polls its subscription and passes the batches, with the node's load, to the
+directory publisher's thread, so neither the HTTP loop nor the engine waits on Redis.
 
 Load (what the router compares): requests accepted and not finished, and the prompt tokens
 of those without a first token yet that the cache did not hold when they arrived.
@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvjax.cache.block_events import Subscription
 from kvjax.cache.block_keys import Namespace
 from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad
 from kvjax.cluster.openai_api import (
@@ -59,12 +60,16 @@ Sink = Callable[[object], None]  # receives TokenEvent / FinishEvent / an except
 class EngineWorker:
     """Runs ``engine`` on its own thread; see the module docstring.
 
-    ``publisher`` (optional) receives each step's block event batches and the node's load.
+    ``publisher`` (optional) receives the batches of ``events`` (the cache's subscription,
+    taken with the holdings the publisher started from) and the node's load after each step.
     """
 
-    def __init__(self, engine: Engine, publisher: DirectoryPublisher | None = None, events=None):
+    def __init__(self, engine: Engine, publisher: DirectoryPublisher | None = None,
+                 events: Subscription | None = None):  # fmt: skip
+        if (publisher is None) != (events is None):
+            raise ValueError("pass both a publisher and the cache's event subscription, or neither")
         self.engine, self.publisher = engine, publisher
-        self._events = events  # the cache's block event Subscription, when there is a directory
+        self._events = events
         self._lost_batches = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -110,6 +115,9 @@ class EngineWorker:
                 if self.engine.has_unfinished:
                     for event in self.engine.step():
                         self._deliver(event)
+                    # The engine closes a step's event batch when the next step starts; close
+                    # it now, or an idle node would keep its last commits from the directory.
+                    self.engine.cache.events.flush()
                 self._publish()
         except Exception as error:  # a broken engine: fail every request, report unhealthy
             _LOG.exception("engine loop failed")
@@ -173,8 +181,8 @@ class EngineWorker:
         load, self._load = self._load, NodeLoad(len(self._sinks), sum(self._prefill_tokens.values()))
         if self.publisher is None:
             return
-        batches = self._events.poll() if self._events is not None else []
-        if self._events is not None and self._events.lost_batches != self._lost_batches:
+        batches = self._events.poll()
+        if self._events.lost_batches != self._lost_batches:
             self._lost_batches = self._events.lost_batches  # fell behind: start again from the holdings
             self._events.poll()
             self.publisher.reset(self.engine.cache.block_index().entries())
@@ -190,14 +198,8 @@ def start_worker(engine: Engine, *, node_id: str, address: str, model: str,
     ``DirectoryPublisher.start`` when it cannot register)."""
     publisher = events = None
     if directory is not None:
-        holdings = ()
-        # The tiered cache's event stream (subscribe / block_index) is landing in parallel;
-        # until it has, a node registers and reports load but publishes no blocks.
-        if hasattr(engine.cache, "subscribe"):
-            events = engine.cache.subscribe()
-            holdings = list(engine.cache.block_index().entries())
-        else:
-            _LOG.warning("the cache has no block event stream: node %s publishes load only", node_id)
+        events = engine.cache.subscribe()
+        holdings = engine.cache.block_index().entries()  # what the events will be applied to
         publisher = DirectoryPublisher(directory, node_id, address, cluster_info_of(engine, model), holdings)
         publisher.start(register_timeout_s)
     worker = EngineWorker(engine, publisher, events)

@@ -31,8 +31,8 @@ from collections.abc import Iterable, Sequence
 
 import redis
 
+from kvjax.cache.block_events import BlockEvent
 from kvjax.cluster.directory import TIER_BITS, ClusterInfo, Directory, NodeLoad
-from kvjax.tiers.block_events import BlockEvent
 
 __all__ = ["DirectoryPublisher"]
 
