@@ -45,3 +45,21 @@ def test_event_batches_flow_from_the_engine_thread_to_the_directory(engine, dire
     finally:
         worker.stop()  # stops the publisher too, which drops the node's record
     assert directory.live_nodes() == []
+
+
+def test_a_subscription_that_fell_behind_is_replaced_by_the_caches_holdings(engine, directory):
+    log = EventLog()
+    publisher = DirectoryPublisher(directory, "n1", "http://n1", cluster_info_of(engine, "tiny"), heartbeat_s=0.1)
+    publisher.start()
+    worker = EngineWorker(engine, publisher, log.subscribe(max_batches=1))
+    keys = chained_block_keys(list(range(64)), 16, TENANT)
+    for parent, key in zip([None, *keys], keys):  # four batches before the engine thread polls: three lost
+        log.record(TENANT.digest(), key, parent, "device", "stored")
+        log.flush()
+    worker.start()
+    try:
+        # the engine's cache holds none of these blocks: the directory must not claim any either
+        assert wait_until(lambda: publisher.counters["resyncs"] == 2)
+        assert directory.lookup(TENANT.digest(), keys)[0].prefix_blocks == 0
+    finally:
+        worker.stop()
