@@ -122,9 +122,17 @@ class EngineWorker:
         except Exception as error:  # a broken engine: fail every request, report unhealthy
             _LOG.exception("engine loop failed")
             self.error = error
+            failure = RuntimeError(f"the engine failed: {error}")
             for sink in self._sinks.values():
-                sink(RuntimeError(f"the engine failed: {error}"))
+                sink(failure)
             self._sinks.clear()
+            while True:  # requests queued meanwhile get the same answer
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] == "add":
+                    command[3](failure)
 
     def _take_commands(self, block: bool) -> None:
         try:
