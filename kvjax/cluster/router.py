@@ -14,9 +14,10 @@ Strategies (``STRATEGIES``):
 Why a guard and not a weighted cost (matched blocks minus a weight times load): when every
 request shares one system prompt, the node that cached it first wins every comparison that
 the weight does not overturn, and a weight large enough to overturn it throws away affinity
-everywhere else. Measured on the shared trace (4 nodes x 2,000 blocks): weighted cost 24.2%
-block hits, guarded affinity 37.1% (one cache of 8,000 blocks: 37.3%) with requests per node
-max/mean 1.01. Under the guard the first holder takes requests until it is overloaded, the
+everywhere else. Issue 13's simulation of the shared trace (4 nodes x 2,000 blocks, per-node
+leaf LRU) measured weighted cost 24.2% block hits, guarded affinity 37.1% (one cache of 8,000
+blocks: 37.3%) with requests per node max/mean 1.01; the cluster replay is where this
+module's settings get measured on it. Under the guard the first holder takes requests until it is overloaded, the
 next goes to the least loaded node, which caches the prompt too, and from then on the
 holders tie and take turns.
 
