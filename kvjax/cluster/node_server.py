@@ -113,11 +113,8 @@ class EngineWorker:
             while not self._stop.is_set():
                 self._take_commands(block=not self.engine.has_unfinished)
                 if self.engine.has_unfinished:
-                    for event in self.engine.step():
+                    for event in self.engine.step():  # a step ends its batch of block events
                         self._deliver(event)
-                    # The engine closes a step's event batch when the next step starts; close
-                    # it now, or an idle node would keep its last commits from the directory.
-                    self.engine.cache.events.flush()
                 self._publish()
         except Exception as error:  # a broken engine: fail every request, report unhealthy
             _LOG.exception("engine loop failed")

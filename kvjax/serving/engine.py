@@ -188,6 +188,7 @@ class Engine:
                                          None if logits is None else logits[row]))  # fmt: skip
         events += [self._finish(rid, "finished") for rid in finished]
         self.observer.on_step(plan, self.scheduler, self.cache, tier_report)
+        self.cache.end_step()  # this step's block events go out now
         return events
 
     def run(self, *, summary: bool = True) -> Iterator[Event]:

@@ -415,6 +415,11 @@ class KVCache:
 
     # --- block events ----------------------------------------------------------------------
 
+    def end_step(self) -> None:
+        """Close this step's batch of block events (``poll`` also does, at its end): what the
+        step stored and dropped reaches subscribers now, not at the next step's poll."""
+        self.events.flush()
+
     def subscribe(self, max_batches: int = 4096) -> Subscription:
         """A subscription to the block events of every tier, from now on (see
         ``kvjax.cache.block_events``). Take ``block_index()`` right after subscribing for the
