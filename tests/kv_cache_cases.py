@@ -16,11 +16,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import threading
 import zlib
 
 import numpy as np
 
 import pallas_kernels
+from kvjax.cache.block_events import EventLog
 from kvjax.tiers.disk_tier import DiskRead
 from kvjax.tiers.transfer import Link, TransferEngine, TransferResult
 
@@ -123,7 +125,8 @@ class MemoryDiskStats:
 
 
 class MemoryDisk:
-    """The DiskTier API in memory (see the module docstring); capacity in blocks."""
+    """The DiskTier API in memory (see the module docstring); capacity in blocks. It reports
+    the blocks it stores and drops on ``events``, as the real tier does."""
 
     def __init__(self, block_shape, dtype, capacity_blocks: int):
         self.block_shape = tuple(block_shape)
@@ -136,6 +139,8 @@ class MemoryDisk:
         self._locks: collections.Counter = collections.Counter()
         self._corrupt: set = set()
         self._stats = MemoryDiskStats()
+        self.events = EventLog()
+        self.index_lock = threading.RLock()
 
     @property
     def bytes_used(self) -> int:
@@ -146,6 +151,9 @@ class MemoryDisk:
 
     def contains(self, key, namespace) -> bool:
         return (namespace, key) in self._blocks
+
+    def held_blocks(self):
+        return list(self._blocks)
 
     def stats(self) -> MemoryDiskStats:
         return dataclasses.replace(self._stats)
@@ -160,6 +168,7 @@ class MemoryDisk:
             if len(self._blocks) >= self.capacity_blocks and not self._evict_one():
                 break
             self._blocks[(ns, key)] = np.array(block)
+            self.events.record(ns, key, None, "disk", "stored")
             stored.append(key)
         return stored
 
@@ -169,7 +178,8 @@ class MemoryDisk:
         for i, key in enumerate(keys):
             if (namespace, key) in self._corrupt:
                 self._corrupt.discard((namespace, key))
-                self._blocks.pop((namespace, key), None)
+                if self._blocks.pop((namespace, key), None) is not None:
+                    self.events.record(namespace, key, None, "disk", "removed")
                 self._stats.corrupt_blocks += 1
             elif (namespace, key) in self._blocks:
                 out[i] = self._blocks[(namespace, key)]
@@ -193,7 +203,10 @@ class MemoryDisk:
                 del self._locks[(namespace, key)]
 
     def discard(self, keys, namespace) -> int:
-        return sum(self._blocks.pop((namespace, k), None) is not None for k in keys)
+        dropped = [k for k in keys if self._blocks.pop((namespace, k), None) is not None]
+        for key in dropped:
+            self.events.record(namespace, key, None, "disk", "removed")
+        return len(dropped)
 
     def check_invariants(self) -> None:
         if len(self._blocks) > self.capacity_blocks or min(self._locks.values(), default=1) < 1:
@@ -203,6 +216,7 @@ class MemoryDisk:
         for name in self._blocks:
             if not self._locks[name]:
                 del self._blocks[name]
+                self.events.record(*name, None, "disk", "removed")
                 self._stats.evicted_blocks += 1
                 return True
         return False

@@ -129,12 +129,19 @@ class KVCacheMachine(RuleBasedStateMachine):
                                offload_scale=self.variant.offload_scale)  # fmt: skip
         self.cache = KVCache(config, clock=self.clock, disk_tier=self.disk, transfer_factory=ManualTransfer)
         self.transfer = self.cache.transfer
+        self.events = self.cache.subscribe()
+        self.shadow = self.events.initial  # rebuilt from block events alone
+        self._next_seq = self.cache.events.next_seq
         self.seqs: list[ModelSeq] = []
         self.served: list[tuple[list, str]] = []  # requests served whole, for serve_again
 
     def teardown(self):
         if hasattr(self, "cache"):
-            self.cache.close()
+            self.cache.close()  # device and host are cleared; the disk keeps its blocks
+            for batch in self.events.poll():
+                self.shadow.apply(batch)
+            assert {tier for _, _, tier in self.shadow.entries()} <= {"disk"}
+            assert set(self.shadow.entries()) == {(ns, key, "disk") for ns, key in self.disk.held_blocks()}
 
     # --- requests --------------------------------------------------------------------------
 
@@ -272,8 +279,20 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.cache.check_invariants()
             assert self.cache.num_sequences == len(self.seqs)  # prefetch holds are not sequences
             self._check_cached_content()
+            self._check_block_events()
 
     # --- helpers ---------------------------------------------------------------------------
+
+    def _check_block_events(self):
+        """A shadow index built only from the block events equals what the tiers hold; the
+        events are numbered without gaps, in order."""
+        holdings = self.cache.block_index()  # closes the current batch first
+        for batch in self.events.poll():
+            seqs = [event.seq for event in batch]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] == self._next_seq
+            self._next_seq = seqs[-1] + 1
+            self.shadow.apply(batch)
+        assert self.shadow == holdings, self.shadow.difference(holdings)
 
     def _waiting_to_compute(self):
         return [s for s in self.seqs if not s.computed and self.cache.is_ready(s.handle)]

@@ -15,8 +15,8 @@ Events of one step form one batch (``EventLog.flush``), delivered whole and in o
 every subscription. Reading is pull-based: a subscriber calls ``Subscription.poll()`` and
 gets the batches flushed since its last call; nothing in the cache calls out to it. A
 subscription that falls more than ``max_batches`` behind loses its oldest batches (counted),
-so a stalled reader never grows the cache's memory; it can rebuild its view from
-``KVCache.block_index()`` and a fresh subscription.
+so a stalled reader never grows the cache's memory; it rebuilds its view from a fresh
+subscription's ``initial`` holdings.
 
 Applying the events in order to an empty ``BlockIndex`` reproduces what the tiers hold.
 """
@@ -105,6 +105,7 @@ class Subscription:
 
     def __init__(self, log: EventLog, max_batches: int):
         self._log = log
+        self.initial: BlockIndex | None = None  # what the tiers held when it started (KVCache.subscribe)
         self._batches: collections.deque[tuple[BlockEvent, ...]] = collections.deque()
         self._max_batches = max_batches
         self.lost_batches = 0

@@ -70,7 +70,6 @@ class EngineWorker:
             raise ValueError("pass both a publisher and the cache's event subscription, or neither")
         self.engine, self.publisher = engine, publisher
         self._events = events
-        self._lost_batches = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._prefill_tokens: dict[str, int] = {}  # requests without a first token yet
@@ -187,10 +186,10 @@ class EngineWorker:
         if self.publisher is None:
             return
         batches = self._events.poll()
-        if self._events.lost_batches != self._lost_batches:
-            self._lost_batches = self._events.lost_batches  # fell behind: start again from the holdings
-            self._events.poll()
-            self.publisher.reset(self.engine.cache.block_index().entries())
+        if self._events.lost_batches:  # fell behind: start again from the holdings
+            self._events.close()
+            self._events = self.engine.cache.subscribe()
+            self.publisher.reset(self._events.initial.entries())
             batches = []
         if batches or self._load != load:
             self.publisher.submit(batches, self._load)
@@ -204,8 +203,8 @@ def start_worker(engine: Engine, *, node_id: str, address: str, model: str,
     publisher = events = None
     if directory is not None:
         events = engine.cache.subscribe()
-        holdings = engine.cache.block_index().entries()  # what the events will be applied to
-        publisher = DirectoryPublisher(directory, node_id, address, cluster_info_of(engine, model), holdings)
+        publisher = DirectoryPublisher(directory, node_id, address, cluster_info_of(engine, model),
+                                       events.initial.entries())  # fmt: skip
         publisher.start(register_timeout_s)
     worker = EngineWorker(engine, publisher, events)
     worker.start()

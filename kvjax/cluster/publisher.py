@@ -15,7 +15,7 @@ Failures and what follows them:
 * A newer epoch of the same node id registered (a second process claiming the id): this one
   stops writing (``status`` "superseded").
 * The cache's subscription lost batches: the node calls ``reset`` with the cache's full
-  holdings (``KVCache.block_index()``), then as above.
+  holdings (a fresh ``KVCache.subscribe()``'s ``initial``), then as above.
 
 Block entries carry a TTL; the heartbeat refreshes a slice of the held blocks each time so
 that every one is refreshed twice per ``block_ttl_s`` and entries nobody live holds expire.

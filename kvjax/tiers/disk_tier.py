@@ -150,6 +150,17 @@ class DiskTier:
         with self._lock:
             return len(self._blocks)
 
+    @property
+    def index_lock(self) -> threading.RLock:
+        """Held while the index changes (and its block events are recorded): hold it to read
+        ``held_blocks`` consistently with the events."""
+        return self._lock
+
+    def held_blocks(self) -> list[tuple[bytes, bytes]]:
+        """Every (namespace, key) the tier holds now."""
+        with self._lock:
+            return list(self._blocks)
+
     def contains(self, key: bytes, namespace: bytes) -> bool:
         with self._lock:
             return (namespace, key) in self._blocks

@@ -50,6 +50,7 @@ targets are its own private blocks; no page is lossy unless the codec is.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -133,6 +134,7 @@ class KVCache:
         self._mover = TierMover(self.trie, self.pool, self.tiers, self.transfer, config.high_watermark,
                                 config.low_watermark, self.codec)  # fmt: skip
         self._version = 0  # bumped by everything that may change what a lookup finds
+        self._closed = False
         self._hit_sources = HitSources(pool.page_size, self.codec.lossy)
         self._counts = dict(recompute_chosen=0, prefetches=0, lossy_device_hits=0, refused_lossy=0,
                             fetched_host=0, fetched_disk=0, fetched_lossy=0)  # fmt: skip
@@ -422,13 +424,24 @@ class KVCache:
 
     def subscribe(self, max_batches: int = 4096) -> Subscription:
         """A subscription to the block events of every tier, from now on (see
-        ``kvjax.cache.block_events``). Take ``block_index()`` right after subscribing for the
-        holdings the events will be applied to."""
-        return self.events.subscribe(max_batches)
+        ``kvjax.cache.block_events``); its ``initial`` is the ``BlockIndex`` of what the tiers
+        held when it started, the holdings its events apply to."""
+        with self._disk_index_lock():
+            self.events.flush()  # earlier events belong to earlier subscribers only
+            initial = self._holdings()
+            subscription = self.events.subscribe(max_batches)
+        subscription.initial = initial
+        return subscription
 
     def block_index(self) -> BlockIndex:
-        """What every tier holds now, as (namespace digest, key, tier); the events flushed so
-        far, applied in order to what ``block_index()`` said at subscription, give the same."""
+        """What every tier holds now, as (namespace digest, key, tier). Closes the current
+        batch of events first, so the events delivered so far, applied in order to a
+        subscription's ``initial``, give exactly this."""
+        with self._disk_index_lock():
+            self.events.flush()
+            return self._holdings()
+
+    def _holdings(self) -> BlockIndex:
         entries = []
         for node in self.trie.nodes():
             if node.on_device:
@@ -436,7 +449,13 @@ class KVCache:
                 entries += [(namespace, key, "device") for key in self.trie.page_keys(node)]
         entries += [(entry.namespace, key, "host") for key, entry in self.tiers.host_entries.items()
                     if not entry.dropped]  # fmt: skip
+        if self.disk_tier is not None:
+            entries += [(namespace, key, "disk") for namespace, key in self.disk_tier.held_blocks()]
         return BlockIndex(entries)
+
+    def _disk_index_lock(self):
+        """The disk tier's index lock (its writes record events from a worker thread), or none."""
+        return contextlib.nullcontext() if self.disk_tier is None else self.disk_tier.index_lock
 
     # --- figures, checks and lifetime ---------------------------------------------------------
 
@@ -465,9 +484,15 @@ class KVCache:
         self._mover.check_invariants(self.index._handles)
 
     def close(self) -> None:
-        """Stop the transfer workers (queued transfers fail; the disk keeps what it wrote)."""
+        """Stop the transfer workers (queued transfers fail; the disk keeps what it wrote). The
+        device and host tiers go with the cache: a "cleared" event each."""
         if self.transfer is not None:
             self.transfer.close()
+        if not self._closed:
+            self._closed = True
+            for tier in ("device", "host") if self.config.tiered else ("device",):
+                self.events.record(None, None, None, tier, "cleared")
+            self.events.flush()
 
     def __enter__(self) -> KVCache:
         return self
