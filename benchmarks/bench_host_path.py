@@ -2,8 +2,9 @@
 
 Each request runs admit (validate + match + lock + allocate/evict) -> commit (insert the
 prompt's full pages) -> release (unlock + free the partial page), one at a time, against
-kvjax.DeviceIndex and against a plain per-page dict-of-children trie with the same semantics
-(LRU over unlocked leaves, lazy reclaim), in the same process. Token ids are synthesised per
+kvjax's KVCache without lower tiers (the path the engine takes; bookkeeping only, no pool
+array), its DeviceIndex alone, and a plain per-page dict-of-children trie with the same
+semantics (LRU over unlocked leaves, lazy reclaim), in the same process. Token ids are synthesised per
 trace block: equal hash ids give equal tokens; each hash id is 512 tokens (32 pages of 16).
 Token synthesis is outside the timed region.
 
@@ -29,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvjax.cache.block_keys import as_namespace, chained_block_keys
 from kvjax.cache.device_index import DeviceIndex  # noqa: E402
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
+from kvjax.tiers.page_pool import PoolConfig  # noqa: E402
 from kvjax.text.tokens import token_bytes  # noqa: E402
 
 TRACE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
@@ -50,6 +53,11 @@ def main() -> None:
     token_count = sum(len(t) for t in requests)
     print(f"{len(requests)} requests, {token_count:,} prompt tokens, page_size={args.page_size}, "
           f"pool={args.num_blocks} pages, policy={args.policy}, best of {args.repeats} passes\n")  # fmt: skip
+    pool = PoolConfig(args.num_blocks, num_layers=1, num_kv_heads=1, page_size=args.page_size, head_dim=1,
+                      dtype="float32")  # fmt: skip
+    config = KVCacheConfig(pool=pool, policy=args.policy, vocab_size=VOCAB_SIZE)
+    cache_runs = [run_kvjax(KVCache(config, move_bytes=False), requests) for _ in range(args.repeats)]
+    cache_run = min(cache_runs, key=lambda run: run["cpu"].sum())
     kvjax_runs = [run_kvjax(DeviceIndex(args.num_blocks, args.page_size, policy=args.policy,
                                         vocab_size=VOCAB_SIZE), requests)
                   for _ in range(args.repeats)]  # fmt: skip
@@ -57,7 +65,8 @@ def main() -> None:
     base_runs = [run_baseline(DictTrieBaseline(args.num_blocks, args.page_size), requests)
                  for _ in range(args.repeats)]  # fmt: skip
     base_run = min(base_runs, key=lambda run: run["cpu"].sum())
-    print_table([("kvjax DeviceIndex", kvjax_run), ("dict-of-children trie", base_run)], token_count)
+    print_table([("kvjax KVCache, no tiers", cache_run), ("kvjax DeviceIndex", kvjax_run),
+                 ("dict-of-children trie", base_run)], token_count)  # fmt: skip
     print_phases(kvjax_run, requests, token_count)
     print(f"\nmachine speed: sum(range(1000)) takes {python_speed_us():.1f} us of CPU here "
           "(scale the figures above by your machine's own figure to compare)")  # fmt: skip
@@ -97,7 +106,7 @@ def load_requests(path: Path, limit: int | None) -> list[np.ndarray]:
     return requests
 
 
-def run_kvjax(cache: DeviceIndex, requests: list[np.ndarray]) -> dict:
+def run_kvjax(cache: DeviceIndex | KVCache, requests: list[np.ndarray]) -> dict:
     """Times each request's admit -> commit -> release; CPU time per phase as well."""
     wall, cpu = np.zeros(len(requests)), np.zeros(len(requests))
     phases = {"admit": 0, "commit": 0, "release": 0}
@@ -114,7 +123,7 @@ def run_kvjax(cache: DeviceIndex, requests: list[np.ndarray]) -> dict:
         wall[i], cpu[i] = (w3 - w0) / 1e3, (c3 - c0) / 1e3
         for name, delta in (("admit", c1 - c0), ("commit", c2 - c1), ("release", c3 - c2)):
             phases[name] += delta
-    stats = cache.stats
+    stats = cache.stats if isinstance(cache, DeviceIndex) else cache.stats.prefix
     return {"wall": wall, "cpu": cpu, "phases": phases, "cache": cache, "hit_rate": stats.hit_rate,
             "evicted": stats.evicted_blocks}  # fmt: skip
 

@@ -77,9 +77,6 @@ class ModelRunner:
         _check_ladder(ladder, token_budget)
         self.token_buckets = ladder
         self.compilations = 0
-        # Implementation-specific attention block sizes (static); the kernels' defaults suit
-        # the engine's bucketed shapes, so none are passed unless a caller sets them.
-        self.attention_tuning: tuple[tuple[str, int], ...] = ()
 
     def run(self, seqs: Sequence[ScheduledSeq], sampling: Sequence[tuple[SamplingParams, int, int]],
             *, return_logits: bool = False):  # fmt: skip
@@ -129,7 +126,7 @@ class ModelRunner:
         """``params`` None: every row greedy (the sampler, a compilation of its own, is skipped)."""
         before = _TRACES[0]
         tokens, logits, kv_pages = _model_step(self.graphdef, self.state, inputs, self.pool.kv_pages,
-                                               impl=self.impl, tuning=self.attention_tuning)  # fmt: skip
+                                               impl=self.impl)  # fmt: skip
         self.pool.kv_pages = kv_pages
         if params is not None:
             tokens = _sample_step(logits, params)
@@ -137,12 +134,12 @@ class ModelRunner:
         return tokens, logits
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl", "tuning"), donate_argnums=3)
-def _model_step(graphdef, state, inputs: BatchInputs, kv_pages, *, impl, tuning=()):
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl",), donate_argnums=3)
+def _model_step(graphdef, state, inputs: BatchInputs, kv_pages, *, impl):
     """Greedy tokens and last-token logits of every sequence, and the updated pool."""
     _TRACES[0] += 1  # runs only while tracing: one per compilation
     model = nnx.merge(graphdef, state)
-    logits, kv_pages = model(inputs, kv_pages, impl=impl, **dict(tuning))  # [num_tokens, vocab]
+    logits, kv_pages = model(inputs, kv_pages, impl=impl)  # [num_tokens, vocab]
     last_rows = jnp.maximum(inputs.cu_q_lens[1:] - 1, 0)  # [max_num_seqs]: each seq's last token
     last_logits = logits[last_rows]  # [max_num_seqs, vocab]
     return jnp.argmax(last_logits, axis=-1).astype(jnp.int32), last_logits, kv_pages

@@ -157,8 +157,8 @@ class Scheduler:
         self._refresh_ranks()
         if not plan.preempted:  # memory ran short this step: admitting now would only churn
             self._admit(plan, budget)
+        self._check_watermark(plan)  # evictions first: prefetch intents describe the pool after them
         self._emit_prefetch(plan)
-        self._check_watermark(plan)
         self._step += 1
         self.stats.steps += 1
         self._in_flight = plan

@@ -103,10 +103,6 @@ class StepPlan:
         """Decodes first, then prefill chunks."""
         return self.decodes + self.prefills
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.decodes or self.prefills or self.swap_out or self.swap_in)
-
 
 def pair_tokens(plan: StepPlan, running: Mapping[str, Any], new_tokens: Mapping[str, int], vocab_limit: int) -> list:
     """[(request, scheduled seq, sampled token or None)] for the plan's still-running requests.

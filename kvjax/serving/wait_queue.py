@@ -72,10 +72,6 @@ class WaitQueue:
         self._drop_dead()
         return self._heap[0][3] if self._heap else None
 
-    def peek_key(self) -> tuple[int, float] | None:
-        self._drop_dead()
-        return self._heap[0][:2] if self._heap else None
-
     def pop(self) -> Request | None:
         """Remove and return the best waiting request, or None."""
         self._drop_dead()
