@@ -311,7 +311,7 @@ class DeviceIndex:
             kept += node_kept
             self.dropped += dropped
             num_blocks -= take
-        blocks = np.concatenate(runs)
+        blocks = runs[1] if len(runs) == 2 else np.concatenate(runs)
         self.allocator.free(blocks, check=False)
         self._stats.evicted_blocks += len(blocks)
         return Eviction(blocks, kept, offloaded)

@@ -24,6 +24,8 @@ from kvjax.cache.trie_node import Node, Tier
 __all__ = ["AdmissionReport", "FetchPlan", "HitSources", "plan_fetch"]
 
 _HOST = int(Tier.HOST)
+_NOTHING_ON_DISK = np.zeros(0, bool)
+_NOTHING_ON_DISK.flags.writeable = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,8 +54,11 @@ def plan_fetch(matched: list[tuple[Node, int]], *, cost_model: CostModel, page_s
             first += k
         else:
             lower.extend((node, i) for i in range(k))
-    on_disk = np.array([not int(node.tiers[i]) & _HOST for node, i in lower], bool)
-    num_fetch = cost_model.pages_to_fetch(first, page_size, on_disk, block_nbytes)
+    if lower:
+        on_disk = np.array([not int(node.tiers[i]) & _HOST for node, i in lower], bool)
+        num_fetch = cost_model.pages_to_fetch(first, page_size, on_disk, block_nbytes)
+    else:  # the common case: nothing below the device to weigh
+        on_disk, num_fetch = _NOTHING_ON_DISK, 0
     device_lossy = None
     if lossy_codec:
         flags = [node.page_lossy()[:k] for node, k in matched]

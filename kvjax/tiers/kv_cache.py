@@ -51,7 +51,6 @@ targets are its own private blocks; no page is lossy unless the codec is.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -83,16 +82,27 @@ __all__ = ["AdmissionReport", "KVCache", "KVCacheConfig", "KVCacheStats", "Looku
 _HOST = int(Tier.HOST)
 
 
-@dataclasses.dataclass(slots=True, eq=False)
 class Lookup:
     """One trie walk of a prompt (full pages, every tier), reusable by ``admit`` while the
-    cache has not changed since (``version``)."""
+    cache has not changed since (``version``). ``match`` says what is cached (built on first
+    use: an admission that needs no MatchResult never pays for one)."""
 
-    namespace: Namespace
-    buf: bytes  # the prompt's token bytes
-    matched: list[tuple[Node, int]]  # the walk: (node, pages matched in it)
-    version: int
-    match: MatchResult
+    __slots__ = ("namespace", "buf", "matched", "version", "_index", "_match")
+
+    def __init__(self, namespace: Namespace, buf: bytes, matched: list[tuple[Node, int]], version: int,
+                 index: DeviceIndex):  # fmt: skip
+        self.namespace = namespace
+        self.buf = buf  # the prompt's token bytes
+        self.matched = matched  # the walk: (node, pages matched in it)
+        self.version = version
+        self._index = index
+        self._match: MatchResult | None = None
+
+    @property
+    def match(self) -> MatchResult:
+        if self._match is None:
+            self._match = self._index.match_result(self.matched)
+        return self._match
 
 
 class KVCache:
@@ -202,7 +212,7 @@ class KVCache:
         ns = as_namespace(namespace)
         buf = token_bytes(tokens, self.vocab_size)
         matched = self._walk(ns, buf, len(buf) - len(buf) % self.trie.page_bytes)
-        return Lookup(ns, buf, matched, self._version, self.index.match_result(matched))
+        return Lookup(ns, buf, matched, self._version, self.index)
 
     def match(self, tokens: TokensLike, namespace: NamespaceLike = None) -> MatchResult:
         """Longest cached prefix in whole pages, with the tiers of each page (see ``lookup``)."""
@@ -238,7 +248,7 @@ class KVCache:
                           accept_lossy)  # fmt: skip
         first = plan.first
         pages = [self.trie.page_keys(node)[i] for node, i in plan.lower[: plan.num_fetch]]
-        held = self._mover.hold(pages)  # allocating may evict host copies: not these
+        held = self._mover.hold(pages) if pages else pages  # allocating may evict host copies: not these
         admission = self.index.begin_admission(ns, buf, plan.matched, now)
         handle, fetched, from_disk = None, 0, plan.on_disk[:0]
         if admission is not None:
@@ -251,7 +261,8 @@ class KVCache:
                 fetched = self._mover.start_fetch(waiter, pages, ns.digest(), Priority.DEMAND)
                 handle.num_hit_tokens = (first + fetched) * self.page_size
                 from_disk = waiter.from_disk
-        self._mover.unhold(held)
+        if held:
+            self._mover.unhold(held)
         self._forget_dropped()
         if handle is None:
             return None
