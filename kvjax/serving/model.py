@@ -1,6 +1,7 @@
 """A small decoder-only transformer (Flax NNX) whose attention runs on the kvjax page pool.
 
-RoPE, GQA, RMSNorm and a SwiGLU MLP. Weights are random unless loaded; nothing is downloaded.
+RoPE, GQA, RMSNorm and a SwiGLU MLP. Weights are random unless loaded (:func:`load_weights`;
+the ``tiny`` preset ships trained ones); nothing is downloaded.
 Two forward passes share every weight:
 
 * :meth:`Transformer.__call__` runs a ragged batch (prefill chunks and decodes mixed) on the
@@ -13,19 +14,17 @@ Two forward passes share every weight:
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels
 from kvjax.config.from_mapping import config_from_dict
 
-__all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_config", "load_weights", "save_weights"]
-
-_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+__all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_weights", "save_weights"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,53 +63,54 @@ class ModelConfig:
         return jnp.dtype(self.dtype)
 
 
-def save_weights(model: "Transformer", directory: str | Path) -> None:
-    """Writes the model's parameters to an orbax checkpoint at ``directory`` (must not exist)."""
+def save_weights(model: "Transformer", path: str | Path, *, dtype: str | None = None) -> None:
+    """Writes the model's parameters to ``path``, which must not exist.
+
+    ``path`` ending in ``.npz``: one compressed numpy file (the shipped weights' format), its
+    arrays stored in ``dtype`` (default: the model's; "float16" halves a float32 model).
+    Otherwise: an orbax checkpoint directory (``dtype`` must then be None).
+    """
+    path = Path(path).resolve()
+    if path.exists():
+        raise ValueError(f"weights path {str(path)!r} already exists; expected a new path")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if path.suffix == ".npz":
+        arrays = {name: np.asarray(leaf, dtype or leaf.dtype) for name, leaf in _named_leaves(params)}
+        with path.open("xb") as f:
+            np.savez_compressed(f, **arrays)
+        return
+    if dtype is not None:
+        raise ValueError(f"dtype={dtype!r} applies to .npz files only; {str(path)!r} is an orbax directory")
     import orbax.checkpoint as ocp  # the serving path never needs it
 
-    path = Path(directory).resolve()
-    if path.exists():
-        raise ValueError(f"checkpoint directory {str(path)!r} already exists; expected a new path")
-    state = nnx.state(model, nnx.Param)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, nnx.to_pure_dict(state))
+        checkpointer.save(path, params)
         checkpointer.wait_until_finished()
 
 
-def load_weights(cfg: ModelConfig, directory: str | Path) -> "Transformer":
-    """A :class:`Transformer` of ``cfg`` with the parameters saved by :func:`save_weights`.
+def load_weights(cfg: ModelConfig, path: str | Path) -> "Transformer":
+    """A :class:`Transformer` of ``cfg`` with the parameters :func:`save_weights` wrote to
+    ``path`` (an ``.npz`` file or an orbax directory), cast to ``cfg.dtype``.
 
-    Raises ValueError when the directory is missing or its arrays do not fit ``cfg``.
+    Raises ValueError when ``path`` is missing or its arrays do not fit ``cfg`` (naming the
+    first parameter that differs); nothing is read from an orbax checkpoint that does not fit.
     """
-    import orbax.checkpoint as ocp
-
-    path = Path(directory).resolve()
-    if not path.is_dir():
-        raise ValueError(f"checkpoint directory {str(path)!r} does not exist")
+    path = Path(path).resolve()
     model = Transformer(cfg)
     state = nnx.state(model, nnx.Param)
     target = nnx.to_pure_dict(state)
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
-    try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            restored = checkpointer.restore(path, abstract)
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"checkpoint {str(path)!r} does not fit the model config {cfg}: {e}") from e
+    if path.suffix == ".npz":
+        if not path.is_file():
+            raise ValueError(f"weights file {str(path)!r} does not exist")
+        with np.load(path) as stored:
+            _check_fits(cfg, path, target, {name: stored[name].shape for name in stored.files})
+            leaves = [jnp.asarray(stored[name], leaf.dtype) for name, leaf in _named_leaves(target)]
+        restored = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
+    else:
+        restored = _restore_orbax(cfg, path, target)
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(model, state)
     return model
-
-
-def load_config(preset: str) -> dict:
-    """Reads ``configs/<preset>.toml`` (or a path to a TOML file) into a dict of sections."""
-    path = Path(preset)
-    if not path.suffix:
-        path = _CONFIG_DIR / f"{preset}.toml"
-    if not path.is_file():
-        known = sorted(p.stem for p in _CONFIG_DIR.glob("*.toml"))
-        raise ValueError(f"preset {preset!r} not found; expected a TOML file or one of {known}")
-    with path.open("rb") as f:
-        return tomllib.load(f)
 
 
 @jax.tree_util.register_dataclass
@@ -212,3 +212,35 @@ class Transformer(nnx.Module):
 
     def _logits(self, x):
         return self.embed.attend(self.final_norm(x)).astype(jnp.float32)
+
+
+# --- weights files ---------------------------------------------------------------------------
+
+
+def _restore_orbax(cfg: ModelConfig, path: Path, target: dict) -> dict:
+    import orbax.checkpoint as ocp
+
+    if not path.is_dir():
+        raise ValueError(f"checkpoint directory {str(path)!r} does not exist")
+    with ocp.StandardCheckpointer() as checkpointer:
+        # Checked before restoring: a restore that fails part-way leaves orbax's reads
+        # pending on a closed event loop ("RuntimeError: Event loop is closed" at exit).
+        stored = checkpointer.metadata(path).item_metadata.tree
+        _check_fits(cfg, path, target, {name: tuple(meta.shape) for name, meta in _named_leaves(stored)})
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
+        return checkpointer.restore(path, abstract)
+
+
+def _named_leaves(tree) -> list[tuple[str, object]]:
+    """``("layers/0/q_proj/kernel", leaf)`` pairs in the tree's leaf order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: not isinstance(x, dict))
+    return [("/".join(str(getattr(key, "key", key)) for key in keys), leaf) for keys, leaf in flat]
+
+
+def _check_fits(cfg: ModelConfig, path: Path, target: dict, stored: dict[str, tuple]) -> None:
+    expected = {name: tuple(leaf.shape) for name, leaf in _named_leaves(target)}
+    for name in sorted(expected.keys() | stored.keys()):
+        if expected.get(name) != stored.get(name):
+            raise ValueError(
+                f"weights {str(path)!r} do not fit the model config {cfg}: parameter {name!r} is "
+                f"{stored.get(name, 'missing')} there, the config needs {expected.get(name, 'none')}")
