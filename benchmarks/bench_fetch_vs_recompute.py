@@ -52,7 +52,8 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvjax.cache.cost_model import CostModel  # noqa: E402
-from kvjax.serving.model import BatchInputs, ModelConfig, Transformer, load_config  # noqa: E402
+from kvjax.config.presets import load_preset  # noqa: E402
+from kvjax.serving.model import BatchInputs, ModelConfig, Transformer  # noqa: E402
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
 from kvjax.tiers.page_pool import Buckets, PoolConfig  # noqa: E402
 
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-disk", action="store_true", help="skip the disk column")
     args = parser.parse_args()
-    preset = load_config("tiny")
+    preset = load_preset("tiny")
     model_cfg = ModelConfig.from_dict(preset["model"])
     page_size = preset["cache"]["page_size"]
     lengths = [int(n) for n in args.lengths.split(",")]

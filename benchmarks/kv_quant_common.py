@@ -14,7 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvjax.serving.model import ModelConfig, load_config  # noqa: E402
+from kvjax.config.presets import load_preset  # noqa: E402
+from kvjax.serving.model import ModelConfig  # noqa: E402
 from kvjax.serving.preset import pool_config  # noqa: E402
 from kvjax.tiers.page_pool import PoolConfig  # noqa: E402
 from pallas_kernels.kv_format import KVFormat  # noqa: E402
@@ -58,8 +59,8 @@ LLAMA3_8B = ModelShape("llama-3-8b-like", 32, 8, 128, 16, "bfloat16")
 
 
 def tiny_shape(preset: str = "tiny") -> ModelShape:
-    """The shape of ``configs/<preset>.toml``'s model and pool."""
-    sections = load_config(preset)
+    """The shape of ``preset``'s model and pool."""
+    sections = load_preset(preset)
     model = ModelConfig.from_dict(sections["model"])
     pool = pool_config(model, sections["cache"]["page_size"], 1)
     return ModelShape(preset, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size,

@@ -2,17 +2,12 @@
 
 from kvjax.cache.block_keys import Namespace
 from kvjax.cache.cost_model import CostModel
+from kvjax.config.presets import load_preset
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import FinishEvent, RunSummary, TokenEvent
-from kvjax.serving.model import (
-    ModelConfig,
-    Transformer,
-    load_config,
-    load_weights,
-    save_weights,
-)
+from kvjax.serving.model import ModelConfig, Transformer, load_weights, save_weights
 from kvjax.serving.request import Request
 from kvjax.serving.sampling import SamplingParams
 from kvjax.serving.scheduler import Scheduler, SchedulerConfig
@@ -56,7 +51,7 @@ __all__ = [
     "build_workload",
     "canonicalize",
     "drive",
-    "load_config",
+    "load_preset",
     "load_weights",
     "save_weights",
     "template_fingerprint",

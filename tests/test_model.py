@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.serving.model import BatchInputs, ModelConfig, Transformer, load_config
+from kvjax.serving.model import BatchInputs, ModelConfig, Transformer
 
 PAGE = 8
 
@@ -88,10 +88,3 @@ def test_config_errors():
         ModelConfig(head_dim=7)
     with pytest.raises(ValueError, match=r"unknown model config keys \['layers'\]"):
         ModelConfig.from_dict({"layers": 3})
-    with pytest.raises(ValueError, match=r"preset 'nope' not found; expected .*'tiny'"):
-        load_config("nope")
-
-
-def test_tiny_preset_loads():
-    cfg = ModelConfig.from_dict(load_config("tiny")["model"])
-    assert cfg.num_q_heads % cfg.num_kv_heads == 0 and cfg.vocab_size == 256

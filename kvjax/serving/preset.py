@@ -1,8 +1,11 @@
-"""Building an engine's parts from a preset (``configs/<preset>.toml``).
+"""Building an engine's parts from a preset (``kvjax.config.presets``: a shipped name such as
+``"tiny"``, or the path of a TOML file).
 
-Sections: ``[model]`` (``ModelConfig``), ``[cache]`` (``page_size``, ``num_blocks``, the
-eviction ``policy``, the device pool's watermarks and its page format ``kv_quant`` /
-``kv_scale``), ``[scheduler]`` (``SchedulerConfig``),
+A top-level ``weights = "<file>"`` names the preset's trained weights (an ``.npz`` beside the
+TOML file); without it the model's weights are random. Sections: ``[model]``
+(``ModelConfig``), ``[cache]`` (``page_size``, ``num_blocks``, the eviction ``policy``, the
+device pool's watermarks and its page format ``kv_quant`` / ``kv_scale``), ``[scheduler]``
+(``SchedulerConfig``),
 ``[tiers]`` (``host_bytes``, ``disk_dir`` ("" = none), ``disk_bytes``, ``write_policy``, and
 lossy compression of a float pool's offloaded pages: ``offload_quant``, ``offload_scale``,
 ``accept_lossy``) and
@@ -12,18 +15,22 @@ lossy compression of a float pool's offloaded pages: ``offload_quant``, ``offloa
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from kvjax.config.presets import load_preset
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine_config import EngineConfig
-from kvjax.serving.model import ModelConfig, Transformer, load_config, load_weights
+from kvjax.serving.model import ModelConfig, Transformer, load_weights
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PoolConfig
 
-__all__ = ["build_cache_config", "build_engine_parts", "pool_config"]
+__all__ = ["RANDOM_WEIGHTS", "build_cache_config", "build_engine_parts", "pool_config"]
+
+RANDOM_WEIGHTS = "random"  # ``weights=`` value: random weights even when the preset ships some
 
 _CACHE_KEYS = ("page_size", "num_blocks", "policy", "high_watermark", "low_watermark", "kv_quant",
                "kv_scale")
@@ -37,14 +44,15 @@ def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed
                        **engine_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     """``Engine(**parts)`` arguments for ``preset``.
 
-    ``weights``: an orbax checkpoint directory written by ``kvjax.serving.model.save_weights`` (random
-    weights from ``seed`` otherwise; ``seed`` also seeds sampling). ``tiers=False`` leaves out
-    the host and disk tiers. ``cache_options`` override keys of the preset's ``[cache]``
-    section (e.g. ``{"kv_quant": "int8"}``). Other keyword arguments go to ``Engine``
+    ``weights``: None (default) for the preset's own weights (random when it ships none),
+    ``"random"`` for random weights from ``seed``, or the path of weights written by
+    ``kvjax.serving.model.save_weights`` (an ``.npz`` file or an orbax directory). ``seed`` also
+    seeds sampling. ``tiers=False`` leaves out the host and disk tiers. ``cache_options``
+    override keys of the preset's ``[cache]`` section (e.g. ``{"kv_quant": "int8"}``). Other keyword arguments go to ``Engine``
     unchanged (they win over the preset: ``scheduler_config=``, ``config=``, ``metrics=``,
     ``clock=``, ...).
     """
-    sections = load_config(preset)
+    sections = load_preset(preset)
     for required in ("model", "cache"):
         if required not in sections:
             raise ValueError(f"preset {preset!r} has no [{required}] section")
@@ -56,7 +64,14 @@ def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed
     engine_cfg = EngineConfig.from_dict(sections.get("engine", {}))
     if seed is not None:
         engine_cfg = dataclasses.replace(engine_cfg, seed=seed)
-    model = load_weights(model_cfg, weights) if weights else Transformer(model_cfg, seed=engine_cfg.seed)
+    if weights is None:
+        weights = sections.get("weights", RANDOM_WEIGHTS)
+    if weights == RANDOM_WEIGHTS:
+        model = Transformer(model_cfg, seed=engine_cfg.seed)
+    elif isinstance(weights, (str, os.PathLike)):
+        model = load_weights(model_cfg, weights)
+    else:
+        raise ValueError(f"weights={weights!r} must be None (the preset's), {RANDOM_WEIGHTS!r} or a path")
     engine_kwargs.setdefault("metrics", Metrics(clock=engine_kwargs.get("clock", time.monotonic)))
     cache_config = build_cache_config(model_cfg, sections["cache"], sections.get("tiers", {}) if tiers else {})
     cache = KVCache(cache_config, impl=engine_cfg.impl, clock=engine_kwargs.get("clock", time.monotonic))
