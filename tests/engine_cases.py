@@ -77,3 +77,15 @@ def random_prompts(rng: np.random.Generator, shared: int, tails: list[int]) -> l
     """Prompts of one shared ``shared``-token prefix followed by random tails."""
     prefix = rng.integers(0, MODEL.vocab_size, shared)
     return [np.concatenate([prefix, rng.integers(0, MODEL.vocab_size, n)]).astype(np.int32) for n in tails]
+
+
+def write_preset(path, *, num_blocks: int = BLOCKS, max_model_len: int = MAX_LEN) -> str:
+    """Writes a preset of the shared shapes (so the step compiles once for every test that
+    uses it, unless ``num_blocks`` or ``max_model_len`` change) to ``path``; returns the path."""
+    model_keys = "\n".join(f"{name} = {getattr(MODEL, name)!r}" for name in MODEL.__dataclass_fields__)
+    scheduler = "\n".join(f"{name} = {getattr(SCHEDULER, name)!r}"
+                          for name in ("max_num_seqs", "token_budget", "max_prefill_chunk"))
+    path.write_text(f"[model]\n{model_keys}\n[cache]\npage_size = {PAGE}\nnum_blocks = {num_blocks}\n"
+                    f"[scheduler]\n{scheduler}\n[engine]\nmax_model_len = {max_model_len}\n"
+                    f"token_buckets = {list(BUCKETS)}\n".replace("'", '"'))
+    return str(path)

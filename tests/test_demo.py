@@ -2,8 +2,9 @@
 
 import io
 
+import numpy as np
 import pytest
-from engine_cases import BLOCKS, BUCKETS, MAX_LEN, MODEL, PAGE, SCHEDULER
+from engine_cases import write_preset
 
 from kvjax.__main__ import main
 from kvjax.tools.demo import run_demo
@@ -17,18 +18,7 @@ SPEC = WorkloadSpec(system_prompts=2, questions_per_system_prompt=3, conversatio
 @pytest.fixture
 def small_preset(tmp_path):
     """A preset with the engine tests' shapes, so the step compiles once for both files."""
-    model = "\n".join(f"{k} = {v!r}" for k, v in vars_of(MODEL).items()).replace("'", '"')
-    scheduler = "\n".join(f"{k} = {getattr(SCHEDULER, k)!r}" for k in ("max_num_seqs", "token_budget",
-                                                                       "max_prefill_chunk"))
-    path = tmp_path / "small.toml"
-    path.write_text(f"[model]\n{model}\n[cache]\npage_size = {PAGE}\nnum_blocks = {BLOCKS}\n"
-                    f"[scheduler]\n{scheduler}\n[engine]\nmax_model_len = {MAX_LEN}\n"
-                    f"token_buckets = {list(BUCKETS)}\n")
-    return str(path)
-
-
-def vars_of(config):
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+    return write_preset(tmp_path / "small.toml")
 
 
 def test_reduced_demo_saves_prefill_with_identical_outputs(small_preset, tmp_path):
@@ -43,6 +33,7 @@ def test_reduced_demo_saves_prefill_with_identical_outputs(small_preset, tmp_pat
     for row in ("metric", "cached", "uncached", "prefill_tokens", "ttft p50 (ms)", "token hit rate"):
         assert row in text
     assert "same generated tokens with and without the cache: yes" in text
+    assert "some replies (prompt end | generated text):" in text and "sys0-q0/t0" in text
     assert f"{num_requests}/{num_requests} requests" in progress.getvalue()
     if "plot skipped" not in text:
         assert plot.read_bytes().startswith(b"\x89PNG")
@@ -87,3 +78,36 @@ def test_kernel_checks_pass_and_are_reported():
                   "[pallas_tpu, interpret mode]", "write_kv", "round trip"):
         assert check in text
     assert "FAIL" not in text
+
+
+@pytest.mark.parametrize("low_ms, high_ms", [(12.0, 18.0), (12.0, 1200.0), (0.5, 20_000.0)])
+def test_ttft_plot_ticks_do_not_overlap_and_headline_and_caption_show(low_ms, high_ms):
+    """The CDF's x tick labels stayed readable whatever the spread of TTFTs (a log axis over
+    less than a decade used to label its minor ticks, which overlapped)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvjax.tools.demo_report import UNCACHED_CAPTION, ttft_figure
+
+    rng = np.random.default_rng(0)
+    ids = [f"r{i}" for i in range(40)]
+    uncached = dict(zip(ids, np.geomspace(low_ms, high_ms, 40) / 1e3))
+    cached = {rid: seconds * rng.uniform(0.4, 1.0) if low_ms * 2 < high_ms else seconds
+              for rid, seconds in uncached.items()}
+    fig = ttft_figure({"cached": cached, "uncached": uncached}, ids)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for axes in fig.axes:
+        for axis in (axes.xaxis, axes.yaxis):
+            labels = [t for t in axis.get_ticklabels(which="both") if t.get_visible() and t.get_text()]
+            boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: (b.x0, b.y0))
+            assert len(boxes) >= 2, [t.get_text() for t in labels]
+            assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), \
+                [t.get_text() for t in labels]
+    p50 = np.percentile(1e3 * np.array(list(uncached.values())), 50)
+    title = fig._suptitle.get_text()
+    assert f"uncached: p50 {p50:,.0f} ms" in title and "cached: p50" in title and "p99" in title
+    assert UNCACHED_CAPTION in [text.get_text() for text in fig.texts]
+    assert "namespace of its own" in UNCACHED_CAPTION
+    plt.close(fig)

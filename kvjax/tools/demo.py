@@ -4,9 +4,14 @@ without, side by side.
 The workload (``kvjax.tools.workload``: shared system prompts, multi-turn conversations, few-shot
 templates, two tenants) runs twice on the ``tiny`` preset: once with the KV cache, once with
 every request in a namespace of its own (the same engine, a cache that never hits). The demo
-prints the metrics of both runs side by side, checks that both produced the same tokens,
-and writes a plot of time to first token per request (needs matplotlib: ``pip install
-'kvjax[demo]'``). Exits non-zero if the outputs differ or the cache saved no prefill work.
+prints a few of the generated replies and the metrics of both runs side by side, checks that
+both produced the same tokens, and writes a plot of time to first token per request (needs
+matplotlib: ``pip install 'kvjax[demo]'``). The ``tiny`` preset's model has small trained
+weights (``kvjax.tools.train_tiny``; ``--random-weights`` for random ones).
+
+Exit status 1, with one line on stderr saying why, when no request finished in both runs (a
+pool too small for the workload rejects them all), the outputs differ, or the cache saved no
+prefill work; 2 for bad arguments (see ``kvjax.tools.cli``).
 
 Compilations are cached on disk (``~/.cache/kvjax/jax``, or ``$JAX_COMPILATION_CACHE_DIR``)
 so a second run starts in seconds; ``--no-compile-cache`` turns that off.
@@ -23,16 +28,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from kvjax.config.presets import load_preset
 from kvjax.serving.engine import Engine
+from kvjax.serving.preset import RANDOM_WEIGHTS
+from kvjax.tools.cli import CommandError
 from kvjax.tools.demo_kernels import kernel_checks
-from kvjax.tools.demo_report import ProgressLine, headline, plot_ttft
-from kvjax.tools.workload import (
-    Session,
-    WorkloadResult,
-    WorkloadSpec,
-    build_workload,
-    drive,
-)
+from kvjax.tools.demo_report import ProgressLine, check_plot_path, headline, plot_ttft, sample_replies
+from kvjax.tools.workload import Session, WorkloadResult, WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import FORMATS, GRANULARITIES
 
 __all__ = ["DemoResult", "add_subcommand", "run_demo"]
@@ -41,38 +43,74 @@ DEFAULT_PLOT = "kvjax_demo_ttft.png"
 
 
 class DemoResult:
-    """Both runs: ``engines`` and ``results`` keyed "cached" / "uncached", and the verdict."""
+    """Both runs: ``engines`` and ``results`` keyed "cached" / "uncached", and the verdict.
+
+    ``finished`` holds the ids of the requests that finished in each run, ``compared`` those
+    that finished in both, ``identical`` whether both runs finished the same requests with the
+    same tokens (None when no request finished in both: nothing to compare), ``rejected``
+    the rejected requests' finish reasons by id, per run.
+    """
 
     def __init__(self, engines: dict[str, Engine], results: dict[str, WorkloadResult], sessions: list[Session]):
         self.engines, self.results, self.sessions = engines, results, sessions
+        self.finished = {name: {rid for rid, f in result.finishes.items() if f.status == "finished"}
+                         for name, result in results.items()}
+        self.rejected = {name: {rid: f.reason for rid, f in result.finishes.items() if f.status == "rejected"}
+                         for name, result in results.items()}
+        self.compared = sorted(self.finished["cached"] & self.finished["uncached"])
         cached, uncached = results["cached"].outputs, results["uncached"].outputs
-        self.identical = cached.keys() == uncached.keys() and all(
-            np.array_equal(cached[k], uncached[k]) for k in cached)
+        self.identical = None if not self.compared else (
+            self.finished["cached"] == self.finished["uncached"]
+            and all(np.array_equal(cached[rid], uncached[rid]) for rid in self.compared))
         counters = {name: engine.metrics.to_json()["counters"] for name, engine in engines.items()}
         self.prefill_tokens = {name: c["prefill_tokens"] for name, c in counters.items()}
 
     @property
     def ok(self) -> bool:
-        return self.identical and self.prefill_tokens["cached"] < self.prefill_tokens["uncached"]
+        return self.failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the demo failed, in one line; None when it did not."""
+        if self.identical is None:
+            rejected = self.rejected["cached"]
+            if rejected:
+                rid, reason = next(iter(rejected.items()))
+                return (f"no request finished: all {len(rejected)} submitted requests were rejected "
+                        f"(first, {rid}: {reason}); expected a preset whose pool holds the workload's prompts")
+            return "no request finished in both runs; nothing to compare"
+        if not self.identical:
+            return ("the cached run's outputs differ from the uncached run's (a bug: the cache must "
+                    "never change outputs)")
+        if self.prefill_tokens["cached"] >= self.prefill_tokens["uncached"]:
+            return (f"the cache saved no prefill work: {self.prefill_tokens['cached']} prefill tokens "
+                    f"cached vs {self.prefill_tokens['uncached']} uncached")
+        return None
 
 
-def run_demo(out=sys.stdout, *, preset: str = "tiny", spec: WorkloadSpec | None = None,
-             plot_path: str | None = DEFAULT_PLOT, progress=sys.stderr, with_kernel_checks: bool = False,
+def run_demo(out=None, *, preset: str = "tiny", spec: WorkloadSpec | None = None,
+             plot_path: str | None = DEFAULT_PLOT, progress=None, with_kernel_checks: bool = False,
              tiers: bool = False, **engine_overrides) -> DemoResult:  # fmt: skip
     """Runs the demo (see the module docstring), prints to ``out``, returns both runs.
 
-    ``spec`` sizes the workload; ``plot_path`` None skips the plot; ``progress`` None hides
-    the progress line; ``tiers`` keeps the preset's host/disk tiers (off by default: today
+    ``out`` defaults to ``sys.stdout``; ``spec`` sizes the workload; ``plot_path`` None skips
+    the plot; ``progress``: a stream for a progress line (None: none); ``tiers`` keeps the preset's host/disk tiers (off by default: today
     every new number of blocks moved between tiers costs an XLA compilation, seconds on
-    CPU, which would swamp the comparison); ``engine_overrides`` go to ``Engine.from_preset``.
+    CPU, which would swamp the comparison); ``engine_overrides`` go to ``Engine.from_preset``
+    (e.g. ``weights="random"``). A bad preset or plot path raises ValueError before anything
+    runs.
     """
-    print(f"kvjax demo on {jax.default_backend()}: preset {preset!r}", file=out)
+    out = out or sys.stdout  # looked up now: tests swap it
+    if plot_path is not None:
+        check_plot_path(plot_path)
+    engines = {name: Engine.from_preset(preset, tiers=tiers, **engine_overrides) for name in ("cached", "uncached")}
+    print(f"kvjax demo on {jax.default_backend()}: preset {preset!r}, "
+          f"{_weights_label(preset, engine_overrides.get('weights'))}", file=out)
     if with_kernel_checks:
         failed = kernel_checks(out)
         if failed:
             print(f"{failed} kernel check(s) failed", file=out)
     sessions = build_workload(spec)
-    engines = {name: Engine.from_preset(preset, tiers=tiers, **engine_overrides) for name in ("cached", "uncached")}
     start = time.perf_counter()
     compiled = sum(engine.runner.warmup() for engine in engines.values())
     pool_cfg = engines["cached"].pool.config
@@ -92,18 +130,25 @@ def run_demo(out=sys.stdout, *, preset: str = "tiny", spec: WorkloadSpec | None 
             engine.summary(time.perf_counter() - start, engine.num_generated_tokens)
         engine.close()
     result = DemoResult(engines, results, sessions)
+    replies = sample_replies(result)
+    if replies:
+        print("\nsome replies (prompt end | generated text):", file=out)
+        print("\n".join(replies), file=out)
     metrics = {name: engine.metrics for name, engine in engines.items()}
     print("\n" + metrics["cached"].summary_table(metrics["uncached"], labels=("cached", "uncached")), file=out)
     print("\n" + headline(result), file=out)
-    if plot_path is not None:
-        print(plot_ttft(results, plot_path), file=out)
+    if plot_path is not None and result.compared:
+        print(plot_ttft(result, plot_path), file=out)
     return result
 
 
 def add_subcommand(subparsers) -> None:
     """Registers ``python -m kvjax demo``."""
     parser = subparsers.add_parser("demo", help="serve a built-in workload with and without the KV cache")
-    parser.add_argument("--preset", default="tiny", help="configs/<preset>.toml (default: %(default)s)")
+    parser.add_argument("--preset", default="tiny",
+                        help="a shipped preset's name or the path of a .toml file (default: %(default)s)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random model weights instead of the preset's trained ones")
     parser.add_argument("--plot", default=DEFAULT_PLOT, metavar="PNG",
                         help="where to write the TTFT plot (default: %(default)s)")  # fmt: skip
     parser.add_argument("--no-plot", action="store_true", help="skip the plot")
@@ -125,10 +170,15 @@ def _main(args: argparse.Namespace) -> int:
         enable_compile_cache()
     cache_options = {key: value for key, value in (("kv_quant", args.kv_quant), ("kv_scale", args.kv_scale))
                      if value is not None}  # fmt: skip
+    # The progress line redraws with \r: only on a terminal, so logs and pipes get none.
     result = run_demo(preset=args.preset, plot_path=None if args.no_plot else args.plot,
                       with_kernel_checks=args.kernel_checks, tiers=args.tiers,
-                      cache_options=cache_options or None)  # fmt: skip
-    return 0 if result.ok else 1
+                      cache_options=cache_options or None,
+                      weights=RANDOM_WEIGHTS if args.random_weights else None,
+                      progress=sys.stderr if sys.stderr.isatty() else None)  # fmt: skip
+    if result.failure is not None:
+        raise CommandError(result.failure)
+    return 0
 
 
 def enable_compile_cache() -> None:
@@ -137,3 +187,10 @@ def enable_compile_cache() -> None:
     directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path.home() / ".cache" / "kvjax" / "jax")
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+def _weights_label(preset: str, weights) -> str:
+    """Which weights ``Engine.from_preset(preset, weights=weights)`` loads, for the header."""
+    if weights is None:
+        weights = load_preset(preset).get("weights", RANDOM_WEIGHTS)
+    return "random weights" if weights == RANDOM_WEIGHTS else f"weights {Path(weights).name}"

@@ -51,13 +51,17 @@ def add_subcommand(subparsers) -> None:
 
 def run_replay(args: argparse.Namespace, out=None, err=None) -> int:
     """Runs the parsed ``replay`` command; 0 on success, 2 for a bad or unreadable trace or a
-    capacity out of range."""
+    capacity out of range, 1 (with a warning) for a trace without requests."""
     out, err = out or sys.stdout, err or sys.stderr  # looked up now: tests swap them
     try:
         requests = load_trace(args.trace, block_tokens=args.block_tokens)
     except (OSError, ValueError) as error:
         print(f"kvjax replay: error: {error}", file=err)
         return 2
+    if not requests:  # a table of zeros would read as results
+        print(f"kvjax replay: warning: trace {args.trace!r} holds no requests (blank or empty); "
+              "expected JSON lines, one request each; nothing replayed", file=err)
+        return 1
     try:
         report = replay_report(requests, args.device_blocks, policy=args.policy,
                                block_tokens=args.block_tokens, host_blocks=args.host_blocks,

@@ -57,12 +57,15 @@ def load_trace(
     """Reads a Mooncake-format trace file and returns its requests in timestamp order.
 
     The sort is stable, so requests with equal timestamps keep their file order (multi-turn
-    conversations rely on it). Raises ``ValueError`` for a malformed line, naming the line.
+    conversations rely on it). Raises ``ValueError`` for a malformed line or one that is not
+    UTF-8 text (a binary file), naming the file and the line; an empty file gives ``[]``.
     """
     if block_tokens < 1:
         raise ValueError(f"{block_tokens=} must be >= 1")
-    with open(path, encoding="utf-8") as trace_file:
-        requests = parse_trace_lines(trace_file, source=os.fspath(path), block_tokens=block_tokens)
+    source = os.fspath(path)
+    with open(path, "rb") as trace_file:  # decoded line by line: an error names its line
+        lines = (_decode(raw, f"{source}:{number}") for number, raw in enumerate(trace_file, start=1))
+        requests = parse_trace_lines(lines, source=source, block_tokens=block_tokens)
     return sorted(requests, key=lambda request: request.timestamp_ms)
 
 
@@ -101,6 +104,14 @@ def parse_trace_line(line: str, where: str, block_tokens: int) -> TraceRequest:
             f"needs ceil({input_length}/{block_tokens})={expected_blocks}"
         )
     return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids))
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at column "
+                         f"{error.start + 1}); expected JSON lines") from None
 
 
 def _field(record: dict, name: str, types: tuple[type, ...], where: str):
