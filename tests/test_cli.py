@@ -98,7 +98,7 @@ BAD_INPUT = [
 def test_bad_input_is_one_line_without_traceback(argv, status, message, tmp_path, capsys):
     paths = files(tmp_path)
     argv = [re.sub(r"\{([^}]+)\}", lambda m: paths[m.group(1)], arg) for arg in argv]
-    code, out, err = run_cli(argv, capsys)
+    code, _, err = run_cli(argv, capsys)
     assert code == status, (code, err)
     assert err.count("\n") == 1 and err.endswith("\n"), err
     assert "Traceback" not in err
@@ -107,7 +107,7 @@ def test_bad_input_is_one_line_without_traceback(argv, status, message, tmp_path
 
 def test_a_tiny_pool_says_why_nothing_ran_and_claims_nothing(tmp_path, capsys):
     preset = write_preset(tmp_path / "four.toml", num_blocks=4, max_model_len=1024)
-    code, out, err = run_cli(["demo", "--preset", preset, "--no-plot"], capsys)
+    code, out, _ = run_cli(["demo", "--preset", preset, "--no-plot"], capsys)
     assert code == 1
     assert "same generated tokens with and without the cache: not checked" in out
     assert "same generated tokens with and without the cache: yes" not in out

@@ -67,7 +67,7 @@ def test_the_wheel_runs_the_demo_from_outside_the_checkout(tmp_path):
                env, tmp_path, timeout=600)
     assert "preset 'tiny', weights tiny.npz" in out
     assert "same generated tokens with and without the cache: yes" in out
-    assert "some replies (prompt end | generated text):" in out
+    assert "some replies (end of the prompt -> generated text):" in out
     assert (tmp_path / "ttft.png").read_bytes().startswith(b"\x89PNG")
 
 

@@ -94,11 +94,11 @@ def run_demo(out=None, *, preset: str = "tiny", spec: WorkloadSpec | None = None
     """Runs the demo (see the module docstring), prints to ``out``, returns both runs.
 
     ``out`` defaults to ``sys.stdout``; ``spec`` sizes the workload; ``plot_path`` None skips
-    the plot; ``progress``: a stream for a progress line (None: none); ``tiers`` keeps the preset's host/disk tiers (off by default: today
-    every new number of blocks moved between tiers costs an XLA compilation, seconds on
-    CPU, which would swamp the comparison); ``engine_overrides`` go to ``Engine.from_preset``
-    (e.g. ``weights="random"``). A bad preset or plot path raises ValueError before anything
-    runs.
+    the plot; ``progress``: a stream for a progress line (None: none); ``tiers`` keeps the
+    preset's host/disk tiers (off by default: today every new number of blocks moved between
+    tiers costs an XLA compilation, seconds on CPU, which would swamp the comparison);
+    ``engine_overrides`` go to ``Engine.from_preset`` (e.g. ``weights="random"``). A bad
+    preset or plot path raises ValueError before anything runs.
     """
     out = out or sys.stdout  # looked up now: tests swap it
     if plot_path is not None:
@@ -132,7 +132,7 @@ def run_demo(out=None, *, preset: str = "tiny", spec: WorkloadSpec | None = None
     result = DemoResult(engines, results, sessions)
     replies = sample_replies(result)
     if replies:
-        print("\nsome replies (prompt end | generated text):", file=out)
+        print("\nsome replies (end of the prompt -> generated text):", file=out)
         print("\n".join(replies), file=out)
     metrics = {name: engine.metrics for name, engine in engines.items()}
     print("\n" + metrics["cached"].summary_table(metrics["uncached"], labels=("cached", "uncached")), file=out)

@@ -151,37 +151,40 @@ def plot_ttft(demo, path: str) -> str:
 def ttft_figure(ttft: dict[str, dict[str, float]], order: list[str]):
     """The TTFT figure: per request (in ``order``) and as a distribution, of
     ``ttft[run][request_id]`` (seconds) for the runs "cached" and "uncached"; p50/p99 in the
-    title and legends, what "uncached" means in a caption."""
+    title, one legend for both panels (none over the data), what "uncached" means in a caption."""
     import matplotlib.pyplot as plt
 
-    fig, (per_request, cdf) = plt.subplots(1, 2, figsize=(11, 4.6))
+    fig, (per_request, cdf) = plt.subplots(1, 2, figsize=(11, 4.8))
     headline_parts = []
-    for name, style in (("uncached", "o"), ("cached", "s")):
+    for name, style in (("cached", "s"), ("uncached", "o")):
         ms = {rid: 1e3 * seconds for rid, seconds in ttft[name].items()}
         if not ms:
             continue
         p50, p99 = np.percentile(list(ms.values()), [50, 99])
-        label = f"{name}: p50 {_ms_text(p50)}, p99 {_ms_text(p99)}"
-        headline_parts.append(label)
+        headline_parts.append(f"{name} p50 {_ms_text(p50)}, p99 {_ms_text(p99)}")
+        color = "tab:orange" if name == "cached" else "tab:blue"
         ids = [rid for rid in order if rid in ms]
-        per_request.plot(range(len(ids)), [ms[rid] for rid in ids], style, ms=3, label=label)
+        per_request.plot(range(len(ids)), [ms[rid] for rid in ids], style, ms=3, color=color, label=name)
         values = sorted(ms.values())
-        cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=label)
+        cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", color=color)
     all_ms = [1e3 * v for run in ttft.values() for v in run.values()]
     _readable_ms_axis(per_request.yaxis, per_request.set_yscale, all_ms)
     _readable_ms_axis(cdf.xaxis, cdf.set_xscale, all_ms)
     per_request.set(xlabel="request (in the uncached run's finish order)", ylabel="time to first token (ms)",
                     title="TTFT per request")  # fmt: skip
-    cdf.set(xlabel="time to first token (ms)", ylabel="fraction of requests", title="TTFT distribution")
-    for fraction in (0.5, 0.99):
+    cdf.set(xlabel="time to first token (ms)", ylabel="fraction of requests", title="TTFT distribution",
+            ylim=(0, 1.04))  # fmt: skip
+    for fraction, label in ((0.5, "p50"), (0.99, "p99")):
         cdf.axhline(fraction, color="gray", lw=0.6, ls=":")
+        cdf.annotate(label, (0, fraction), xycoords=("axes fraction", "data"), xytext=(3, 2),
+                     textcoords="offset points", fontsize=8, color="gray")  # fmt: skip
     for axes in (per_request, cdf):
         axes.grid(True, alpha=0.3)
-        axes.legend(loc="best", fontsize=9)
-    fig.suptitle("Time to first token, with and without the KV cache: " + "; ".join(reversed(headline_parts)),
-                 fontsize=11)  # fmt: skip
+    fig.suptitle("Time to first token: " + " vs ".join(headline_parts), fontsize=11, y=0.98)
+    fig.legend(*per_request.get_legend_handles_labels(), loc="upper center", ncol=2, frameon=False,
+               bbox_to_anchor=(0.5, 0.94), markerscale=2)  # fmt: skip
     fig.text(0.5, 0.01, UNCACHED_CAPTION, ha="center", va="bottom", fontsize=9, color="dimgray")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.04, 1, 0.9))
     return fig
 
 
@@ -192,18 +195,19 @@ def _readable_ms_axis(axis, set_scale, values_ms: list[float]) -> None:
     """Log scale with ticks at 1-2-5 (or powers of ten over many decades), labelled in plain
     milliseconds, no minor labels; linear with a few ticks when the values span under 10x
     (a log axis there gets only minor labels, which overlap)."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
     positive = [v for v in values_ms if v > 0]
     low, high = (min(positive), max(positive)) if positive else (1.0, 1.0)
     if high / low < 10:
         set_scale("linear")
         axis.set_major_locator(MaxNLocator(nbins=6))
-    else:
-        set_scale("log")
-        decades = math.log10(high / low)
-        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 2.5 else (1.0,)))
-        axis.set_minor_formatter(NullFormatter())
+        axis.set_major_formatter(ScalarFormatter(useOffset=False))  # decimals as the ticks need
+        return
+    set_scale("log")
+    decades = math.log10(high / low)
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 2.5 else (1.0,)))
+    axis.set_minor_formatter(NullFormatter())
     axis.set_major_formatter(FuncFormatter(lambda value, _: _ms_number(value)))
 
 
