@@ -95,10 +95,13 @@ class Engine:
 
     @classmethod
     def from_preset(cls, preset: str = "tiny", **overrides) -> Engine:
-        """Model, pool, cache, tiers and scheduler from ``configs/<preset>.toml``.
+        """Model, pool, cache, tiers and scheduler from a preset: a shipped name ("tiny") or the
+        path of a TOML file (``kvjax.config.presets``).
 
-        ``overrides`` (see ``kvjax.serving.preset.build_engine_parts``): ``weights`` (an orbax
-        checkpoint directory), ``seed``, and any ``Engine`` keyword argument.
+        ``overrides`` (see ``kvjax.serving.preset.build_engine_parts``): ``weights`` (default: the
+        preset's own, e.g. the tiny model's trained ones; "random"; or a weights path), ``seed``,
+        and any ``Engine`` keyword argument. Compilation happens at the first step of each token
+        bucket; call :meth:`warmup` to do it before timing requests.
         """
         return cls(**build_engine_parts(preset, **overrides))
 
