@@ -1,7 +1,7 @@
 """What quantized KV pages cost in quality, end to end on the tiny model.
 
 For the float pool and every format x scale granularity, with random weights and with the
-tiny model briefly trained:
+tiny model's shipped trained weights:
 
 * greedy agreement: the demo workload (``kvjax.tools.workload``, as ``python -m kvjax demo`` runs
   it) served by ``Engine.from_preset("tiny", tiers=False, cache_options={"kv_quant": ...,
@@ -17,14 +17,12 @@ tiny model briefly trained:
   The dense forward (no pool) is printed as a check of the float row.
 
 A random-weight model's greedy output is near-degenerate (a repeated byte), which flatters
-agreement, and its likelihood is ~uniform. So the model is also trained: byte-level, on the
-repository's README and the docstrings of ``kvjax/`` (``--train-steps`` AdamW steps of
-``8 x 128`` bytes, about a minute on two idle CPU cores); the held-out text is the docstrings
-of ``pallas_kernels/``. Trained weights are cached (orbax, ``kvjax.serving.model.save_weights``) under
-``--cache-dir``, keyed by a hash of the corpus and the training settings.
+agreement, and its likelihood is ~uniform. So the trained weights the ``tiny`` preset ships
+(``configs/tiny.npz``, made by ``python -m kvjax.tools.train_tiny`` from the checkout's
+README and docstrings) are measured too; the held-out text is the docstrings of
+``pallas_kernels/``, which that training leaves out.
 
-    .venv/bin/python benchmarks/bench_kv_quant_quality.py [--quick] [--train-steps 300]
-        [--chunks 24,1] [--cache-dir ~/.cache/kvjax/bench_kv_quant_quality]
+    .venv/bin/python benchmarks/bench_kv_quant_quality.py [--quick] [--chunks 24,1]
 
 XLA compilations are cached on disk as the demo does (``--no-compile-cache`` turns it off).
 """
@@ -32,48 +30,29 @@ XLA compilations are cached on disk as the demo does (``--no-compile-cache`` tur
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import functools
-import hashlib
-import os
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from kv_quant_common import ALL_FORMATS, command_line, format_table
 
+from kvjax.config.presets import load_preset
 from kvjax.serving.engine import Engine
-from kvjax.serving.model import (
-    BatchInputs,
-    ModelConfig,
-    Transformer,
-    load_config,
-    load_weights,
-    save_weights,
-)
+from kvjax.serving.model import BatchInputs, ModelConfig, Transformer, load_weights
 from kvjax.tiers.page_pool import Buckets, bucket, build_batch
 from kvjax.tools.demo import enable_compile_cache
+from kvjax.tools.train_tiny import corpus, heldout_sequences, mean_log_likelihood_dense
 from kvjax.tools.workload import WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import KVFormat, empty_pool
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK_SPEC = WorkloadSpec(system_prompts=1, questions_per_system_prompt=4, conversations=2,
                           turns_per_conversation=2, few_shot_templates=1, queries_per_template=3)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSettings:
-    steps: int = 300
-    batch: int = 8
-    seq_len: int = 128  # bytes per training window
-    peak_lr: float = 6e-3
-    warmup: int = 20
-    seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +70,12 @@ def main() -> None:
     if args.compile_cache:
         enable_compile_cache()
     preset, spec = "tiny", QUICK_SPEC if args.quick else WorkloadSpec()
-    cfg = ModelConfig.from_dict(load_config(preset)["model"])
-    train_text, heldout = corpus(REPO)
-    settings = TrainSettings(steps=args.train_steps)
-    seed = load_config(preset).get("engine", {}).get("seed", 0)
+    sections = load_preset(preset)
+    cfg = ModelConfig.from_dict(sections["model"])
+    _, heldout = corpus(REPO)
+    seed = sections.get("engine", {}).get("seed", 0)
     models = {"random": _committed(Transformer(cfg, seed=seed)),
-              "trained": _committed(load_weights(cfg, trained_weights(cfg, train_text, settings,
-                                                                      args.cache_dir)))}
+              "trained": _committed(load_weights(cfg, sections["weights"]))}
     sequences = heldout_sequences(heldout, args.ll_seqs, args.ll_len)
     print(f"tiny model {cfg}\nworkload: {len(build_workload(spec))} sessions; held-out text: "
           f"{sequences.shape[0]} sequences x {sequences.shape[1]} bytes\n")
@@ -116,18 +94,15 @@ def main() -> None:
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="a smaller workload, 60 training steps, one short chunking")
-    parser.add_argument("--train-steps", type=int, default=300)
+                        help="a smaller workload, one short chunking")
     parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")], default=[24, 1],
                         help="prefill chunk sizes of the likelihood columns (default: 24,1)")
     parser.add_argument("--ll-seqs", type=int, default=8, help="held-out sequences")
     parser.add_argument("--ll-len", type=int, default=256, help="bytes per held-out sequence")
-    parser.add_argument("--cache-dir", type=Path,
-                        default=Path.home() / ".cache" / "kvjax" / "bench_kv_quant_quality")
     parser.add_argument("--no-compile-cache", dest="compile_cache", action="store_false")
     args = parser.parse_args()
     if args.quick:
-        args.train_steps, args.chunks = min(args.train_steps, 60), [24]
+        args.chunks = [24]
         args.ll_seqs, args.ll_len = min(args.ll_seqs, 4), min(args.ll_len, 128)
     return args
 
@@ -159,7 +134,7 @@ def quality_rows(preset: str, model: Transformer, spec: WorkloadSpec, sequences:
         rows.append(row)
     sample = max(outputs[base].values(), key=lambda tokens: len(set(tokens.tolist())))
     text = bytes(int(t) for t in sample if t < 256).decode(errors="replace")
-    return rows, dense_log_likelihood(model, sequences), text
+    return rows, mean_log_likelihood_dense(model, sequences), text
 
 
 # --- greedy agreement --------------------------------------------------------------------------
@@ -227,100 +202,12 @@ def mean_log_likelihood(model: Transformer, sequences: np.ndarray, fmt: KVFormat
     return total / (num_seqs * (seq_len - 1))
 
 
-def dense_log_likelihood(model: Transformer, sequences: np.ndarray) -> float:
-    """The same mean over the dense forward (plain causal attention, no pool)."""
-    logits = jax.vmap(model.forward_dense)(jnp.asarray(sequences))
-    log_probs = jax.nn.log_softmax(logits[:, :-1])
-    picked = jnp.take_along_axis(log_probs, jnp.asarray(sequences)[:, 1:, None], -1)
-    return float(picked.mean())
-
-
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def _target_log_probs(graphdef, state, inputs: BatchInputs, kv_pages, targets):
     model = nnx.merge(graphdef, state)
     logits, kv_pages = model(inputs, kv_pages)  # [num_tokens, vocab]
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(log_probs, targets[:, None], -1)[:, 0], kv_pages
-
-
-def heldout_sequences(text: str, num_seqs: int, seq_len: int) -> np.ndarray:
-    """The first ``num_seqs * seq_len`` bytes of ``text`` as ``i32[num_seqs, seq_len]``."""
-    data = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
-    if len(data) < num_seqs * seq_len:
-        raise ValueError(f"held-out text has {len(data)} bytes, fewer than "
-                         f"{num_seqs=} x {seq_len=}")
-    return data[: num_seqs * seq_len].reshape(num_seqs, seq_len)
-
-
-# --- the trained model -------------------------------------------------------------------------
-
-
-def corpus(repo: Path) -> tuple[str, str]:
-    """``(train, held_out)``: README plus ``kvjax/`` docstrings; ``pallas_kernels/`` docstrings."""
-    train = [(repo / "README.md").read_text()] + _docstrings(repo / "kvjax")
-    return "\n\n".join(train), "\n\n".join(_docstrings(repo / "pallas_kernels"))
-
-
-def trained_weights(cfg: ModelConfig, text: str, settings: TrainSettings, cache_dir: Path) -> Path:
-    """A checkpoint of ``cfg`` trained on ``text``: from ``cache_dir`` if there, else trained."""
-    key = hashlib.sha256(repr((cfg, settings, text)).encode()).hexdigest()[:16]
-    path = cache_dir / f"tiny-{key}"
-    if path.is_dir():
-        print(f"trained weights: {path} (cached)")
-        return path
-    start = time.perf_counter()
-    model, losses = train(cfg, text, settings)
-    print(f"trained {settings.steps} steps in {time.perf_counter() - start:.0f}s: loss "
-          f"{losses[0]:.3f} -> {np.mean(losses[-10:]):.3f} nats/byte (last 10 steps)")
-    tmp = cache_dir / f".tmp-{key}-{os.getpid()}"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    save_weights(model, tmp)
-    tmp.rename(path)  # a crash mid-save leaves no half checkpoint under the real name
-    load_weights(cfg, path)  # fails now, not inside the engine, if it did not round-trip
-    return path
-
-
-def train(cfg: ModelConfig, text: str, settings: TrainSettings) -> tuple[Transformer, list[float]]:
-    """Next-byte training of a fresh ``Transformer(cfg)`` on random windows of ``text``."""
-    data = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
-    model = Transformer(cfg, seed=settings.seed)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, settings.peak_lr, settings.warmup,
-                                                  settings.steps, settings.peak_lr / 10)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
-
-    def loss_fn(params, windows):  # windows: i32[batch, seq_len + 1]
-        logits = jax.vmap(nnx.merge(graphdef, params, rest).forward_dense)(windows[:, :-1])
-        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), windows[:, 1:, None], -1)
-        return -picked.mean()
-
-    @jax.jit
-    def step(params, opt_state, windows):
-        loss, grads = jax.value_and_grad(loss_fn)(params, windows)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    rng = np.random.default_rng(settings.seed)
-    opt_state, losses = optimizer.init(params), []
-    for _ in range(settings.steps):
-        starts = rng.integers(0, len(data) - settings.seq_len - 1, settings.batch)
-        windows = np.stack([data[s:s + settings.seq_len + 1] for s in starts])
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(windows))
-        losses.append(float(loss))
-    nnx.update(model, params)
-    return model, losses
-
-
-def _docstrings(package: Path) -> list[str]:
-    """Every module, class and function docstring of ``package/*.py``, in file order."""
-    found = []
-    for path in sorted(package.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc:
-                    found.append(doc)
-    return found
 
 
 def _committed(model: Transformer) -> Transformer:

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench_kv_quant_quality import greedy_agreement, heldout_sequences  # noqa: E402
+from bench_kv_quant_quality import greedy_agreement  # noqa: E402
 from bench_kv_quant_replay import tier_blocks, trace_block_bytes  # noqa: E402
 from kv_quant_common import GIB, LLAMA3_8B, blocks_in, format_table  # noqa: E402
 
@@ -79,10 +79,3 @@ def test_greedy_agreement_missing_and_short_outputs_differ():
     assert agree.identical_requests == 0.0
     with pytest.raises(ValueError, match="reference has no requests"):
         greedy_agreement({}, {})
-
-
-def test_heldout_sequences():
-    seqs = heldout_sequences("abcdefgh", 2, 3)
-    np.testing.assert_array_equal(seqs, [[97, 98, 99], [100, 101, 102]])
-    with pytest.raises(ValueError, match="held-out text has 8 bytes, fewer than num_seqs=3 x seq_len=3"):
-        heldout_sequences("abcdefgh", 3, 3)
