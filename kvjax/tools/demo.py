@@ -37,9 +37,11 @@ from kvjax.tools.demo_report import ProgressLine, check_plot_path, headline, plo
 from kvjax.tools.workload import Session, WorkloadResult, WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import FORMATS, GRANULARITIES
 
-__all__ = ["DemoResult", "add_subcommand", "run_demo"]
+__all__ = ["DEMO_SPEC", "DemoResult", "add_subcommand", "run_demo"]
 
 DEFAULT_PLOT = "kvjax_demo_ttft.png"
+# The built-in workload with replies long enough to read (32 bytes; few-shot labels 16).
+DEMO_SPEC = WorkloadSpec(max_new_tokens=32)
 
 
 class DemoResult:
@@ -110,7 +112,7 @@ def run_demo(out=None, *, preset: str = "tiny", spec: WorkloadSpec | None = None
         failed = kernel_checks(out)
         if failed:
             print(f"{failed} kernel check(s) failed", file=out)
-    sessions = build_workload(spec)
+    sessions = build_workload(spec or DEMO_SPEC)
     start = time.perf_counter()
     compiled = sum(engine.runner.warmup() for engine in engines.values())
     pool_cfg = engines["cached"].pool.config
