@@ -71,7 +71,7 @@ BAD_INPUT = [
      r"kvjax demo: error: no request finished: all \d+ submitted requests were rejected "
      r"\(first, .*needs \d+ blocks.*has 4\); expected a preset whose pool holds"),
     (["demo", "--preset", "{short.toml}", "--no-plot"], 2,
-     r"kvjax demo: error: request 'sys0-q0/t0' needs 575 prompt \+ 16 new tokens; max_model_len=384"),
+     r"kvjax demo: error: request 'sys0-q0/t0' needs 575 prompt \+ 32 new tokens; max_model_len=384"),
     (["replay", "{binary.jsonl}", "--device-blocks", "8"], 2,
      r"binary.jsonl:1: not UTF-8 text \(byte 0x89 at column 1\); expected JSON lines"),
     (["replay", "{latin1.jsonl}", "--device-blocks", "8"], 2, r"latin1.jsonl:2: not UTF-8 text"),
