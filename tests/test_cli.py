@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from engine_cases import write_preset
+
 from kvjax.__main__ import main
 from kvjax.tools.cli import CommandError, run_command
 
