@@ -29,17 +29,13 @@ True
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import resolve_impl, resolve_interpret
-from pallas_kernels.copy_common import on_bits
+from pallas_kernels.dispatch import select
 from pallas_kernels.kv_format import QuantizedPages, is_quantized
 from pallas_kernels.validation import check_block_copy_args
 
-__all__ = ["gather_blocks", "scatter_blocks", "gather_blocks_xla", "scatter_blocks_xla"]
+__all__ = ["gather_blocks", "scatter_blocks"]
 
 
 def gather_blocks(
@@ -50,14 +46,22 @@ def gather_blocks(
     interpret: bool | None = None,
     **tuning,
 ):
-    """Returns ``kv_pages[block_ids]`` with zero rows for negative ids; the pool is unchanged."""
+    """Returns ``kv_pages[block_ids]`` with zero rows for negative ids; the pool is unchanged.
+
+    ``impl`` picks the implementation (see :mod:`pallas_kernels.dispatch`; on GPU the default
+    is XLA's gather); ``tuning`` passes implementation-specific sizes through.
+    """
     check_block_copy_args(kv_pages, block_ids)
-    impl = _resolve(impl)
-    interpret = resolve_interpret(impl, interpret)
+    gather = select("gather_blocks", impl, interpret)
+
+    def gather_leaf(pages):  # any rank: the kernels copy whole blocks as flat bits
+        if block_ids.shape[0] == 0:
+            return jnp.zeros((0,) + tuple(pages.shape[1:]), pages.dtype)
+        return gather(pages, block_ids, **tuning)
+
     if is_quantized(kv_pages):
-        return QuantizedPages(*(_gather(leaf, block_ids, impl, interpret, tuning)
-                                for leaf in (kv_pages.data, kv_pages.scales)))
-    return _gather(kv_pages, block_ids, impl, interpret, tuning)
+        return QuantizedPages(gather_leaf(kv_pages.data), gather_leaf(kv_pages.scales))
+    return gather_leaf(kv_pages)
 
 
 def scatter_blocks(
@@ -69,63 +73,16 @@ def scatter_blocks(
     interpret: bool | None = None,
     **tuning,
 ):
-    """Returns the pool with ``blocks[i]`` in block ``block_ids[i]``; donates the pool."""
+    """Returns the pool with ``blocks[i]`` in block ``block_ids[i]``; donates the pool.
+
+    With no ids the pool comes back as it was, not donated. ``impl`` and ``tuning`` as for
+    :func:`gather_blocks`.
+    """
     check_block_copy_args(kv_pages, block_ids, blocks)
-    impl = _resolve(impl)
-    interpret = resolve_interpret(impl, interpret)
+    scatter = select("scatter_blocks", impl, interpret)
     if block_ids.shape[0] == 0:
         return kv_pages
     if is_quantized(kv_pages):
-        return QuantizedPages(*(_scatter(leaf, block_ids, src, impl, interpret, tuning)
-                                for leaf, src in ((kv_pages.data, blocks.data),
-                                                  (kv_pages.scales, blocks.scales))))
-    return _scatter(kv_pages, block_ids, blocks, impl, interpret, tuning)
-
-
-def _gather(pages, block_ids, impl, interpret, tuning):
-    """One array's gather (any rank: the kernels copy whole blocks as flat bytes)."""
-    if block_ids.shape[0] == 0:
-        return jnp.zeros((0,) + tuple(pages.shape[1:]), pages.dtype)
-    if impl == "xla":
-        return gather_blocks_xla(pages, block_ids, **tuning)
-    from pallas_kernels import block_copy_pallas as kernels
-
-    fn = kernels.gather_blocks_gpu if impl == "pallas_gpu" else kernels.gather_blocks_tpu
-    return fn(pages, block_ids, interpret=interpret, **tuning)
-
-
-def _scatter(pages, block_ids, blocks, impl, interpret, tuning):
-    """One array's scatter into the donated ``pages`` (any rank)."""
-    if impl == "xla":
-        return scatter_blocks_xla(pages, block_ids, blocks, **tuning)
-    from pallas_kernels import block_copy_pallas as kernels
-
-    fn = kernels.scatter_blocks_gpu if impl == "pallas_gpu" else kernels.scatter_blocks_tpu
-    return fn(pages, block_ids, blocks, interpret=interpret, **tuning)
-
-
-@jax.jit
-@on_bits(0)
-def gather_blocks_xla(kv_pages, block_ids):
-    """One XLA gather; padding ids read out of bounds, which ``mode="fill"`` turns into 0."""
-    return kv_pages.at[_padding_past_end(block_ids, kv_pages.shape[0])].get(
-        mode="fill", fill_value=0)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-@on_bits(0, 2)
-def scatter_blocks_xla(kv_pages, block_ids, blocks):
-    """One XLA scatter into the donated pool; padding ids land out of bounds and are dropped."""
-    return kv_pages.at[_padding_past_end(block_ids, kv_pages.shape[0])].set(blocks, mode="drop")
-
-
-def _resolve(impl: str | None) -> str:
-    # On GPU the default is XLA's gather/scatter rather than the Triton kernel: both are
-    # plain copies of contiguous blocks, bound by memory bandwidth, and XLA's needs no custom
-    # call. Not yet timed on a GPU: benchmarks/bench_pool_layout.py --impls compares them.
-    return "xla" if impl is None and resolve_impl(None) == "pallas_gpu" else resolve_impl(impl)
-
-
-def _padding_past_end(ids, num_blocks: int):
-    # jnp indexing wraps negative indices; padding must not alias the last blocks.
-    return jnp.where(ids >= 0, ids, num_blocks)
+        return QuantizedPages(scatter(kv_pages.data, block_ids, blocks.data, **tuning),
+                              scatter(kv_pages.scales, block_ids, blocks.scales, **tuning))
+    return scatter(kv_pages, block_ids, blocks, **tuning)

@@ -12,6 +12,12 @@ convert values (a float8_e5m2 pool goes through as unsigned integers, see
   (``pl.ANY``) and each token is one DMA of its ``[2, num_kv_heads, 1, head_dim]`` K/V
   straight into its slot, strided over heads. A grid step starts the DMAs of
   ``tokens_per_step`` tokens, then waits for them, which bounds the DMAs in flight.
+
+Into a quantized pool (:class:`~pallas_kernels.kv_format.QuantizedPages`) with per-token
+scales, :func:`write_kv_quantized_gpu` / :func:`write_kv_quantized_tpu` quantize the new rows
+in jnp (fused by XLA into their producer), the kernel above moves the quantized rows and an
+XLA scatter their scales. Per-page scales need a read-modify-write of each touched page (see
+:mod:`pallas_kernels.kv_format`): XLA does that on every backend.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from pallas_kernels.copy_common import (
     tpu_interpret_mode,
     triton_params,
 )
+from pallas_kernels.kv_format import QuantizedPages
+from pallas_kernels.kv_write_xla import quantize_rows, set_row_scales, write_kv_quantized_xla
 
-__all__ = ["write_kv_gpu", "write_kv_tpu"]
+__all__ = ["write_kv_gpu", "write_kv_tpu", "write_kv_quantized_gpu", "write_kv_quantized_tpu"]
 
 
 @functools.partial(
@@ -96,6 +104,39 @@ def write_kv_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=tpu_interpret_mode(interpret),
     )(slot_mapping, kv, kv_pages)
+
+
+def write_kv_quantized_gpu(kv_pages, k, v, slot_mapping, *, layer: int, interpret: bool,
+                           **tuning):
+    """Quantizing write into a ``QuantizedPages`` pool; :func:`write_kv_gpu` moves the rows."""
+    return _write_quantized(write_kv_gpu, kv_pages, k, v, slot_mapping, layer=layer,
+                            interpret=interpret, tuning=tuning)
+
+
+def write_kv_quantized_tpu(kv_pages, k, v, slot_mapping, *, layer: int, interpret: bool,
+                           **tuning):
+    """Quantizing write into a ``QuantizedPages`` pool; :func:`write_kv_tpu` moves the rows."""
+    return _write_quantized(write_kv_tpu, kv_pages, k, v, slot_mapping, layer=layer,
+                            interpret=interpret, tuning=tuning)
+
+
+def _write_quantized(write_rows, kv_pages, k, v, slot_mapping, *, layer, interpret, tuning):
+    if kv_pages.format.granularity == "page":
+        return write_kv_quantized_xla(kv_pages, k, v, slot_mapping, layer=layer)
+    return _write_quantized_rows(write_rows, kv_pages, k, v, slot_mapping, layer=layer,
+                                 interpret=interpret, tuning=tuple(sorted(tuning.items())))
+
+
+@functools.partial(jax.jit, static_argnums=(0,),
+                   static_argnames=("layer", "interpret", "tuning"), donate_argnums=(1,))
+def _write_quantized_rows(write_rows, kv_pages, k, v, slot_mapping, *, layer, interpret,
+                          tuning):
+    data, scale = quantize_rows(k, v, kv_pages.format)
+    new_data = write_rows(kv_pages.data, data[:, 0], data[:, 1], slot_mapping, layer=layer,
+                          interpret=interpret, **dict(tuning))
+    # The scales are 1/head_dim of the bytes: an XLA scatter in this donating jit writes them
+    # in place (a head_dim-1 view for the kernel would relayout the whole array on TPU).
+    return QuantizedPages(new_data, set_row_scales(kv_pages.scales, slot_mapping, layer, scale))
 
 
 def _write_kernel_gpu(

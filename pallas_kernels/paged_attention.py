@@ -23,7 +23,7 @@ import math
 
 import jax.numpy as jnp
 
-from pallas_kernels.backend import resolve_impl, resolve_interpret
+from pallas_kernels.dispatch import select
 from pallas_kernels.validation import check_paged_attention_args
 
 __all__ = ["paged_attention"]
@@ -49,7 +49,7 @@ def paged_attention(
 
     Returns ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``; padding rows (past
     ``cu_q_lens[num_seqs]``) are zero. ``sm_scale`` defaults to ``1/sqrt(head_dim)``.
-    ``impl`` picks the implementation (see :mod:`pallas_kernels.backend`); ``tuning`` passes
+    ``impl`` picks the implementation (see :mod:`pallas_kernels.dispatch`); ``tuning`` passes
     implementation-specific block sizes through.
     """
     if num_seqs is None:
@@ -57,17 +57,8 @@ def paged_attention(
     check_paged_attention_args(
         q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, layer=layer,
         sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale)
-    impl = resolve_impl(impl)
-    interpret = resolve_interpret(impl, interpret)
+    attend = select("paged_attention", impl, interpret)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    kwargs = dict(layer=int(layer), sm_scale=scale, sliding_window=sliding_window,
+    return attend(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, layer=int(layer),
+                  sm_scale=scale, sliding_window=sliding_window,
                   soft_cap=None if soft_cap is None else float(soft_cap), **tuning)
-    if impl == "xla":
-        from pallas_kernels.paged_attention_xla import paged_attention_xla as fn
-    elif impl == "pallas_gpu":
-        from pallas_kernels.paged_attention_gpu import paged_attention_gpu as fn
-        kwargs["interpret"] = interpret
-    else:
-        from pallas_kernels.paged_attention_tpu import paged_attention_tpu as fn
-        kwargs["interpret"] = interpret
-    return fn(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, **kwargs)

@@ -1,5 +1,7 @@
-"""Every validation message of the paged-attention wrapper and the host-side metadata check."""
+"""Every validation message of the paged-attention wrapper and the host-side metadata check,
+and how an implementation is chosen (the dispatch table)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ from pallas_kernels import (
     check_slot_mapping,
     paged_attention,
 )
-from pallas_kernels.backend import resolve_impl, resolve_interpret
+from pallas_kernels.backend import IMPLS, resolve_impl, resolve_interpret
+from pallas_kernels.dispatch import KERNELS, OPS, select
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,33 @@ def test_pallas_cannot_compile_off_its_backend():
     assert resolve_interpret("xla", True) is False
     with pytest.raises(ValueError, match=r"impl='pallas_tpu' cannot compile on backend 'cpu'"):
         resolve_interpret("pallas_tpu", False)
+
+
+def test_every_op_has_every_implementation():
+    assert set(OPS) == {"paged_attention", "write_kv", "write_kv_quantized", "gather_blocks",
+                        "scatter_blocks"}
+    assert set(KERNELS) == {(op, impl) for op in OPS for impl in IMPLS}
+
+
+def test_select_binds_interpret_to_pallas_implementations_only():
+    assert select("write_kv", "xla", interpret=True) is KERNELS["write_kv", "xla"]
+    write = select("write_kv", "pallas_tpu")
+    assert write.func is KERNELS["write_kv", "pallas_tpu"] and write.keywords == {"interpret": True}
+    with pytest.raises(ValueError, match=r"impl='pallas_gpu' cannot compile on backend 'cpu'"):
+        select("gather_blocks", "pallas_gpu", interpret=False)
+    with pytest.raises(ValueError, match=r"impl='cuda' is not a known implementation"):
+        select("write_kv", "cuda")
+
+
+def test_defaults_per_backend(monkeypatch):
+    assert select("paged_attention") is KERNELS["paged_attention", "xla"]  # CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    attend = select("paged_attention")
+    assert attend.func is KERNELS["paged_attention", "pallas_gpu"]
+    assert attend.keywords == {"interpret": False}
+    # Block copies are plain copies: on GPU XLA's gather/scatter is the default.
+    assert select("gather_blocks") is KERNELS["gather_blocks", "xla"]
+    assert select("scatter_blocks") is KERNELS["scatter_blocks", "xla"]
 
 
 def _metadata(case, **overrides):
