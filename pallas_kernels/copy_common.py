@@ -1,4 +1,5 @@
-"""Pieces shared by the data-moving kernels (KV write, block gather/scatter)."""
+"""Pieces shared by the data-moving kernels (KV write, block gather/scatter), and the Triton
+compiler parameters every GPU kernel uses."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["on_bits", "pow2_pieces", "largest_pow2_divisor", "run_copies", "tpu_interpret_mode",
            "triton_params"]
+
+# The Triton compiler-params class was renamed across JAX versions (0.11.2 vs 0.12).
+_TritonCompilerParams = (getattr(plgpu, "CompilerParams", None)
+                         or getattr(plgpu, "TritonCompilerParams"))  # noqa: B009
 
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 _BITS_NOT_KEPT = frozenset({jnp.dtype(jnp.float8_e5m2)})
@@ -89,8 +95,6 @@ def tpu_interpret_mode(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-def triton_params(num_warps: int):
-    """Triton compiler parameters (imported lazily: only a GPU build needs the module)."""
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+def triton_params(num_warps: int, num_stages: int = 1):
+    """Triton compiler parameters for a compiled (not interpreted) GPU ``pallas_call``."""
+    return _TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)

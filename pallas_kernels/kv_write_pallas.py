@@ -81,7 +81,7 @@ def write_kv_tpu(
     interpret: bool,
     tokens_per_step: int = 32,
 ):
-    num_tokens, num_kv_heads, head_dim = k.shape
+    num_tokens = k.shape[0]
     # K and V of a token land in one strided window of the pool; stacking them here (a copy
     # of only this step's tokens) makes that one DMA per token instead of two.
     kv = jnp.stack([k, v], axis=1)[:, :, :, None, :]  # [num_tokens, 2, num_kv_heads, 1, head_dim]

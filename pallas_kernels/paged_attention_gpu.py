@@ -57,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.copy_common import triton_params
 from pallas_kernels.kv_format import is_quantized
 from pallas_kernels.paged_attention_gpu_plan import (
     Plan,
@@ -74,9 +75,6 @@ __all__ = ["paged_attention_gpu"]
 # become async copies too), at no extra shared memory over two stages.
 _NUM_WARPS = 4
 _NUM_STAGES = 3
-
-# The Triton compiler-params class was renamed across JAX versions (0.11.2 vs 0.12).
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
 
 
 @functools.partial(
@@ -185,7 +183,7 @@ def _call_kernel(work, tables, q_rows, kv_pages, plan: Plan, *, layer, sm_scale,
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=triton_params(num_warps, num_stages),
         name="kvjax_ragged_paged_attention",
     )(*operands)
 

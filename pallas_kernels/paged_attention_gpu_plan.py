@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 __all__ = ["Plan", "make_plan", "num_work_items", "work_items", "group_rows", "ungroup_rows",

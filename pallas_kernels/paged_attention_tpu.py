@@ -125,7 +125,7 @@ def _paged_attention_tpu(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seq
                          sm_scale, sliding_window, soft_cap, interpret, block_q,
                          pages_per_block, vmem_limit_bytes):
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, page_size = kv_pages.shape[3], kv_pages.shape[4]
+    num_kv_heads = kv_pages.shape[3]
     group = num_q_heads // num_kv_heads
     num_q_blocks = -(-num_tokens // block_q)
     rows = block_q * group
