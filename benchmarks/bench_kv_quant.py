@@ -1,6 +1,6 @@
 """Quantized KV pages at the kernel level: bytes saved, attention error, write cost (XLA path).
 
-For the float pool and every format x scale granularity (``pallas_kernels.testing.QUANT_FORMATS``):
+For the float pool and every format x scale granularity (``pallas_kernels.kv_format.QUANT_FORMATS``):
 
 * bytes: stored bytes per K/V element and per block (scales included, from
   ``PoolConfig.bytes_per_block``) and blocks per GiB, for the tiny preset's shape and a
@@ -49,8 +49,8 @@ from kv_quant_common import (
 )
 
 from pallas_kernels import paged_attention, paged_attention_reference, write_kv
-from pallas_kernels.kv_format import KVFormat, empty_pool, relative_error
-from pallas_kernels.testing import QUANT_FORMATS, make_case, quantize_case
+from pallas_kernels.example_inputs import make_case, quantize_case
+from pallas_kernels.kv_format import QUANT_FORMATS, KVFormat, empty_pool, relative_error
 
 # Attention cases: (q_lens, kv_lens) per sequence. Decode: one new token over contexts around
 # and across page boundaries. Prefill: chunks on top of cached KV, a whole prompt, a decode.

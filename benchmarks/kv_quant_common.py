@@ -18,8 +18,7 @@ from kvjax.config.presets import load_preset  # noqa: E402
 from kvjax.serving.model import ModelConfig  # noqa: E402
 from kvjax.serving.preset import pool_config  # noqa: E402
 from kvjax.tiers.page_pool import PoolConfig  # noqa: E402
-from pallas_kernels.kv_format import KVFormat  # noqa: E402
-from pallas_kernels.testing import QUANT_FORMATS  # noqa: E402
+from pallas_kernels.kv_format import QUANT_FORMATS, KVFormat  # noqa: E402
 
 __all__ = ["ALL_FORMATS", "GIB", "LLAMA3_8B", "ModelShape", "blocks_in", "command_line",
            "format_table", "tiny_shape"]

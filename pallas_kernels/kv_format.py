@@ -58,6 +58,7 @@ import numpy as np
 __all__ = [
     "FORMATS",
     "GRANULARITIES",
+    "QUANT_FORMATS",
     "KVFormat",
     "QuantizedPages",
     "is_quantized",
@@ -130,6 +131,10 @@ class KVFormat:
         if not self.quantized:
             return "none"
         return f"{self.quant}/{self.granularity}"
+
+
+# Every quantized format: each of FORMATS with each scale granularity.
+QUANT_FORMATS: tuple[KVFormat, ...] = tuple(KVFormat(q, g) for q in FORMATS for g in GRANULARITIES)
 
 
 @jax.tree_util.register_dataclass

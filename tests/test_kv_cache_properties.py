@@ -31,6 +31,7 @@ from hypothesis.stateful import (
     rule,
 )
 from kv_cache_cases import ManualTransfer, MemoryDisk, page_content
+from paged_attention_cases import QUANT_ERROR_BOUNDS
 from scheduler_cases import Clock
 
 from kvjax.cache.block_keys import as_namespace
@@ -41,7 +42,6 @@ from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.kv_cache_config import WRITE_POLICIES
 from kvjax.tiers.page_pool import PoolConfig
 from pallas_kernels.kv_format import QuantizedPages, quantize, relative_error
-from pallas_kernels.testing import QUANT_ERROR_BOUNDS
 
 PAGE = 2
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=PAGE, head_dim=2, dtype="float32")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kv_cache_cases import MemoryDisk, serve_from_each_tier
+from paged_attention_cases import QUANT_ERROR_BOUNDS
 from tier_cases import random_blocks, same_bits
 
 from kvjax.cache.cost_model import CostModel
@@ -24,7 +25,6 @@ from kvjax.tiers.block_codec import IdentityCodec, make_codec
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PagePool, PoolConfig
 from pallas_kernels.kv_format import FORMATS, QuantizedPages, relative_error
-from pallas_kernels.testing import QUANT_ERROR_BOUNDS
 
 SHAPE = dict(num_blocks=8, num_layers=2, num_kv_heads=2, page_size=4, head_dim=8)
 FLOAT_POOL = PoolConfig(**SHAPE, dtype="float32")

@@ -6,21 +6,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_attention_cases import DECODE, GRID, PREFILL_EDGES, assert_quantized_matches
 from pool_cases import check_quantized_block_copies
 
 import pallas_kernels
 from kvjax.tiers.page_pool import PagePool, PoolConfig
 from pallas_kernels import kv_format as kf
-from pallas_kernels.kv_format import KVFormat, QuantizedPages
-from pallas_kernels.testing import (
-    DECODE,
-    GRID,
-    PREFILL_EDGES,
-    QUANT_FORMATS,
-    assert_quantized_matches,
-    make_case,
-    quantize_case,
-)
+from pallas_kernels.example_inputs import make_case, quantize_case
+from pallas_kernels.kv_format import QUANT_FORMATS, KVFormat, QuantizedPages
 
 # Mantissa bits of each format: a normal value rounds to within half an ulp, 2^-(m+1).
 _MANTISSA = {"fp8_e4m3": 3, "fp8_e5m2": 2}

@@ -8,17 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_attention_cases import (
-    DECODE,
-    GRID,
-    PREFILL_EDGES,
-    assert_matches_reference,
-    make_case,
-)
+from paged_attention_cases import DECODE, GRID, PREFILL_EDGES, assert_matches_reference
 
 import pallas_kernels.paged_attention_gpu as gpu_module
 import pallas_kernels.paged_attention_gpu_plan as gpu_plan
 from pallas_kernels import paged_attention
+from pallas_kernels.example_inputs import make_case
 
 ON_GPU = jax.default_backend() == "gpu"
 # JAX 0.12 warns on every Triton lowering that the Pallas Triton backend is deprecated.

@@ -1,7 +1,7 @@
 """The GPU (Triton-lowered Pallas) kernels on quantized pools (int8, fp8 e4m3/e5m2 pages with
 per-token or per-page float32 scales) against the references.
 
-Attention is checked two ways (:func:`pallas_kernels.testing.assert_quantized_matches`): at the
+Attention is checked two ways (:func:`paged_attention_cases.assert_quantized_matches`): at the
 float tolerance against the reference on the dequantized pool, and within the format's error
 bound against the reference on the float pool it came from. Unowned pages and slots past
 ``seq_len`` hold NaN scales (and NaN fp8 data), so a stray read shows. The KV write and the
@@ -15,14 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_attention_cases import (
-    DECODE,
-    PREFILL_EDGES,
-    QUANT_FORMATS,
-    assert_quantized_matches,
-    make_case,
-    quantize_case,
-)
+from paged_attention_cases import DECODE, PREFILL_EDGES, assert_quantized_matches
 from pool_cases import assert_same_bytes, check_quantized_block_copies
 
 import pallas_kernels.paged_attention_gpu as gpu_module
@@ -32,7 +25,9 @@ from pallas_kernels import (
     write_kv,
     write_kv_reference,
 )
+from pallas_kernels.example_inputs import make_case, quantize_case
 from pallas_kernels.kv_format import (
+    QUANT_FORMATS,
     KVFormat,
     QuantizedPages,
     dequantize,

@@ -12,14 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from paged_attention_cases import (
-    DECODE,
-    PREFILL_EDGES,
-    assert_matches_reference,
-    make_case,
-)
+from paged_attention_cases import DECODE, PREFILL_EDGES, assert_matches_reference
 
 from pallas_kernels import paged_attention
+from pallas_kernels.example_inputs import make_case
 from pallas_kernels.paged_attention_tpu import paged_attention_tpu
 
 # (dtype, page_size, head_dim, num_q_heads, num_kv_heads): shapes the TPU tiling accepts.

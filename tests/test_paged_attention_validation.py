@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_attention_cases import make_case
 
 from pallas_kernels import (
     check_paged_attention_metadata,
@@ -14,6 +13,7 @@ from pallas_kernels import (
 )
 from pallas_kernels.backend import IMPLS, resolve_impl, resolve_interpret
 from pallas_kernels.dispatch import KERNELS, OPS, select
+from pallas_kernels.example_inputs import make_case
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,11 @@ def test_defaults_per_backend(monkeypatch):
     # Block copies are plain copies: on GPU XLA's gather/scatter is the default.
     assert select("gather_blocks") is KERNELS["gather_blocks", "xla"]
     assert select("scatter_blocks") is KERNELS["scatter_blocks", "xla"]
+
+
+def test_example_inputs_reject_more_new_tokens_than_kv():
+    with pytest.raises(ValueError, match=r"q_lens=\[3, 1\] must not exceed kv_lens=\[2, 9\]"):
+        make_case(0, q_lens=[3, 1], kv_lens=[2, 9])
 
 
 def _metadata(case, **overrides):

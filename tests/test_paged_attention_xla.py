@@ -3,15 +3,10 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_attention_cases import (
-    DECODE,
-    GRID,
-    PREFILL_EDGES,
-    assert_matches_reference,
-    make_case,
-)
+from paged_attention_cases import DECODE, GRID, PREFILL_EDGES, assert_matches_reference
 
 from pallas_kernels import paged_attention
+from pallas_kernels.example_inputs import make_case
 
 
 @pytest.mark.parametrize("dtype,page_size,head_dim,num_q_heads,num_kv_heads", GRID)

@@ -13,9 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from pallas_kernels.testing import TOLERANCES, make_case
+from pallas_kernels.example_inputs import make_case
 
 __all__ = ["kernel_checks"]
+
+# Largest |out - reference| a float32 attention kernel may show on these small inputs: the
+# kernel tests' float32 tolerance (tests/paged_attention_cases.py).
+_FLOAT32_ATOL = 2e-5
 
 
 def kernel_checks(out) -> int:
@@ -40,7 +44,7 @@ def _attention_checks():
         out = pallas_kernels.paged_attention(*case.args(), layer=case.layer, impl=impl)
         ref = pallas_kernels.paged_attention_reference(*case.args(), layer=case.layer)
         err = float(jnp.max(jnp.abs(out - ref)))
-        ok = bool(jnp.isfinite(out).all()) and err <= TOLERANCES[jnp.dtype(jnp.float32)]["atol"]
+        ok = bool(jnp.isfinite(out).all()) and err <= _FLOAT32_ATOL
         mode = "" if impl == pallas_kernels.resolve_impl(None) else ", interpret mode"
         rows.append((f"paged attention [{impl}{mode}] vs reference", ok,
                      f"max |err| {err:.1e} over {int(case.cu_q_lens[-1])} ragged tokens, "
