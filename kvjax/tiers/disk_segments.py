@@ -202,16 +202,23 @@ def read_verified(checkpointer: ocp.Checkpointer, directory: str, manifest: Segm
         concurrent.futures.wait(checks)
 
 
-def remove_segment(directory: str, name: str) -> None:
-    """Uncommits (manifest first) and deletes a segment; errors are logged, not raised."""
+def remove_segment(directory: str, name: str) -> bool:
+    """Uncommits (manifest first) and deletes a segment, or an orphan entry of that name.
+
+    Returns whether nothing of it is left (True also when nothing was there); errors are
+    logged, not raised.
+    """
+    removed = True
     for path in (os.path.join(directory, name + ".json"), os.path.join(directory, name)):
         try:
-            if os.path.isdir(path):
+            if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             elif os.path.lexists(path):
                 os.remove(path)
         except OSError as err:
             _log.warning("disk tier: could not remove %s: %s", path, err)
+            removed = False
+    return removed
 
 
 def scan_directory(directory: str) -> tuple[list[tuple[int, str]], list[str]]:
