@@ -1,45 +1,23 @@
 """Disk tier: bit-exact segments, restart, fault injection (each fault is a miss and a metric)."""
 
-import contextlib
 import errno
 import glob
 import json
 import os
 import shutil
-import subprocess
 
 import hypothesis
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-import tier_cases
+from disk_cases import BLOCK_SHAPE, NS, OTHER_NS, block_bytes, make_tier, random_blocks, segment_dirs, unwritable
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from tier_cases import DTYPES, same_bits
 from tier_cases import int_keys as keys
 
 from kvjax.tiers import disk_segments
+from kvjax.tiers.disk_lock import LOCK_FILE
 from kvjax.tiers.disk_tier import DiskTier
-
-BLOCK_SHAPE = (2, 2, 4, 8)
-NS = b"N" * 16
-OTHER_NS = b"O" * 16
-
-
-def random_blocks(n, dtype="float32", seed=0):
-    return tier_cases.random_blocks(n, BLOCK_SHAPE, dtype, seed)
-
-
-def block_bytes(dtype="float32"):
-    return tier_cases.block_bytes(BLOCK_SHAPE, dtype)
-
-
-def make_tier(path, dtype="float32", capacity=1 << 20, blocks_per_segment=4, **kw):
-    return DiskTier(str(path), BLOCK_SHAPE, dtype, capacity,
-                    segment_bytes=blocks_per_segment * block_bytes(dtype), **kw)
-
-
-def segment_dirs(path):
-    return sorted(p for p in glob.glob(os.path.join(path, "seg-*")) if os.path.isdir(p))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -49,6 +27,7 @@ def test_round_trip_is_bit_exact_and_survives_a_restart(tmp_path, dtype):
     assert tier.put(keys(6), blocks, NS) == keys(6)
     read = tier.get(keys(6)[::-1], NS)
     assert read.hits.all() and same_bits(read.blocks, blocks[::-1])
+    tier.close()
     del tier  # drop all process state; only the directory remains
     reopened = make_tier(tmp_path, dtype)
     assert reopened.stats().recovered_segments == 2  # 6 blocks at 4 per segment
@@ -95,6 +74,7 @@ def test_a_manifest_that_relabels_a_block_never_serves_it(tmp_path):
     manifest = json.loads(open(path).read())
     manifest["blocks"][1]["namespace"] = NS.hex()  # claim block 1 belongs to NS
     open(path, "w").write(json.dumps(manifest))
+    tier.close()
     reopened = make_tier(tmp_path)
     read = reopened.get(keys(2), NS)
     assert read.hits.tolist() == [True, False]
@@ -153,28 +133,6 @@ def test_damaged_segment_is_a_miss_and_a_metric(tmp_path, fault, use_ocdbt):
     tier.check_invariants()
 
 
-@contextlib.contextmanager
-def unwritable(path, monkeypatch):
-    """Makes `path` refuse new entries: immutable flag, else mode bits, else a failing write."""
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0:
-        try:
-            yield
-        finally:
-            subprocess.run(["chattr", "-i", str(path)], check=True)
-    elif os.geteuid() != 0:
-        os.chmod(path, 0o555)
-        try:
-            yield
-        finally:
-            os.chmod(path, 0o755)
-    else:
-        def refuse(*args, **kwargs):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        with monkeypatch.context() as patch:
-            patch.setattr(disk_segments, "_save_payload", refuse)
-            yield
-
-
 def test_read_only_directory_drops_writes_and_keeps_serving(tmp_path, monkeypatch):
     blocks = random_blocks(6)
     tier = make_tier(tmp_path)
@@ -191,7 +149,8 @@ def test_read_only_directory_drops_writes_and_keeps_serving(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("failing_step", ["_save_payload", "_write_manifest"])
 def test_full_disk_drops_the_segment_and_leaves_no_files(tmp_path, monkeypatch, failing_step):
-    tier = make_tier(tmp_path)
+    now = [0.0]
+    tier = make_tier(tmp_path, clock=lambda: now[0])
     tier.put(keys(2), random_blocks(2), NS)
     before = sorted(os.listdir(tmp_path))
 
@@ -204,6 +163,7 @@ def test_full_disk_drops_the_segment_and_leaves_no_files(tmp_path, monkeypatch, 
     stats = tier.stats()
     assert (stats.write_errors, stats.enospc_errors, stats.rejected_blocks) == (1, 1, 3)
     assert tier.get(keys(5), NS).hits.tolist() == [True, True, False, False, False]
+    now[0] = 1.0  # the first back-off is over
     assert tier.put(keys(3, start=2), random_blocks(3), NS) == keys(3, start=2)  # recovers
 
 
@@ -212,7 +172,7 @@ def test_reopen_removes_leftovers_of_a_crashed_write(tmp_path):
     tier = make_tier(tmp_path)
     tier.put(keys(3), blocks, NS)
     committed = sorted(os.listdir(tmp_path))
-    del tier
+    tier.close()
     # What a crash leaves at each step of the commit protocol:
     (tmp_path / "seg-000000000007.orbax-checkpoint-tmp-123").mkdir()  # during orbax's write
     shutil.copytree(segment_dirs(tmp_path)[0], tmp_path / "seg-000000000008")  # before manifest
@@ -226,9 +186,10 @@ def test_reopen_removes_leftovers_of_a_crashed_write(tmp_path):
 
 
 def test_reopen_skips_unreadable_manifests_and_other_block_layouts(tmp_path):
-    make_tier(tmp_path).put(keys(2), random_blocks(2), NS)
-    other = DiskTier(str(tmp_path), (3, 3), "float32", 1 << 20)
-    assert other.stats().skipped_segments == 1 and other.get(keys(1), NS).hits.tolist() == [False]
+    with make_tier(tmp_path) as tier:
+        tier.put(keys(2), random_blocks(2), NS)
+    with DiskTier(str(tmp_path), (3, 3), "float32", 1 << 20) as other:
+        assert other.stats().skipped_segments == 1 and other.get(keys(1), NS).hits.tolist() == [False]
     manifest = glob.glob(str(tmp_path / "seg-*.json"))[0]
     open(manifest, "w").write("{not json")
     reopened = make_tier(tmp_path)
@@ -241,6 +202,7 @@ def test_eviction_removes_the_least_recently_used_unpinned_segment(tmp_path):
     tier = make_tier(tmp_path, blocks_per_segment=2, use_ocdbt=False)
     tier.put(keys(2), random_blocks(2), NS)
     segment_size = tier.bytes_used
+    tier.close()
     tier = make_tier(tmp_path, capacity=int(3.5 * segment_size), blocks_per_segment=2,
                      use_ocdbt=False)
     tier.put(keys(4, start=2), random_blocks(4), NS)  # now three segments: 0-1, 2-3, 4-5
@@ -260,7 +222,7 @@ def test_a_batch_that_cannot_fit_is_rejected(tmp_path):
     tier = make_tier(tmp_path, capacity=block_bytes())
     assert tier.put(keys(2), random_blocks(2), NS) == []
     assert tier.stats().rejected_blocks == 2 and tier.bytes_used == 0
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == [LOCK_FILE]
 
 
 def test_discarding_every_block_of_a_segment_deletes_it(tmp_path):
@@ -300,7 +262,7 @@ def test_bad_input_raises_and_leaves_state_unchanged(tmp_path):
         DiskTier(str(tmp_path), BLOCK_SHAPE, "float32", -1, segment_bytes=0)
     with pytest.raises(ValueError, match=r"block_shape=\(\) must be a non-empty shape"):
         DiskTier(str(tmp_path), (), "float32", 1)
-    assert os.listdir(tmp_path) == [] and tier.stats().put_blocks == 0
+    assert os.listdir(tmp_path) == [LOCK_FILE] and tier.stats().put_blocks == 0
 
 
 class DiskTierMachine(RuleBasedStateMachine):
@@ -318,6 +280,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         return DiskTier(self.path, (4,), "int8", 6 * 4 + 3000, segment_bytes=8)
 
     def teardown(self):
+        self.tier.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
     @staticmethod
@@ -362,6 +325,7 @@ class DiskTierMachine(RuleBasedStateMachine):
     @rule()
     def reopen(self):
         held = {bytes([i]) * 16 for i in range(10) if self.tier.contains(bytes([i]) * 16, NS)}
+        self.tier.close()
         self.tier = self.open()
         reopened = {bytes([i]) * 16 for i in range(10) if self.tier.contains(bytes([i]) * 16, NS)}
         assert held <= reopened  # discards are not persisted; nothing spilled is lost

@@ -6,9 +6,11 @@ index maps (namespace, key) to (segment, row) and is rebuilt from the segments' 
 the directory is reopened, so a restarted process serves what the last one spilled.
 
 Failure policy: a write that fails (full disk, read-only directory, any I/O error) drops the
-batch from the disk tier, counts the error and logs it; a read that fails or whose checksum
-does not match is a miss and a metric, and the broken block or segment leaves the index. No
-I/O error escapes `put` or `get`.
+batch from the disk tier, counts the error and starts a back-off (`WriteBackoff`: no write is
+tried for 1 s, doubling on each failure in a row up to 60 s; a success resets it): the blocks
+`put` gets meanwhile are dropped untried and counted, and one warning per back-off period says
+how many. A read that fails or whose checksum does not match is a miss and a metric, and the
+broken block or segment leaves the index. No I/O error escapes `put` or `get`.
 
 Capacity: bytes on disk (checkpoint files plus manifest). Eviction removes whole segments,
 least recently used first, never one that a `lock` or a running read pins; there is no
@@ -16,7 +18,14 @@ compaction, so a segment whose blocks were partly discarded keeps its bytes unti
 blocks are discarded or it is evicted. `discard` is not persisted: after a reopen, blocks of
 segments still on disk are served again (a key always names the same content).
 
-One process per directory: reopening removes the files of uncommitted segments.
+Ownership: a tier holds its directory's lock (`kvjax.tiers.disk_lock`) from opening until
+`close` (or until it is garbage-collected, or its process exits): exclusive to write, shared
+with `read_only=True`. Another tier on a held directory, in this process or another, gets a
+`DirectoryInUseError` (a ValueError) naming the directory and the holder, before anything in
+the directory is touched. A writer, alone in the directory, deletes the files of uncommitted
+segments (a crashed write's leftovers) when it opens it; a reader writes and deletes nothing
+(it may create the empty lock file), so it leaves them, and every segment it drops from its
+index (eviction, discard, corruption) stays on disk.
 
 ``directory=None`` keeps the index and its segment accounting in memory and writes nothing
 (a trace replay): the same capacity, segments and eviction order, no bytes.
@@ -34,44 +43,54 @@ import errno
 import logging
 import os
 import threading
-from typing import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.block_events import EventLog
 from kvjax.tiers import disk_segments as seg
+from kvjax.tiers.disk_lock import DirectoryInUseError, DirectoryLock
+from kvjax.tiers.write_backoff import WriteBackoff
 
-__all__ = ["DiskRead", "DiskTier", "DiskTierStats"]
+__all__ = ["DirectoryInUseError", "DiskRead", "DiskTier", "DiskTierStats"]
 
 _log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
 class DiskTierStats:
-    """Counters since this process opened the directory; bytes are bytes on disk."""
+    """What this tier did since it opened the directory: counts of blocks, segments (a write's
+    unit) and events, each counting only what happened, never what was attempted."""
 
     capacity_bytes: int
-    bytes_used: int
-    segments: int
-    blocks: int
-    recovered_segments: int = 0  # committed segments found when opening
-    orphans_removed: int = 0  # uncommitted leftovers of a crashed write, deleted on open
+    bytes_used: int  # bytes on disk of the segments in the index (skipped segments and files
+    #                  that could not be deleted are on disk but not counted)
+    segments: int  # segments in the index now
+    blocks: int  # blocks in the index now
+    recovered_segments: int = 0  # committed segments indexed when opening (some may be evicted at once)
+    orphans_removed: int = 0  # crashed writes' leftover entries deleted when opening (writer only)
+    orphan_remove_errors: int = 0  # leftover entries whose deletion failed (still on disk)
     skipped_segments: int = 0  # unreadable manifest, another block shape/dtype or codec
     codec_mismatch_segments: int = 0  # of those: written with another codec (kvjax.tiers.block_codec)
-    put_blocks: int = 0
-    duplicate_blocks: int = 0
-    rejected_blocks: int = 0  # did not fit (everything else pinned) or their write failed
-    written_segments: int = 0
-    write_errors: int = 0
+    put_blocks: int = 0  # blocks in committed segments that `put` wrote (and indexed)
+    duplicate_blocks: int = 0  # blocks `put` skipped: the tier held them already
+    rejected_blocks: int = 0  # blocks `put` did not store: no room (everything else pinned),
+    #                           a failed write, writes backing off, or a read-only tier
+    backoff_dropped_blocks: int = 0  # of those: dropped untried while writes were backing off
+    written_segments: int = 0  # segments written, committed and indexed
+    write_errors: int = 0  # segment writes tried that failed
     enospc_errors: int = 0  # write errors that were a full disk
-    hit_blocks: int = 0
-    miss_blocks: int = 0
+    backoff_remaining_s: float = 0.0  # seconds before a write is tried again (0: writes allowed)
+    hit_blocks: int = 0  # blocks `get` served, checksum-verified
+    miss_blocks: int = 0  # blocks `get` did not serve (absent, corrupt or unreadable)
     corrupt_blocks: int = 0  # checksum mismatch: served as a miss
-    read_errors: int = 0  # segment unreadable (truncated, deleted, ...): its blocks are misses
-    evicted_segments: int = 0
-    evicted_blocks: int = 0
-    discarded_blocks: int = 0
+    read_errors: int = 0  # segment reads that failed (truncated, deleted, ...): their blocks missed
+    evicted_segments: int = 0  # segments evicted from the index (a writer deletes their files)
+    evicted_blocks: int = 0  # live blocks those segments held
+    discarded_blocks: int = 0  # blocks `discard` dropped from the index
+    remove_errors: int = 0  # segments left the index but some of their files could not be deleted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,13 +109,20 @@ class _Segment:
 
 
 class DiskTier:
-    """Blocks on disk in checksummed orbax segments, with whole-segment LRU eviction."""
+    """Blocks on disk in checksummed orbax segments, with whole-segment LRU eviction.
+
+    Holds its directory until `close` (see the module docstring); use it as a context manager
+    or close it.
+    """
 
     def __init__(self, directory: str | None, block_shape: Sequence[int], dtype, capacity_bytes: int,
                  *, segment_bytes: int = 64 << 20, use_ocdbt: bool = True,
-                 sync_data: bool = False, codec: str = "raw", events: EventLog | None = None):
-        """Opens (creating if needed) `directory` and indexes the segments already in it
-        (None: in memory, no bytes; see the module docstring).
+                 sync_data: bool = False, codec: str = "raw", events: EventLog | None = None,
+                 read_only: bool = False, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        """Locks `directory` (creating it if needed) and indexes the segments already in it
+        (None: in memory, no bytes; see the module docstring). Raises DirectoryInUseError
+        when another tier holds it.
 
         Segments of another block shape, dtype or codec are skipped (left on disk, counted in
         `skipped_segments`): their bytes would not mean the same KV.
@@ -111,6 +137,13 @@ class DiskTier:
         codec: name of the encoding of a block's bytes (`kvjax.tiers.block_codec`), recorded in
           every manifest; "raw" for blocks stored as the pool holds them.
         events: where block events go (a private log by default).
+        read_only: serve an existing directory without writing or deleting anything there,
+          under a shared lock (other readers may share it, no writer): `put` stores nothing
+          (its blocks count as rejected); `discard`, eviction and damaged segments only
+          leave the index; segments beyond `capacity_bytes` at opening are left out of it.
+        backoff_s, max_backoff_s: the first and the longest pause of writes after a failed
+          write (seconds; doubling on each failure in a row, see `WriteBackoff`).
+        clock: seconds, for the back-off (tests inject a fake one).
         """
         self.block_shape = tuple(int(d) for d in block_shape)
         if not self.block_shape or min(self.block_shape) <= 0:
@@ -135,9 +168,22 @@ class DiskTier:
         self._locks: dict[tuple[bytes, bytes], list[str]] = {}  # segments pinned per lock
         self._stats = DiskTierStats(self.capacity_bytes, 0, 0, 0)
         self._next_seq = 0
+        self.read_only = bool(read_only)
+        self._backoff = WriteBackoff(backoff_s, max_backoff_s, clock)
+        self._closed = False
+        self._dir_lock: DirectoryLock | None = None
         if self.directory is not None:
-            os.makedirs(self.directory, exist_ok=True)
-            self._open_directory()
+            if self.read_only and not os.path.isdir(self.directory):
+                raise ValueError(f"disk directory {self.directory} does not exist (read_only=True opens "
+                                 "an existing one)")
+            if not self.read_only:
+                os.makedirs(self.directory, exist_ok=True)
+            self._dir_lock = DirectoryLock(self.directory, shared=self.read_only)
+            try:
+                self._open_directory()
+            except BaseException:
+                self._dir_lock.release()
+                raise
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -168,7 +214,8 @@ class DiskTier:
     def stats(self) -> DiskTierStats:
         with self._lock:
             return dataclasses.replace(self._stats, bytes_used=self.bytes_used,
-                                       segments=len(self._segments), blocks=len(self._blocks))
+                                       segments=len(self._segments), blocks=len(self._blocks),
+                                       backoff_remaining_s=self._backoff.remaining_s())
 
     # ---- data path -----------------------------------------------------------------------
 
@@ -178,7 +225,9 @@ class DiskTier:
 
         namespaces: one namespace digest for all blocks, or one per block; parents: each
         block's parent key, kept in the manifest (None: unknown). Blocks already on disk are
-        skipped; blocks whose segment does not fit or fails to write are dropped.
+        skipped; blocks whose segment does not fit or fails to write are dropped, and so are
+        all blocks while writes back off after a failure or when the tier is read-only.
+        ValueError once the tier is closed.
         """
         keys, namespaces = _check_keys(keys, namespaces)
         parents = [None] * len(keys) if parents is None else list(parents)
@@ -189,13 +238,21 @@ class DiskTier:
         if blocks.shape != expected or blocks.dtype != self.dtype:
             raise ValueError(f"blocks shape {blocks.shape} dtype {blocks.dtype} must be "
                              f"{expected} {self.dtype}")
+        self._check_open()
         payload = np.ascontiguousarray(blocks).reshape(len(keys), -1).view(np.uint8)
         with self._lock:
             rows = [r for r in range(len(keys)) if (namespaces[r], keys[r]) not in self._blocks]
             self._stats.duplicate_blocks += len(keys) - len(rows)
+            if self.read_only:
+                if rows and not self._stats.rejected_blocks:
+                    _log.warning("disk tier %s is read-only: put stores nothing", self.directory)
+                self._stats.rejected_blocks += len(rows)
+                return []
         stored = []
         for start in range(0, len(rows), self.blocks_per_segment):
             chunk = rows[start:start + self.blocks_per_segment]
+            if not self._may_write(len(chunk)):
+                continue
             contiguous = chunk[-1] - chunk[0] == len(chunk) - 1  # then a view, not a copy
             segment = payload[chunk[0]:chunk[-1] + 1] if contiguous else payload[chunk]
             if self._write(segment, [namespaces[r] for r in chunk], [keys[r] for r in chunk],
@@ -207,8 +264,10 @@ class DiskTier:
         return stored
 
     def get(self, keys: Sequence[bytes], namespace: bytes) -> DiskRead:
-        """Reads blocks of one namespace; checksum-verified, misses where absent or broken."""
+        """Reads blocks of one namespace; checksum-verified, misses where absent or broken.
+        ValueError once the tier is closed."""
         keys, _ = _check_keys(keys, namespace)
+        self._check_open()
         hits = np.zeros(len(keys), bool)
         with self._lock:
             by_segment: dict[str, list[tuple[int, int]]] = {}  # name -> [(index, row)]
@@ -234,6 +293,27 @@ class DiskTier:
         return DiskRead(out.view(self.dtype).reshape(len(keys), *self.block_shape), hits)
 
     # ---- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for a segment write in progress, then lets go of the directory: another tier
+        may open it. The index stays readable (`contains`, `stats`); `put` and `get` raise.
+        Idempotent."""
+        with self._write_lock, self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._dir_lock is not None:
+            self._dir_lock.release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def discard(self, keys: Sequence[bytes], namespace: bytes) -> int:
         """Forgets blocks; a segment's bytes go when all its blocks are gone. Returns count."""
@@ -301,20 +381,18 @@ class DiskTier:
             block_nbytes=self.block_nbytes, use_ocdbt=self.use_ocdbt,
             namespaces=tuple(namespaces), keys=tuple(keys), checksums=(), bytes_on_disk=0,
             codec=self.codec, parents=tuple(parents))
-        try:
-            if self.directory is None:  # in memory: the payload's bytes, nothing written
-                manifest = dataclasses.replace(manifest, bytes_on_disk=payload.nbytes)
-            else:
-                with self._write_lock:
+        if self.directory is None:  # in memory: the payload's bytes, nothing written
+            manifest = dataclasses.replace(manifest, bytes_on_disk=payload.nbytes)
+        else:
+            with self._write_lock:
+                if self._closed:  # closed since `put` began: the lock is gone, write nothing
+                    return False
+                try:
                     manifest = seg.write_segment(self._checkpointer, self.directory, manifest, payload)
-        except Exception as err:  # noqa: BLE001 - any write failure drops the batch
-            enospc = _errno_in_chain(err) == errno.ENOSPC
-            with self._lock:
-                self._stats.write_errors += 1
-                self._stats.enospc_errors += enospc
-            _log.warning("disk tier: dropping %d blocks, writing %s failed: %r",
-                         len(keys), name, err)
-            return False
+                except Exception as err:  # noqa: BLE001 - any write failure drops the batch
+                    self._write_failed(name, len(keys), err)
+                    return False
+            self._write_succeeded()
         with self._lock:
             self._add_segment(manifest)
             self._segments[name].pins += 1  # the new segment is not its own eviction victim
@@ -326,6 +404,35 @@ class DiskTier:
             self._stats.written_segments += 1
             self._stats.put_blocks += len(keys)
         return True
+
+    def _may_write(self, num_blocks: int) -> bool:
+        """False (the blocks counted as dropped) while writes back off after a failure."""
+        with self._lock:
+            if self._backoff.allows():
+                return True
+            self._backoff.drop(num_blocks)
+            self._stats.backoff_dropped_blocks += num_blocks
+            self._stats.rejected_blocks += num_blocks
+            return False
+
+    def _write_failed(self, name: str, num_blocks: int, err: Exception) -> None:
+        """Counts a failed write and starts the next back-off period: the one warning of it."""
+        with self._lock:
+            self._stats.write_errors += 1
+            self._stats.enospc_errors += _errno_in_chain(err) == errno.ENOSPC
+            period = self._backoff.failed()
+            failures, dropped = self._backoff.failures, self._backoff.last_dropped
+        again = f"; failure {failures} in a row, {dropped} blocks dropped untried since the last" if failures > 1 else ""
+        _log.warning("disk tier %s: writing %s failed, dropping its %d blocks: %r; no writes for %g s%s",
+                     self.directory, name, num_blocks, err, period, again)
+
+    def _write_succeeded(self) -> None:
+        with self._lock:
+            failures, dropped = self._backoff.failures, self._backoff.dropped
+            self._backoff.succeeded()
+        if failures:
+            _log.warning("disk tier %s: writes work again after %d failed; %d blocks were dropped untried "
+                         "while backing off", self.directory, failures, dropped)
 
     def _read_segment(self, name: str, wanted: list[tuple[bytes, int]], namespace: bytes,
                       out: np.ndarray, out_index: list[int]) -> list[bool]:
@@ -358,9 +465,12 @@ class DiskTier:
 
     def _open_directory(self) -> None:
         committed, orphans = seg.scan_directory(self.directory)
-        for entry in orphans:
-            seg.remove_segment(self.directory, entry)
-        self._stats.orphans_removed = len(orphans)
+        if self.read_only and orphans:
+            _log.info("disk tier %s (read-only): leaving %d uncommitted entries", self.directory, len(orphans))
+        elif orphans:
+            removed = sum(seg.remove_segment(self.directory, entry) for entry in orphans)
+            self._stats.orphans_removed = removed
+            self._stats.orphan_remove_errors = len(orphans) - removed
         for seq, path in committed:
             self._next_seq = max(self._next_seq, seq + 1)
             try:
@@ -441,8 +551,12 @@ class DiskTier:
         segment = self._segments.pop(name)
         for row in segment.live_rows:
             self._unindex(segment.manifest.namespaces[row], segment.manifest.keys[row])
-        if self.directory is not None:
-            seg.remove_segment(self.directory, name)
+        if self.directory is not None and not self.read_only:
+            self._stats.remove_errors += not seg.remove_segment(self.directory, name)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"disk tier {self.directory or '(in memory)'} is closed")
 
 
 def _check_keys(keys: Sequence[bytes], namespaces) -> tuple[list[bytes], list[bytes]]:

@@ -137,6 +137,7 @@ class KVCache:
         self.host_pool: HostPool | None = None
         self.disk_tier: DiskTier | None = disk_tier
         self.transfer: TransferEngine | None = None
+        self._owns_disk_tier = False  # opened from config.disk_dir: closed with the cache
         if config.tiered:
             self._open_lower_tiers(impl, transfer_factory)
         self.tiers = TierIndex(self.trie, 0 if self.host_pool is None else self.host_pool.num_slots,
@@ -495,10 +496,13 @@ class KVCache:
         self._mover.check_invariants(self.index._handles)
 
     def close(self) -> None:
-        """Stop the transfer workers (queued transfers fail; the disk keeps what it wrote). The
-        device and host tiers go with the cache: a "cleared" event each."""
+        """Stop the transfer workers (queued transfers fail; the disk keeps what it wrote) and
+        close the disk tier this cache opened (a given one stays open). The device and host
+        tiers go with the cache: a "cleared" event each."""
         if self.transfer is not None:
             self.transfer.close()
+        if self._owns_disk_tier:
+            self.disk_tier.close()
         if not self._closed:
             self._closed = True
             for tier in ("device", "host") if self.config.tiered else ("device",):
@@ -517,7 +521,8 @@ class KVCache:
         config, codec = self.config, self.codec
         self.host_pool = HostPool(codec.block_shape, codec.dtype, config.host_bytes // codec.block_nbytes,
                                   store_bytes=self.move_bytes)  # fmt: skip
-        if self.disk_tier is None and config.disk_dir is not None:
+        self._owns_disk_tier = self.disk_tier is None and config.disk_dir is not None
+        if self._owns_disk_tier:
             self.disk_tier = DiskTier(config.disk_dir, codec.block_shape, codec.dtype, config.disk_bytes,
                                       segment_bytes=config.disk_segment_bytes, codec=codec.name,
                                       events=self.events)  # fmt: skip
