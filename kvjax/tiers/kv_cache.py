@@ -414,10 +414,14 @@ class KVCache:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Finish every copy in flight, then copy every host page without a disk copy to
-        disk and wait for that too. False if ``timeout`` seconds pass first."""
+        disk and wait for that too. True only when every host page that lacked a disk copy
+        then was written to disk; False if a write failed or was dropped (a disk error, a
+        write back-off, a full or read-only disk tier) or ``timeout`` seconds passed first."""
         deadline = time.monotonic() + timeout
         for spill in (False, True):
             if spill:
+                to_disk = len(self.tiers.undisked) if self.disk_tier is not None else 0
+                spilled_before = self._mover.counts["spilled"]  # spills report the blocks written
                 self._mover.spill_host(everything=True)
             while self._mover.busy:
                 self._apply_transfers()
@@ -425,7 +429,7 @@ class KVCache:
                     return False
                 self._mover.wait_any(max(0.0, deadline - time.monotonic()))
         self._apply_transfers()
-        return True
+        return self._mover.counts["spilled"] - spilled_before >= to_disk
 
     # --- block events ----------------------------------------------------------------------
 
