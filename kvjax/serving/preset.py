@@ -59,7 +59,7 @@ def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed
     if cache_options is not None and not isinstance(cache_options, Mapping):
         raise ValueError(f"cache_options={cache_options!r} must be a mapping of [cache] keys, e.g. "
                          "{'kv_quant': 'int8'}")
-    sections["cache"] = {**sections["cache"], **(cache_options or {})}
+    _apply_cache_options(sections, cache_options or {}, tiers)
     model_cfg = ModelConfig.from_dict(sections["model"])
     engine_cfg = EngineConfig.from_dict(sections.get("engine", {}))
     if seed is not None:
@@ -107,3 +107,19 @@ def pool_config(model_cfg: ModelConfig, page_size: int, num_blocks: int, *,
     return PoolConfig(num_blocks, model_cfg.num_layers, model_cfg.num_kv_heads, page_size,
                       model_cfg.head_dim, model_cfg.dtype, kv_quant=kv_quant,
                       kv_scale=kv_scale)  # fmt: skip
+
+
+def _apply_cache_options(sections: dict, cache_options: Mapping, tiers: bool) -> None:
+    """Overrides the preset's sections with ``cache_options``: its [tiers] keys (``host_bytes``,
+    ``disk_dir``, ``disk_bytes``, ...) in ``sections["tiers"]``, every other key in
+    ``sections["cache"]`` (where an unknown one is refused)."""
+    tier_options = {key: value for key, value in cache_options.items() if key in _TIER_KEYS}
+    if tier_options and not tiers:
+        raise ValueError(f"cache_options {sorted(tier_options)} configure the host and disk tiers, "
+                         "which tiers=False leaves out")
+    tier_section = {**sections.get("tiers", {}), **tier_options}
+    if tier_options.get("disk_dir") and not tier_section.get("host_bytes"):
+        raise ValueError(f"cache_options disk_dir={tier_options['disk_dir']!r} needs host_bytes > 0 (the disk "
+                         "tier sits below the host tier); pass host_bytes too")
+    sections["cache"] = {**sections["cache"], **{k: v for k, v in cache_options.items() if k not in tier_options}}
+    sections["tiers"] = tier_section
