@@ -82,7 +82,7 @@ class DirectoryLock:
         self._finalizer()
 
 
-def holder_of(path: str) -> str:
+def _holder_of(path: str) -> str:
     """Who the lock file at ``path`` says holds it, in words."""
     try:
         with open(path, "rb") as f:
@@ -123,7 +123,7 @@ def _flock(fd: int, directory: str, path: str, shared: bool) -> None:
         return
     except BlockingIOError:
         pass
-    holder = holder_of(path)
+    holder = _holder_of(path)
     if not shared:  # a writer was refused: by readers (a shared lock is free) or by a writer
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
