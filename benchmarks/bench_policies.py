@@ -3,7 +3,7 @@
 Each trace is replayed through the real DeviceIndex (``kvjax.tools.replay.replay_trace``: one
 request at a time, one block per hash id) at every capacity, once per policy; the yardstick is
 the offline farthest-next-use policy at the same capacity (``kvjax.tools.replay_bounds``). Traces:
-the shared Mooncake trace (when found) and the two synthetic ones of ``synthetic_traces``
+the shared Mooncake trace (when found) and two generated ones of ``kvjax.tools.trace_family``
 (multi-turn chat on Zipf system prompts; one-off long documents mixed with a hot set), which
 have a structure unlike it, so a policy tuned to one trace shows it.
 
@@ -26,8 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from synthetic_traces import chat_trace, scan_trace  # noqa: E402
-
 from kvjax.cache.policies import POLICIES  # noqa: E402
 from kvjax.tools.replay import DEFAULT_POLICY, replay_trace  # noqa: E402
 from kvjax.tools.replay_bounds import (  # noqa: E402
@@ -36,6 +34,7 @@ from kvjax.tools.replay_bounds import (  # noqa: E402
     unlimited_replay,
 )
 from kvjax.tools.trace import load_trace  # noqa: E402
+from kvjax.tools.trace_family import chat_trace, scan_trace  # noqa: E402
 
 _SHARED = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
 
