@@ -6,7 +6,38 @@ one by subclassing ``EvictionPolicy`` here and registering it in ``POLICIES``.
 
 * ``lru``: least recently used first; ``lfu``: fewest hits first, then LRU;
 * ``cost_aware``: smallest expected loss (reuse likelihood x the cost model's miss seconds);
-* ``segmented`` and ``adaptive``: scan-resistant segments, below.
+* ``segmented`` and ``adaptive``: scan-resistant segments, below;
+* ``reuse`` (the default): predicted reuse, learned per kind of node, below.
+
+Predicted reuse (``reuse``). A node's priority is ``last_access + W[kind]``: LRU inside each
+kind, and a kind that is reused less often within the cache's reach goes earlier. The kind of
+a node, read off the node when it is observed, is where it sits and what it has lived through:
+- where: at the root of its namespace (``first_page == 0``: a system prompt, a document a
+  request starts with, a one-off scan) or deeper (a chat turn, a tool step, a query behind a
+  template, a retrieved document behind others);
+- its history: fresh (inserted, never used since), returned (inserted again after it had been
+  evicted: its key is still in the history), hit once, hit twice or more.
+For each kind the policy counts nodes observed in it (trials) and those used again within
+the horizon ``H`` (seconds) after that observation; ``p[kind]`` is their ratio and
+``W[kind] = H * ln p[kind]`` (seconds, <= 0). That is the ordering of
+``value = p[kind] * exp(-age / H)``: a page's chance of being used again, fading with age on
+the cache's own time scale, so equal rates give plain LRU and a kind reused 10x less often
+goes ``H ln 10`` seconds earlier. A reuse seen after a node's pages were evicted counts as
+much as one seen while cached, so a kind the cache keeps too briefly to be hit is not
+condemned by its own evictions. ``H`` is the age that separates hits from misses in what the
+policy sees: a hit older than ``H`` raises it, a return younger than ``H`` lowers it (a
+stochastic boundary estimate, steps of ``horizon_step`` in log space), so it follows the
+cache's capacity and the workload without knowing either. Counts are halved every
+``memory`` trials so the estimates follow a changing workload.
+
+What ``reuse`` observes, O(1) per node: the node it is asked about and, walking up, each
+ancestor whose access is newer than what the history holds for it (the request's path; the
+walk stops at the first one already up to date). The history maps ``(first_page, key)`` (the
+node's depth and the token bytes of its first page, ``node.key``) to the node's last access,
+kind and weight (``sqrt(num_pages)``: a long run counts more than a one-page node, less than
+per page, so one hot system prompt does not stand for every page of its kind); it holds
+``history_nodes`` entries, oldest dropped first. A node evicted in part and inserted again
+from the cut is seen as fresh (a miss of the history; costs a worse estimate, never wrong KV).
 
 Scan resistance (``segmented``, ``adaptive``): probation and protected segments, a ghost
 history, an adaptive balance. Leaves of the prefix trie fall into two segments:
@@ -18,7 +49,7 @@ history, an adaptive balance. Leaves of the prefix trie fall into two segments:
 Priority (lower goes first) is ``last_access`` for probation and ``last_access + W`` for
 protected pages: LRU inside each segment, and a protected page outlives a probation page used
 up to ``W`` seconds after it. ``segmented`` fixes ``W`` at infinity (strict: probation always
-goes first). ``adaptive`` (the default) sets ``W = omega * R``, where ``R`` (seconds) is a
+goes first). ``adaptive`` sets ``W = omega * R``, where ``R`` (seconds) is a
 moving average of the age at which cached pages get hit (the workload's own time scale) and
 ``omega`` (dimensionless, in ``[0, max_omega]``) is steered by near misses, as in ARC: a page
 that comes back within ``2 R`` after it was evicted from protected asks for a larger ``omega``;
@@ -32,7 +63,7 @@ never which KV a request gets, so a fingerprint shared by two prefixes or two na
 costs at most a worse eviction choice. Observing a node costs O(its pages).
 
 Priorities are stamped when a node becomes evictable (``time_invariant``); a later change of
-``W`` applies to nodes pushed after it.
+``W`` applies to nodes pushed after it (both ``adaptive`` and ``reuse``).
 """
 
 from __future__ import annotations
@@ -52,6 +83,7 @@ __all__ = [
     "CostAwarePolicy",
     "LFUPolicy",
     "LRUPolicy",
+    "ReusePolicy",
     "SegmentedPolicy",
     "make_policy",
 ]
@@ -207,7 +239,7 @@ class SegmentedPolicy(EvictionPolicy):
 
 
 class AdaptiveSegmentedPolicy(SegmentedPolicy):
-    """Segmented LRU whose protection ``W = omega * R`` adapts to near misses (the default).
+    """Segmented LRU whose protection ``W = omega * R`` adapts to near misses.
 
     ``initial_omega``/``max_omega``: start and ceiling of ``omega``; ``step``: change of
     ``omega`` per near miss (before weighting); ``near_miss``: a ghost hit within
@@ -271,12 +303,134 @@ class AdaptiveSegmentedPolicy(SegmentedPolicy):
 
 
 
+_ROOT_FRESH, _ROOT_RETURNED, _ROOT_HIT_ONCE, _ROOT_HIT_MORE = range(4)
+_DEEPER = 4  # added to the kind of a node below the root's children
+_NUM_KINDS = 8
+_MIN_RATE = 1e-3  # floor of p: W >= H ln(1e-3) ~ -6.9 H, finite for kinds never reused
+_REFRESH = 256  # trials between recomputations of W (O(kinds) each)
+
+
+class ReusePolicy(EvictionPolicy):
+    """Predicted reuse: ``last_access + H * ln p[kind]``, learned online (the default).
+
+    ``history_nodes``: entries of the node history; ``horizon_step``: log-space step of the
+    horizon estimate per boundary event; ``memory``: trials between halvings of the counts;
+    ``initial_horizon_s``: the horizon before any reuse is seen (seconds). See the module
+    docstring for the model.
+    """
+
+    name = "reuse"
+
+    def __init__(self, *, history_nodes: int = 65536, horizon_step: float = 0.02,
+                 memory: int = 16384, initial_horizon_s: float = 10.0):  # fmt: skip
+        if history_nodes < 1:
+            raise ValueError(f"{history_nodes=} must be >= 1")
+        if not 0.0 < horizon_step <= 1.0:
+            raise ValueError(f"{horizon_step=} must be in (0, 1]")
+        if memory < 1:
+            raise ValueError(f"{memory=} must be >= 1 trial")
+        if not 0.0 < initial_horizon_s < math.inf:
+            raise ValueError(f"{initial_horizon_s=} must be a positive number of seconds")
+        self.history_nodes = history_nodes
+        self.horizon_step = horizon_step
+        self.memory = memory
+        self.horizon = initial_horizon_s  # H, seconds
+        # (first_page, key) -> (last_access s, kind, weight); oldest first
+        self._history: OrderedDict[tuple[int, bytes], tuple[float, int, float]] = OrderedDict()
+        self._trials = [1.0] * _NUM_KINDS  # prior: one trial, half of it reused (p = 0.5 each)
+        self._reused = [0.5] * _NUM_KINDS
+        self._offsets = [0.0] * _NUM_KINDS  # W, seconds
+        self._num_trials = 0
+
+    def priority(self, node: Any, now: float) -> float:
+        kind = self._observe(node)
+        ancestor = node.parent
+        while ancestor is not None and ancestor.parent is not None:
+            seen = self._history.get((ancestor.first_page, ancestor.key))
+            if seen is not None and seen[0] >= ancestor.last_access:
+                break  # up to date, and so is every node above it
+            self._observe(ancestor)
+            ancestor = ancestor.parent
+        return node.last_access + self._offsets[kind]
+
+    def reuse_rates(self) -> list[float]:
+        """``p[kind]``: share of each kind's trials reused within the horizon (0.0 to 1.0)."""
+        return [reused / trials for reused, trials in zip(self._reused, self._trials)]
+
+    def offsets(self) -> list[float]:
+        """``W[kind]`` (seconds, <= 0) added to ``last_access`` by ``priority`` now."""
+        return list(self._offsets)
+
+    def check_invariants(self) -> None:
+        """History within its bound, counts consistent, horizon and offsets finite."""
+        if len(self._history) > self.history_nodes:
+            raise RuntimeError(f"history holds {len(self._history)} nodes > {self.history_nodes=}")
+        for kind, (reused, trials) in enumerate(zip(self._reused, self._trials)):
+            if not 0.0 <= reused <= trials:
+                raise RuntimeError(f"kind {kind}: reused={reused} outside [0, trials={trials}]")
+        if not 0.0 < self.horizon < math.inf:
+            raise RuntimeError(f"horizon={self.horizon} must be a positive number of seconds")
+        for kind, offset in enumerate(self._offsets):
+            if not -math.inf < offset <= 0.0:
+                raise RuntimeError(f"kind {kind}: offset={offset} must be finite and <= 0")
+        for _, kind, weight in self._history.values():
+            if not 0 <= kind < _NUM_KINDS or not weight >= 1.0:
+                raise RuntimeError(f"history entry of kind {kind}, weight {weight} is malformed")
+
+    # --- learning ----------------------------------------------------------------------------
+
+    def _observe(self, node: Any) -> int:
+        """The node's kind; counts its trial, and the reuse of what the history held for it."""
+        key = (node.first_page, node.key)
+        history = self._history
+        seen = history.get(key)
+        last_access, hits = node.last_access, node.hits
+        deeper = _DEEPER if node.first_page else 0
+        if seen is not None:
+            seen_access, seen_kind, seen_weight = seen
+            if last_access <= seen_access:
+                return seen_kind  # pushed again unchanged: a split's head, a cut tail, a tier bit
+            self._reused_after(seen_kind, seen_weight, last_access - seen_access, cached=hits > 0)
+            history.move_to_end(key)
+            kind = deeper + (_ROOT_RETURNED if hits == 0 else _ROOT_HIT_ONCE if hits == 1 else _ROOT_HIT_MORE)
+        else:
+            kind = deeper + (_ROOT_FRESH if hits == 0 else _ROOT_HIT_ONCE if hits == 1 else _ROOT_HIT_MORE)
+        weight = math.sqrt(node.num_pages) if node.num_pages > 1 else 1.0
+        history[key] = (last_access, kind, weight)
+        if len(history) > self.history_nodes:
+            history.popitem(last=False)
+        self._trials[kind] += weight
+        self._num_trials += 1
+        if self._num_trials % _REFRESH == 0:
+            self._refresh()
+        if self._num_trials % self.memory == 0:  # forget: halve every count
+            self._trials = [trials / 2 for trials in self._trials]
+            self._reused = [reused / 2 for reused in self._reused]
+        return kind
+
+    def _reused_after(self, kind: int, weight: float, gap: float, *, cached: bool) -> None:
+        """A node of ``kind`` was used again ``gap`` seconds after it was seen; ``cached``: it
+        was still on device (a hit), else it had been evicted and came back (a miss)."""
+        if gap <= self.horizon:
+            self._reused[kind] += weight
+        if cached and gap > self.horizon:
+            self.horizon *= math.exp(self.horizon_step)
+        elif not cached and gap < self.horizon:
+            self.horizon *= math.exp(-self.horizon_step)
+
+    def _refresh(self) -> None:
+        horizon = self.horizon
+        self._offsets = [horizon * math.log(max(reused / trials, _MIN_RATE))
+                         for reused, trials in zip(self._reused, self._trials)]  # fmt: skip
+
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     policy.name: policy
-    for policy in (LRUPolicy, LFUPolicy, CostAwarePolicy, SegmentedPolicy, AdaptiveSegmentedPolicy)
+    for policy in (LRUPolicy, LFUPolicy, CostAwarePolicy, SegmentedPolicy, AdaptiveSegmentedPolicy,
+                   ReusePolicy)
 }
 
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "reuse"
 """The eviction policy the CLI, the replay and the engine use unless told otherwise."""
 
 
