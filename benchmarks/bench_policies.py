@@ -1,19 +1,25 @@
-"""Block hit rate of every eviction policy, as a share of the offline policy's, per capacity.
+"""Block hit rate of every eviction policy on many trace shapes and capacities, next to offline.
 
-Each trace is replayed through the real DeviceIndex (``kvjax.tools.replay.replay_trace``: one
-request at a time, one block per hash id) at every capacity, once per policy; the yardstick is
-the offline farthest-next-use policy at the same capacity (``kvjax.tools.replay_bounds``). Traces:
-the shared Mooncake trace (when found) and two generated ones of ``kvjax.tools.trace_family``
-(multi-turn chat on Zipf system prompts; one-off long documents mixed with a hot set), which
-have a structure unlike it, so a policy tuned to one trace shows it.
+Each trace is replayed through the real DeviceIndex (``kvjax.tools.replay.replay_trace``: device
+only, one request at a time, one block per hash id) once per policy and capacity. Yardsticks at
+the same capacity (``kvjax.tools.replay_bounds``): ``offline`` (farthest next use first, the
+best any policy can do), ``oracle-lru`` (LRU told which blocks will never be used again: the
+ceiling of predicting reuse without knowing when) and the unlimited-capacity hit rate.
 
-    .venv/bin/python benchmarks/bench_policies.py [--trace PATH] [--capacities 1000 2000 4000 16000]
-        [--policies lru adaptive ...] [--seed 0] [--no-synthetic | --no-trace]
+Traces: the shared Mooncake trace (when found) and every shape of
+``kvjax.tools.trace_family`` (chat, agent, fewshot, rag, scan, chat_scan, bursty, longtail,
+mixed). Capacities are fractions of each trace's distinct blocks (small, middle, large), so
+every shape is judged where its policies differ; ``--capacities`` gives absolute ones instead.
 
-Cells read ``hit% (share of offline)``; ``s/replay`` is the mean wall time of one replay. The
-``oracle-lru`` column is a second yardstick (``reuse_oracle_lru_replay``): LRU that knows which
-blocks will never be used again and evicts those first. Like the offline policy it sees the
-future, but only whether a block is reused, not when.
+    .venv/bin/python benchmarks/bench_policies.py [--quick] [--shapes chat rag ...]
+        [--fractions 0.01 0.03 0.1 | --capacities 2000 8000] [--num-requests 4000] [--seed 0]
+        [--policies lru reuse ...] [--trace PATH | --no-trace]
+
+Cells read ``hit% (share of offline)``. Under each trace a verdict line says whether the default
+policy hits at least as much as LRU at every capacity, and, on conversation-like and scan-mixed
+shapes (and on trace files), at least as much as strict ``segmented``; a summary ends the run.
+``--quick`` replays only those three policies (same traces and capacities): under two minutes
+on two cores; the full table takes about four.
 """
 
 from __future__ import annotations
@@ -26,71 +32,118 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvjax.cache.policies import POLICIES  # noqa: E402
-from kvjax.tools.replay import DEFAULT_POLICY, replay_trace  # noqa: E402
+from kvjax.cache.policies import DEFAULT_POLICY, POLICIES  # noqa: E402
+from kvjax.tools.replay import replay_trace  # noqa: E402
 from kvjax.tools.replay_bounds import (  # noqa: E402
+    intern_block_paths,
     offline_replay,
     reuse_oracle_lru_replay,
     unlimited_replay,
 )
 from kvjax.tools.trace import load_trace  # noqa: E402
-from kvjax.tools.trace_family import chat_trace, scan_trace  # noqa: E402
+from kvjax.tools.trace_family import CONVERSATION_LIKE, SHAPES, generate  # noqa: E402
 
 _SHARED = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
+_SCAN_MIXED = frozenset({"scan", "chat_scan"})
 
 
 def main() -> None:
     args = _parse_args()
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    print(f"default policy: {DEFAULT_POLICY}\n")
-    for name, requests in _traces(args):
-        print(_table(name, requests, args.capacities, args.policies))
-        print()
+    print(f"default policy: {DEFAULT_POLICY}; cells: block hit rate (share of offline)\n")
+    summary = {policy: [] for policy in args.policies}  # per policy: share of offline per cell
+    verdicts = []
+    for name, vs_segmented, requests in _traces(args):
+        distinct = len(intern_block_paths(requests)[1])
+        capacities = args.capacities or sorted({max(1, round(distinct * f)) for f in args.fractions})
+        rates, offline, text = _table(name, requests, distinct, capacities, args.policies)
+        print(text)
+        met, verdict = _verdict(rates, vs_segmented)
+        verdicts.append((name, met))
+        print(f"verdict: {verdict}\n")
+        for policy in args.policies:
+            summary[policy] += [rate / off if off else 0.0 for rate, off in zip(rates[policy], offline)]
+    print("mean share of offline over all cells: "
+          + ", ".join(f"{p} {sum(v) / len(v):.3f}" for p, v in summary.items() if v))  # fmt: skip
+    failed = [name for name, met in verdicts if not met]
+    print(f"default {DEFAULT_POLICY}: meets the goal on {len(verdicts) - len(failed)} of {len(verdicts)} traces"
+          + (f"; not on: {', '.join(failed)}" if failed else ""))  # fmt: skip
 
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="only the policies the verdict compares (lru, segmented, the default)")  # fmt: skip
     parser.add_argument("--trace", type=Path, default=_SHARED if _SHARED.exists() else None,
-                        help="a Mooncake-format trace (default: the shared one, if present)")  # fmt: skip
-    parser.add_argument("--capacities", type=int, nargs="+", default=[1000, 2000, 4000, 16000])
-    parser.add_argument("--policies", nargs="+", default=sorted(POLICIES), choices=sorted(POLICIES))
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces")
-    parser.add_argument("--no-synthetic", action="store_true", help="skip the synthetic traces")
-    parser.add_argument("--no-trace", action="store_true", help="only the synthetic traces")
-    return parser.parse_args()
+                        help="a Mooncake-format trace file (default: the shared one, if present)")  # fmt: skip
+    parser.add_argument("--no-trace", action="store_true", help="generated shapes only")
+    parser.add_argument("--shapes", nargs="*", default=sorted(SHAPES), choices=sorted(SHAPES))
+    parser.add_argument("--num-requests", type=int, default=4000, help="requests a trace (and of --trace)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated traces")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.03, 0.1],
+                        help="capacities as fractions of each trace's distinct blocks")  # fmt: skip
+    parser.add_argument("--capacities", type=int, nargs="+", default=None, help="absolute capacities (blocks)")
+    parser.add_argument("--policies", nargs="+", default=None, choices=sorted(POLICIES))
+    args = parser.parse_args()
+    if args.policies is None:
+        args.policies = [] if args.quick else sorted(POLICIES)
+    for policy in (DEFAULT_POLICY, "lru", "segmented"):  # the verdict compares these
+        if policy not in args.policies:
+            args.policies.append(policy)
+    return args
 
 
 def _traces(args: argparse.Namespace):
+    """(name, whether the default must match segmented on it, requests) per trace."""
     if args.trace is not None and not args.no_trace:
-        yield args.trace.name, load_trace(args.trace)
-    if not args.no_synthetic:
-        yield f"synthetic chat (seed {args.seed})", chat_trace(seed=args.seed)
-        yield f"synthetic scan (seed {args.seed})", scan_trace(seed=args.seed)
+        yield args.trace.name, True, load_trace(args.trace)[: args.num_requests]
+    for shape in args.shapes:
+        requests = generate(shape, num_requests=args.num_requests, seed=args.seed)
+        yield f"{shape} (seed {args.seed})", shape in CONVERSATION_LIKE | _SCAN_MIXED, requests
 
 
-def _table(name: str, requests, capacities: list[int], policies: list[str]) -> str:
+def _table(name: str, requests, distinct: int, capacities: list[int], policies: list[str]):
+    """(hit rates per policy, offline rate per capacity, the printed table)."""
     unlimited = unlimited_replay(requests)
-    lines = [f"{name}: {unlimited.requests} requests, {unlimited.blocks} blocks, "
+    lines = [f"{name}: {unlimited.requests} requests, {unlimited.blocks:,} blocks ({distinct:,} distinct); "
              f"unlimited capacity hits {unlimited.block_hit_rate:.2%}"]  # fmt: skip
-    lines.append(f"{'capacity':>8} {'offline':>8} {'oracle-lru':>16} | "
-                 + " ".join(f"{p:>16}" for p in policies))  # fmt: skip
-    seconds = dict.fromkeys(policies, 0.0)
+    marked = [f"{p}*" if p == DEFAULT_POLICY else p for p in policies]
+    lines.append(f"{'capacity':>8} {'offline':>8} {'oracle-lru':>15} | " + " ".join(f"{p:>15}" for p in marked))
+    rates: dict[str, list[float]] = {policy: [] for policy in policies}
+    offline_rates, seconds = [], dict.fromkeys(policies, 0.0)
     for capacity in capacities:
         offline = offline_replay(requests, capacity).block_hit_rate
         oracle = reuse_oracle_lru_replay(requests, capacity).block_hit_rate
-        cells = []
+        offline_rates.append(offline)
         for policy in policies:
             start = time.perf_counter()
-            rate = replay_trace(requests, capacity, policy=policy).block_hit_rate
+            rates[policy].append(replay_trace(requests, capacity, policy=policy).block_hit_rate)
             seconds[policy] += time.perf_counter() - start
-            share = rate / offline if offline else 0.0
-            cells.append(f"{rate:>7.2%} ({share:>4.0%})")
-        oracle_cell = f"{oracle:>7.2%} ({oracle / offline if offline else 0.0:>4.0%})"
-        lines.append(f"{capacity:>8} {offline:>8.2%} {oracle_cell:>16} | "
-                     + " ".join(f"{c:>16}" for c in cells))  # fmt: skip
-    lines.append(f"{'s/replay':>8} {'':>8} {'':>16} | "
-                 + " ".join(f"{seconds[p] / len(capacities):>16.2f}" for p in policies))  # fmt: skip
-    return "\n".join(lines)
+        cells = [_cell(oracle, offline)] + [_cell(rates[p][-1], offline) for p in policies]
+        lines.append(f"{capacity:>8} {offline:>8.2%} " + f"{cells[0]:>15} | " + " ".join(f"{c:>15}" for c in cells[1:]))
+    lines.append(f"{'s/replay':>8} {'':>8} {'':>15} | "
+                 + " ".join(f"{seconds[p] / len(capacities):>15.2f}" for p in policies))  # fmt: skip
+    return rates, offline_rates, "\n".join(lines)
+
+
+def _cell(rate: float, offline: float) -> str:
+    return f"{rate:.2%} ({rate / offline if offline else 0.0:.0%})"
+
+
+def _verdict(rates: dict[str, list[float]], vs_segmented: bool) -> tuple[bool, str]:
+    """(whether the default met the goal on this trace, the verdict line)."""
+    rivals = ["lru", "segmented"] if vs_segmented else ["lru"]
+    results = [_compare(rates, rival) for rival in rivals]
+    return all(met for met, _ in results), "; ".join(text for _, text in results)
+
+
+def _compare(rates: dict[str, list[float]], rival: str) -> tuple[bool, str]:
+    """Whether the default hit at least as much as ``rival`` at every capacity, and the margins
+    (relative to the rival's hit rate)."""
+    margins = [mine / theirs - 1.0 if theirs else 0.0 for mine, theirs in zip(rates[DEFAULT_POLICY], rates[rival])]
+    met = min(margins) >= 0.0
+    return met, (f"{DEFAULT_POLICY} >= {rival}: {'yes' if met else 'NO'} "
+                 f"(worst {min(margins):+.1%}, best {max(margins):+.1%})")  # fmt: skip
 
 
 if __name__ == "__main__":
