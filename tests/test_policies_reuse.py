@@ -5,7 +5,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import rule
+from test_eviction_adaptive import AdaptiveCacheMachine
 
 from kvjax.cache.cost_model import CostModel
 from kvjax.cache.device_index import PrefixCache
@@ -216,40 +217,18 @@ def test_any_sequence_of_observations_keeps_the_invariants(observations, history
         policy.check_invariants()
 
 
-class ReuseCacheMachine(RuleBasedStateMachine):
-    """A small PrefixCache under the reuse policy: random admits, commits, releases, evictions."""
+class ReuseCacheMachine(AdaptiveCacheMachine):
+    """The adaptive policy's cache machine (admits, commits, releases, evictions) under the
+    reuse policy, with time also jumping ahead, so hits and returns cross the horizon."""
 
     def __init__(self):
         super().__init__()
-        self.now = 0.0
         self.policy = ReusePolicy(history_nodes=16, memory=8)
         self.cache = PrefixCache(12, 2, policy=self.policy, clock=lambda: self.now)
-        self.running = []
 
-    @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=9), commit=st.booleans(),
-          wait=st.floats(0.0, 30.0))  # fmt: skip
-    def admit(self, tokens, commit, wait):
-        self.now += wait
-        handle = self.cache.admit(tokens)
-        if handle is not None:
-            if commit:
-                self.cache.commit(handle, tokens)
-            self.running.append(handle)
-
-    @rule(index=st.integers(0, 7))
-    def release(self, index):
-        if self.running:
-            self.now += 1.0
-            self.cache.release(self.running.pop(index % len(self.running)))
-
-    @rule(num_blocks=st.integers(0, 6))
-    def evict(self, num_blocks):
-        self.cache.evict(num_blocks)
-
-    @invariant()
-    def consistent(self):
-        self.cache.check_invariants()
-        self.policy.check_invariants()
+    @rule(seconds=st.floats(0.0, 60.0))
+    def wait(self, seconds):
+        self.now += seconds
 
 
 TestReuseCacheMachine = ReuseCacheMachine.TestCase

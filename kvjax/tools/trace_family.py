@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -170,9 +170,8 @@ def fewshot_trace(*, num_requests: int = 4000, num_templates: int = 120, active_
     rng, hasher = np.random.default_rng(seed), PromptHasher()
     templates = [(hasher.text(), _lognormal(rng, 2500, 0.7, 300, 12000)) for _ in range(num_templates)]
     popularity = _zipf(active_templates, zipf_s)
-    requests, time_ms = [], 0.0
-    for index in range(num_requests):
-        time_ms += rng.exponential(1000.0 / requests_per_s)
+    requests = []
+    for index, time_ms in enumerate(_arrivals(rng, num_requests, requests_per_s)):
         window = index * (num_templates - active_templates) // max(num_requests, 1)
         ranks = np.random.default_rng([seed, window]).permutation(active_templates)  # stable per window
         template = templates[window + int(ranks[rng.choice(active_templates, p=popularity)])]
@@ -191,9 +190,8 @@ def rag_trace(*, num_requests: int = 4000, num_documents: int = 3000, zipf_s: fl
     documents = [(hasher.text(), _lognormal(rng, 900, 0.7, 100, 8000)) for _ in range(num_documents)]
     popularity = _zipf(num_documents, zipf_s)
     recent: list[list[Segment]] = []
-    requests, time_ms = [], 0.0
-    for _ in range(num_requests):
-        time_ms += rng.exponential(1000.0 / requests_per_s)
+    requests = []
+    for time_ms in _arrivals(rng, num_requests, requests_per_s):
         if recent and rng.random() < follow_up_fraction:
             retrieved = recent[-1 - min(int(rng.geometric(0.2)) - 1, len(recent) - 1)]
         else:
@@ -211,9 +209,8 @@ def scan_trace(*, num_requests: int = 4000, num_hot_documents: int = 80, scan_fr
     rng, hasher = np.random.default_rng(seed), PromptHasher()
     hot = [(hasher.text(), _lognormal(rng, 12000, 0.7, 2000, 64000)) for _ in range(num_hot_documents)]
     popularity = _zipf(num_hot_documents, zipf_s)
-    requests, time_ms = [], 0.0
-    for _ in range(num_requests):
-        time_ms += rng.exponential(1000.0 / requests_per_s)
+    requests = []
+    for time_ms in _arrivals(rng, num_requests, requests_per_s):
         if rng.random() < scan_fraction:
             document = (hasher.text(), _lognormal(rng, 20000, 0.6, 4000, 150000))  # read once
         else:
@@ -265,9 +262,8 @@ def longtail_trace(*, num_requests: int = 4000, num_users: int = 2500, zipf_s: f
     contexts = [(hasher.text(), _lognormal(rng, 5000, 0.8, 500, 40000)) for _ in range(num_users)]
     order = rng.permutation(num_users)  # popularity unrelated to context length or user id
     popularity = _zipf(num_users, zipf_s)
-    requests, time_ms = [], 0.0
-    for _ in range(num_requests):
-        time_ms += rng.exponential(1000.0 / requests_per_s)
+    requests = []
+    for time_ms in _arrivals(rng, num_requests, requests_per_s):
         context = contexts[int(order[rng.choice(num_users, p=popularity)])]
         question = (hasher.text(), _lognormal(rng, 80, 0.8, 5, 1000))
         requests.append(hasher.request(time_ms, [system, context, question], _lognormal(rng, 250, 0.7, 5, 2000)))
@@ -351,6 +347,14 @@ def _covered(requests: list[TraceRequest], count: int, next_start_ms: float) -> 
 def _first(requests: list[TraceRequest], count: int) -> list[TraceRequest]:
     """The first ``count`` requests by arrival (stable: a conversation's turns keep their order)."""
     return sorted(requests, key=lambda request: request.timestamp_ms)[:count]
+
+
+def _arrivals(rng: np.random.Generator, count: int, per_s: float) -> Iterator[float]:
+    """``count`` Poisson arrival times (ms), ``per_s`` a second on average."""
+    time_ms = 0.0
+    for _ in range(count):
+        time_ms += rng.exponential(1000.0 / per_s)
+        yield time_ms
 
 
 def _zipf(count: int, exponent: float) -> np.ndarray:
