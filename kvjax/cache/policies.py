@@ -335,12 +335,13 @@ class ReusePolicy(EvictionPolicy):
         self.horizon_step = horizon_step
         self.memory = memory
         self.horizon = initial_horizon_s  # H, seconds
-        # (first_page, key) -> (last_access s, kind, weight); oldest first
-        self._history: OrderedDict[tuple[int, bytes], tuple[float, int, float]] = OrderedDict()
+        # (first_page, key) -> (last_access s, kind, weight, halvings then); oldest first
+        self._history: OrderedDict[tuple[int, bytes], tuple[float, int, float, int]] = OrderedDict()
         self._trials = [1.0] * _NUM_KINDS  # prior: one trial, half of it reused (p = 0.5 each)
         self._reused = [0.5] * _NUM_KINDS
         self._offsets = [0.0] * _NUM_KINDS  # W, seconds
         self._num_trials = 0
+        self._halvings = 0  # times the counts were halved
 
     def priority(self, node: Any, now: float) -> float:
         kind = self._observe(node)
@@ -373,9 +374,9 @@ class ReusePolicy(EvictionPolicy):
         for kind, offset in enumerate(self._offsets):
             if not -math.inf < offset <= 0.0:
                 raise RuntimeError(f"kind {kind}: offset={offset} must be finite and <= 0")
-        for _, kind, weight in self._history.values():
-            if not 0 <= kind < _NUM_KINDS or not weight >= 1.0:
-                raise RuntimeError(f"history entry of kind {kind}, weight {weight} is malformed")
+        for _, kind, weight, halvings in self._history.values():
+            if not 0 <= kind < _NUM_KINDS or not weight >= 1.0 or not 0 <= halvings <= self._halvings:
+                raise RuntimeError(f"history entry ({kind=}, {weight=}, {halvings=}) is malformed")
 
     # --- learning ----------------------------------------------------------------------------
 
@@ -387,16 +388,18 @@ class ReusePolicy(EvictionPolicy):
         last_access, hits = node.last_access, node.hits
         deeper = _DEEPER if node.first_page else 0
         if seen is not None:
-            seen_access, seen_kind, seen_weight = seen
+            seen_access, seen_kind, seen_weight, seen_halvings = seen
             if last_access <= seen_access:
                 return seen_kind  # pushed again unchanged: a split's head, a cut tail, a tier bit
-            self._reused_after(seen_kind, seen_weight, last_access - seen_access, cached=hits > 0)
+            # The trial counted then has been halved since as often as the counts were.
+            credit = math.ldexp(seen_weight, seen_halvings - self._halvings)
+            self._reused_after(seen_kind, credit, last_access - seen_access, cached=hits > 0)
             history.move_to_end(key)
             kind = deeper + (_ROOT_RETURNED if hits == 0 else _ROOT_HIT_ONCE if hits == 1 else _ROOT_HIT_MORE)
         else:
             kind = deeper + (_ROOT_FRESH if hits == 0 else _ROOT_HIT_ONCE if hits == 1 else _ROOT_HIT_MORE)
         weight = math.sqrt(node.num_pages) if node.num_pages > 1 else 1.0
-        history[key] = (last_access, kind, weight)
+        history[key] = (last_access, kind, weight, self._halvings)
         if len(history) > self.history_nodes:
             history.popitem(last=False)
         self._trials[kind] += weight
@@ -406,13 +409,15 @@ class ReusePolicy(EvictionPolicy):
         if self._num_trials % self.memory == 0:  # forget: halve every count
             self._trials = [trials / 2 for trials in self._trials]
             self._reused = [reused / 2 for reused in self._reused]
+            self._halvings += 1
         return kind
 
-    def _reused_after(self, kind: int, weight: float, gap: float, *, cached: bool) -> None:
+    def _reused_after(self, kind: int, credit: float, gap: float, *, cached: bool) -> None:
         """A node of ``kind`` was used again ``gap`` seconds after it was seen; ``cached``: it
-        was still on device (a hit), else it had been evicted and came back (a miss)."""
+        was still on device (a hit), else it had been evicted and came back (a miss). ``credit``
+        is what its trial weighs in the counts now (min: float rounding never lifts p over 1)."""
         if gap <= self.horizon:
-            self._reused[kind] += weight
+            self._reused[kind] = min(self._reused[kind] + credit, self._trials[kind])
         if cached and gap > self.horizon:
             self.horizon *= math.exp(self.horizon_step)
         elif not cached and gap < self.horizon:
