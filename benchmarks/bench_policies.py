@@ -105,8 +105,9 @@ def _traces(args: argparse.Namespace):
 def _table(name: str, requests, distinct: int, capacities: list[int], policies: list[str]):
     """(hit rates per policy, offline rate per capacity, the printed table)."""
     unlimited = unlimited_replay(requests)
-    lines = [f"{name}: {unlimited.requests} requests, {unlimited.blocks:,} blocks ({distinct:,} distinct); "
-             f"unlimited capacity hits {unlimited.block_hit_rate:.2%}"]  # fmt: skip
+    header = (f"{name}: {unlimited.requests} requests, {unlimited.blocks:,} blocks ({distinct:,} distinct); "
+              f"unlimited capacity hits {unlimited.block_hit_rate:.2%}")  # fmt: skip
+    lines = [header]
     marked = [f"{p}*" if p == DEFAULT_POLICY else p for p in policies]
     lines.append(f"{'capacity':>8} {'offline':>8} {'oracle-lru':>15} | " + " ".join(f"{p:>15}" for p in marked))
     rates: dict[str, list[float]] = {policy: [] for policy in policies}

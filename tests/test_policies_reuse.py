@@ -9,7 +9,7 @@ from hypothesis.stateful import rule
 from test_eviction_adaptive import AdaptiveCacheMachine
 
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import PrefixCache
+from kvjax.cache.device_index import DeviceIndex
 from kvjax.cache.policies import DEFAULT_POLICY, POLICIES, ReusePolicy, make_policy
 from kvjax.tools.replay import replay_trace
 from kvjax.tools.trace import TraceRequest
@@ -135,7 +135,7 @@ def test_the_path_of_a_request_is_observed_up_to_the_first_node_already_seen():
 def test_victim_order_in_a_cache_follows_the_learned_kinds():
     # Trained: one-off root sequences are never reused, deeper extensions are reused at once.
     now = [0.0]
-    cache = PrefixCache(6, 1, policy=_trained(), clock=lambda: now[0])
+    cache = DeviceIndex(6, 1, policy=_trained(), clock=lambda: now[0])
 
     def run(tokens, at):
         now[0] = at
@@ -193,11 +193,10 @@ def test_check_invariants_names_a_broken_count():
         policy.check_invariants()
 
 
-_observations = st.lists(
-    st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(0, 3), st.integers(1, 6),
-              st.floats(0.0, 15.0, allow_nan=False)),  # fmt: skip
-    max_size=300,
+_observation = st.tuples(  # key, first_page, hits, num_pages, seconds since the previous one
+    st.integers(0, 3), st.integers(0, 2), st.integers(0, 3), st.integers(1, 6), st.floats(0.0, 15.0)
 )
+_observations = st.lists(_observation, max_size=300)
 
 
 @settings(max_examples=150, deadline=None)
@@ -224,7 +223,7 @@ class ReuseCacheMachine(AdaptiveCacheMachine):
     def __init__(self):
         super().__init__()
         self.policy = ReusePolicy(history_nodes=16, memory=8)
-        self.cache = PrefixCache(12, 2, policy=self.policy, clock=lambda: self.now)
+        self.cache = DeviceIndex(12, 2, policy=self.policy, clock=lambda: self.now)
 
     @rule(seconds=st.floats(0.0, 60.0))
     def wait(self, seconds):

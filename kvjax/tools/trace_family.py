@@ -366,7 +366,7 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float, low: float
                integer: bool = True):  # fmt: skip
     """A lognormal draw with ``median`` and log-spread ``sigma``, clipped to [low, high]."""
     value = min(max(median * float(np.exp(sigma * rng.standard_normal())), low), high)
-    return int(round(value)) if integer else value
+    return round(value) if integer else value
 
 
 if __name__ == "__main__":
