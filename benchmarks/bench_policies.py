@@ -18,8 +18,8 @@ every shape is judged where its policies differ; ``--capacities`` gives absolute
 Cells read ``hit% (share of offline)``. Under each trace a verdict line says whether the default
 policy hits at least as much as LRU at every capacity, and, on conversation-like and scan-mixed
 shapes (and on trace files), at least as much as strict ``segmented``; a summary ends the run.
-``--quick`` replays only those three policies (same traces and capacities): under two minutes
-on two cores; the full table takes about four.
+``--quick`` replays only those three policies (same traces and capacities): about a minute on
+two shared cores; the full table about two.
 """
 
 from __future__ import annotations
