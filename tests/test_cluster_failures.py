@@ -11,7 +11,6 @@ stays dead, f2 is restarted in the second.
 import concurrent.futures
 import os
 import signal
-import time
 import uuid
 
 import httpx
