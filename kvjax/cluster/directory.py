@@ -220,7 +220,8 @@ class Directory:
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[NodeView]:
         """Every live node with the leading run of ``keys`` (a request's chained block keys,
         in order, of ``namespace``) it holds; one round trip. Sorted by node id."""
-        names = [self.block_key(namespace, key) for key in keys]
+        head = f"{self.prefix}:b:{namespace.hex()}:"  # once: per-key formatting was 0.15 ms of 256 keys
+        names = [head + key.hex() for key in keys]
         reply = self._lookup(names, [self.prefix])
         views = []
         for row in reply:
