@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvjax.cluster.router import STRATEGIES, RouterConfig  # noqa: E402
-from kvjax.tools.cluster_replay import ServiceModel, simulate_cluster, yardsticks  # noqa: E402
+from kvjax.tools.cluster_replay import ClusterSpec, ServiceModel, simulate_cluster, yardsticks  # noqa: E402
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_trace  # noqa: E402
 
 SHARED_TRACE = "/work/shared/data/mooncake_synthetic_trace.jsonl"
@@ -57,9 +57,10 @@ def main() -> None:
 
 def compare(requests: list[TraceRequest], nodes: int, device_blocks: int, service: ServiceModel) -> list[tuple]:
     """One row per strategy: (nodes, blocks, strategy, report, single-cache block hit rate)."""
-    single = yardsticks(requests, nodes, device_blocks)["single_cache"].block_hit_rate
-    return [(nodes, device_blocks, strategy, simulate_cluster(requests, nodes, device_blocks,
-                                                              router=RouterConfig(strategy), service=service), single)
+    spec = ClusterSpec(nodes, device_blocks)
+    single = yardsticks(requests, spec)["single_cache"].block_hit_rate
+    return [(nodes, device_blocks, strategy, simulate_cluster(requests, spec, router=RouterConfig(strategy),
+                                                              service=service), single)
             for strategy in STRATEGIES]  # fmt: skip
 
 

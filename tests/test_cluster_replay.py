@@ -8,7 +8,7 @@ import pytest
 
 from kvjax.__main__ import main
 from kvjax.cluster.router import RouterConfig
-from kvjax.tools.cluster_replay import ServiceModel, cluster_replay, simulate_cluster, window_max_mean
+from kvjax.tools.cluster_replay import ClusterSpec, ServiceModel, cluster_replay, simulate_cluster, window_max_mean
 from kvjax.tools.replay import replay_trace
 from kvjax.tools.trace import TraceRequest
 
@@ -34,7 +34,8 @@ TWO_CONVERSATIONS = trace(conversation(1, 3) + conversation(5, 3))
 
 
 def run(requests, strategy, nodes=2, device_blocks=10, **options):
-    return cluster_replay(requests, nodes, device_blocks, router=RouterConfig(strategy), block_tokens=BLOCK, **options)
+    spec = ClusterSpec(nodes, device_blocks, block_tokens=BLOCK, **options)
+    return cluster_replay(requests, spec, router=RouterConfig(strategy))
 
 
 def test_prefix_keeps_each_conversation_on_one_node_and_hits_like_one_cache():
@@ -56,9 +57,10 @@ def test_least_loaded_sees_the_requests_the_service_model_keeps_in_flight():
     # one long request (100 tokens at 10 tokens/s: 10 s) then three short ones, a second apart
     requests = trace([(1,), (2,), (3,), (4,)], outputs=[100, 1, 1, 1])
     service = ServiceModel(prefill_tokens_per_s=1000.0, decode_tokens_per_s=10.0)
-    least = simulate_cluster(requests, 2, 10, router=RouterConfig("least_loaded"), service=service, block_tokens=BLOCK)
+    spec = ClusterSpec(2, 10, block_tokens=BLOCK)
+    least = simulate_cluster(requests, spec, router=RouterConfig("least_loaded"), service=service)
     assert least.requests_per_node == (1, 3)  # n0 is busy with the long one the whole time
-    rr = simulate_cluster(requests, 2, 10, router=RouterConfig("round_robin"), service=service, block_tokens=BLOCK)
+    rr = simulate_cluster(requests, spec, router=RouterConfig("round_robin"), service=service)
     assert rr.requests_per_node == (2, 2)
 
 
@@ -68,8 +70,8 @@ def test_a_node_prefills_one_request_at_a_time():
     # sees n1's pending and n0 free again
     requests = trace([(1, 2), (3, 4), (5, 6)])
     service = ServiceModel(prefill_tokens_per_s=4.0, decode_tokens_per_s=1000.0)
-    report = simulate_cluster(requests, 2, 10, router=RouterConfig("least_loaded", tokens_per_load_unit=8),
-                              service=service, block_tokens=BLOCK)  # fmt: skip
+    report = simulate_cluster(requests, ClusterSpec(2, 10, block_tokens=BLOCK),
+                              router=RouterConfig("least_loaded", tokens_per_load_unit=8), service=service)
     assert report.requests_per_node == (2, 1)
 
 
@@ -93,9 +95,9 @@ def test_one_node_is_the_single_node_replay(strategy):
 
 def test_bad_settings_are_refused_before_replaying():
     with pytest.raises(ValueError, match="nodes=0 must be an int >= 1"):
-        cluster_replay(TWO_CONVERSATIONS, 0, 10)
+        ClusterSpec(0, 10)
     with pytest.raises(ValueError, match="device_blocks=0 must be an int in"):
-        cluster_replay(TWO_CONVERSATIONS, 2, 0)
+        cluster_replay(TWO_CONVERSATIONS, ClusterSpec(2, 0))
     with pytest.raises(ValueError, match=r"prefill_tokens_per_s=0 must be a number > 0 \(tokens per second\)"):
         ServiceModel(prefill_tokens_per_s=0)
 

@@ -40,13 +40,15 @@ import numpy as np
 
 from kvjax.cluster.node_view import NodeLoad, NodeView
 from kvjax.cluster.router import RouterConfig, RoutingPolicy
-from kvjax.tools.replay import DEFAULT_POLICY, matched_blocks, replay_cache, replay_trace, serve_request
+from kvjax.tiers.kv_cache import KVCache
+from kvjax.tools.replay import DEFAULT_POLICY, ReplayReport, matched_blocks, replay_cache, replay_trace, serve_request
 from kvjax.tools.replay_bounds import HitCounter, HitCounts, intern_block_paths, offline_replay, unlimited_replay
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = [
     "WINDOW_REQUESTS_PER_NODE",
     "ClusterReplayReport",
+    "ClusterSpec",
     "ServiceModel",
     "cluster_replay",
     "format_cluster_report",
@@ -84,16 +86,35 @@ class ServiceModel:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """The simulated cluster: ``nodes`` nodes of ``device_blocks`` / ``host_blocks`` /
+    ``disk_blocks`` blocks each (write-through or write-back to the host), every cache with
+    eviction ``policy``; ``block_tokens`` tokens per trace block."""
+
+    nodes: int
+    device_blocks: int
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    write_through: bool = False
+    policy: str = DEFAULT_POLICY
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes!r} must be an int >= 1")
+
+    def cache(self) -> tuple[KVCache, list[float]]:
+        """One node's cache and its clock (``replay_cache``; ValueError for a bad capacity)."""
+        return replay_cache(self.device_blocks, policy=self.policy, host_blocks=self.host_blocks,
+                            disk_blocks=self.disk_blocks, write_through=self.write_through)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ClusterReplayReport:
     """A cluster replay next to one cache of the cluster's whole capacity."""
 
-    nodes: int
+    spec: ClusterSpec
     router: RouterConfig
-    policy: str
-    device_blocks: int  # per node
-    host_blocks: int  # per node
-    disk_blocks: int  # per node
-    write_through: bool
     service: ServiceModel
     local: HitCounts  # served by the chosen node's cache
     remote_blocks: int  # blocks past the local hits that another node held
@@ -114,29 +135,14 @@ class ClusterReplayReport:
         return self.remote_blocks / self.local.blocks if self.local.blocks else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        """The single-node replay's keys (for the local hits; offline at the cluster's
-        capacity) plus the cluster's; rates are fractions."""
-        local = self.local
+        """The single-node replay's keys (``ReplayReport.as_dict``: the local hits, capacities
+        per node, offline at the cluster's capacity) plus the cluster's; rates are fractions."""
+        spec = self.spec
+        single_node_keys = ReplayReport(spec.policy, spec.device_blocks, self.local, self.offline, self.unlimited,
+                                        spec.host_blocks, spec.disk_blocks, spec.write_through).as_dict()  # fmt: skip
         return {
-            "policy": self.policy,
-            "device_blocks": self.device_blocks,
-            "host_blocks": self.host_blocks,
-            "disk_blocks": self.disk_blocks,
-            "write": "through" if self.write_through else "back",
-            "requests": local.requests,
-            "blocks": local.blocks,
-            "hit_blocks": local.hit_blocks,
-            "tokens": local.tokens,
-            "hit_tokens": local.hit_tokens,
-            "evicted_blocks": local.evicted_blocks,
-            "block_hit_rate": local.block_hit_rate,
-            "token_hit_rate": local.token_hit_rate,
-            **local.tier_rates(),
-            "offline_block_hit_rate": self.offline.block_hit_rate,
-            "offline_token_hit_rate": self.offline.token_hit_rate,
-            "unlimited_block_hit_rate": self.unlimited.block_hit_rate,
-            "unlimited_token_hit_rate": self.unlimited.token_hit_rate,
-            "nodes": self.nodes,
+            **single_node_keys,
+            "nodes": spec.nodes,
             "router": self.router.strategy,
             "imbalance_abs": self.router.imbalance_abs,
             "imbalance_rel": self.router.imbalance_rel,
@@ -154,101 +160,69 @@ class ClusterReplayReport:
         }
 
 
-def cluster_replay(
-    requests: Sequence[TraceRequest],
-    nodes: int,
-    device_blocks: int,
-    *,
-    router: RouterConfig | None = None,
-    service: ServiceModel | None = None,
-    policy: str = DEFAULT_POLICY,
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-    host_blocks: int = 0,
-    disk_blocks: int = 0,
-    write_through: bool = False,
-) -> ClusterReplayReport:
-    """Replays ``requests`` (in the given order) through ``nodes`` simulated nodes of
-    ``device_blocks`` / ``host_blocks`` / ``disk_blocks`` blocks each, routed by ``router``
-    (default ``RouterConfig()``), next to the yardsticks at the cluster's whole capacity; see
-    the module docstring.
-
-    ValueError naming the value, before replaying anything, for a node count or capacity out
-    of range or an unknown policy.
-    """
-    tiers = dict(host_blocks=host_blocks, disk_blocks=disk_blocks, write_through=write_through)
-    run = simulate_cluster(requests, nodes, device_blocks, router=router, service=service, policy=policy,
-                           block_tokens=block_tokens, **tiers)  # fmt: skip
-    return dataclasses.replace(run, **yardsticks(requests, nodes, device_blocks, policy=policy,
-                                                 block_tokens=block_tokens, **tiers))  # fmt: skip
+def cluster_replay(requests: Sequence[TraceRequest], spec: ClusterSpec, *, router: RouterConfig | None = None,
+                   service: ServiceModel | None = None) -> ClusterReplayReport:  # fmt: skip
+    """Replays ``requests`` (in the given order) through the cluster of ``spec``, routed by
+    ``router`` (default ``RouterConfig()``) with load from ``service`` (default
+    ``ServiceModel()``), next to the yardsticks at the cluster's whole capacity; see the
+    module docstring. ValueError naming the value, before replaying anything, for a
+    capacity out of range or an unknown policy."""
+    run = simulate_cluster(requests, spec, router=router, service=service)
+    return dataclasses.replace(run, **yardsticks(requests, spec))
 
 
-def simulate_cluster(
-    requests: Sequence[TraceRequest],
-    nodes: int,
-    device_blocks: int,
-    *,
-    router: RouterConfig | None = None,
-    service: ServiceModel | None = None,
-    policy: str = DEFAULT_POLICY,
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-    host_blocks: int = 0,
-    disk_blocks: int = 0,
-    write_through: bool = False,
-) -> ClusterReplayReport:
+def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, router: RouterConfig | None = None,
+                     service: ServiceModel | None = None) -> ClusterReplayReport:  # fmt: skip
     """The cluster part of ``cluster_replay``, without the yardsticks (left None): a
     benchmark comparing strategies computes those once."""
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        raise ValueError(f"nodes={nodes!r} must be an int >= 1")
     router, service = router or RouterConfig(), service or ServiceModel()
-    tiers = dict(host_blocks=host_blocks, disk_blocks=disk_blocks, write_through=write_through)
-    caches = [replay_cache(device_blocks, policy=policy, **tiers) for _ in range(nodes)]
-    node_ids = [f"n{index:0{len(str(nodes - 1))}d}" for index in range(nodes)]  # ids sort as the indices
-    loads = _LoadModel(nodes, service)
+    caches = [spec.cache() for _ in range(spec.nodes)]
+    node_ids = [f"n{index:0{len(str(spec.nodes - 1))}d}" for index in range(spec.nodes)]  # sort as the indices
+    loads = _LoadModel(spec.nodes, service)
     routing = RoutingPolicy(router)
     paths, _ = intern_block_paths(requests)
-    counter = HitCounter(block_tokens)
+    counter = HitCounter(spec.block_tokens)
     chosen = np.zeros(len(requests), np.int64)
     remote_blocks = 0
     reasons: collections.Counter[str] = collections.Counter()
     for index, (request, path) in enumerate(zip(requests, paths)):
         now = request.timestamp_ms / 1000.0
-        blocks = path[:device_blocks]
+        blocks = path[: spec.device_blocks]
         held = []
         for cache, clock in caches:
             clock[0] = now
             held.append(matched_blocks(cache, blocks))
         views = [NodeView(node_id, 1, "", loads.at(node, now), held[node]) for node, node_id in enumerate(node_ids)]
-        decision = routing.choose(views, request.input_length, block_tokens)
+        decision = routing.choose(views, request.input_length, spec.block_tokens)
         node = node_ids.index(decision.node_id)
         hit_blocks, lower_tiers = serve_request(caches[node][0], blocks)
         counter.add(request, hit_blocks, lower_tiers)
-        remote_blocks += max([0, *(held[other] - hit_blocks for other in range(nodes) if other != node)])
-        loads.add(node, now, sum(request.block_tokens(block_tokens)[hit_blocks:]), request.output_length)
+        remote_blocks += max([0, *(held[other] - hit_blocks for other in range(spec.nodes) if other != node)])
+        loads.add(node, now, sum(request.block_tokens(spec.block_tokens)[hit_blocks:]), request.output_length)
         chosen[index] = node
         reasons[decision.reason] += 1
     evicted = sum(cache.stats.prefix.evicted_blocks for cache, _ in caches)
     for cache, _ in caches:
         cache.close()
     return ClusterReplayReport(
-        nodes=nodes, router=router, policy=policy, device_blocks=device_blocks, service=service, **tiers,
-        local=counter.result(evicted_blocks=evicted), remote_blocks=remote_blocks,
-        requests_per_node=tuple(int(count) for count in np.bincount(chosen, minlength=nodes)),
-        p95_window_max_mean=window_max_mean(chosen, nodes, WINDOW_REQUESTS_PER_NODE * nodes),
+        spec=spec, router=router, service=service, local=counter.result(evicted_blocks=evicted),
+        remote_blocks=remote_blocks,
+        requests_per_node=tuple(int(count) for count in np.bincount(chosen, minlength=spec.nodes)),
+        p95_window_max_mean=window_max_mean(chosen, spec.nodes, WINDOW_REQUESTS_PER_NODE * spec.nodes),
         reasons=dict(sorted(reasons.items())),
     )  # fmt: skip
 
 
-def yardsticks(requests: Sequence[TraceRequest], nodes: int, device_blocks: int, *, policy: str = DEFAULT_POLICY,
-               block_tokens: int = MOONCAKE_BLOCK_TOKENS, host_blocks: int = 0, disk_blocks: int = 0,
-               write_through: bool = False) -> dict[str, HitCounts]:  # fmt: skip
+def yardsticks(requests: Sequence[TraceRequest], spec: ClusterSpec) -> dict[str, HitCounts]:
     """``single_cache``, ``offline`` and ``unlimited`` at the capacity of the whole cluster,
     as ``ClusterReplayReport`` fields."""
+    total = spec.nodes * spec.device_blocks
     return {
-        "single_cache": replay_trace(requests, nodes * device_blocks, policy=policy, block_tokens=block_tokens,
-                                     host_blocks=nodes * host_blocks, disk_blocks=nodes * disk_blocks,
-                                     write_through=write_through),
-        "offline": offline_replay(requests, nodes * device_blocks, block_tokens=block_tokens),
-        "unlimited": unlimited_replay(requests, block_tokens=block_tokens),
+        "single_cache": replay_trace(requests, total, policy=spec.policy, block_tokens=spec.block_tokens,
+                                     host_blocks=spec.nodes * spec.host_blocks,
+                                     disk_blocks=spec.nodes * spec.disk_blocks, write_through=spec.write_through),
+        "offline": offline_replay(requests, total, block_tokens=spec.block_tokens),
+        "unlimited": unlimited_replay(requests, block_tokens=spec.block_tokens),
     }  # fmt: skip
 
 
@@ -268,15 +242,15 @@ def window_max_mean(chosen: np.ndarray, nodes: int, window: int, quantile: float
 def format_cluster_report(trace: str, report: ClusterReplayReport) -> str:
     """Human-readable summary: the configuration, the service model, hit rates next to one
     cache of the same total capacity, and how evenly the requests spread."""
-    local, router = report.local, report.router
-    total = report.nodes * report.device_blocks
-    write = "write-through" if report.write_through else "write-back"
+    local, router, spec = report.local, report.router, report.spec
+    total = spec.nodes * spec.device_blocks
+    write = "write-through" if spec.write_through else "write-back"
     rates = [("served locally", local), (f"one cache of {total} device blocks", report.single_cache),
              (f"offline at {total} blocks", report.offline), ("unlimited capacity", report.unlimited)]  # fmt: skip
     lines = [
         f"trace {trace}: {local.requests} requests, {local.blocks} blocks, {local.tokens} prompt tokens",
-        (f"cluster: {report.nodes} nodes x {report.device_blocks} device blocks ({report.host_blocks} host, "
-         f"{report.disk_blocks} disk; {write}), policy {report.policy}"),
+        (f"cluster: {spec.nodes} nodes x {spec.device_blocks} device blocks ({spec.host_blocks} host, "
+         f"{spec.disk_blocks} disk; {write}), policy {spec.policy}"),
         (f"router {router.strategy} (imbalance_abs={router.imbalance_abs:g}, imbalance_rel={router.imbalance_rel:g}, "
          f"tokens_per_load_unit={router.tokens_per_load_unit or 'learned'}, fair_window={router.fair_window})"),
         report.service.describe(),
@@ -288,7 +262,7 @@ def format_cluster_report(trace: str, report: ClusterReplayReport) -> str:
         if counts is local:
             lines.append(f"{'  another node held more':<36}{report.remote_block_hit_rate:>12.2%}")
     lines.append(f"requests per node: {', '.join(map(str, report.requests_per_node))}; max/mean "
-                 f"{report.max_mean_requests:.3f}; windows of {WINDOW_REQUESTS_PER_NODE * report.nodes} arrivals: "
+                 f"{report.max_mean_requests:.3f}; windows of {WINDOW_REQUESTS_PER_NODE * spec.nodes} arrivals: "
                  f"p95 max/mean {report.p95_window_max_mean:.3f}")  # fmt: skip
     lines.append("routing reasons: " + ", ".join(f"{reason} {count}" for reason, count in report.reasons.items()))
     return "\n".join(lines)

@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 
 from kvjax.cluster.router import STRATEGIES, RouterConfig
-from kvjax.tools.cluster_replay import ServiceModel, cluster_replay, format_cluster_report
+from kvjax.tools.cluster_replay import ClusterSpec, ServiceModel, cluster_replay, format_cluster_report
 from kvjax.tools.trace import TraceRequest
 
 __all__ = ["add_cluster_arguments", "cluster_options_without_nodes", "run_cluster_replay"]
@@ -57,9 +57,9 @@ def run_cluster_replay(args: argparse.Namespace, requests: Sequence[TraceRequest
     range."""
     router = RouterConfig(args.router or _DEFAULTS.strategy, **_given(args, _ROUTER_OPTIONS))
     service = ServiceModel(**_given(args, _SERVICE_OPTIONS))
-    report = cluster_replay(requests, args.nodes, args.device_blocks, router=router, service=service,
-                            policy=args.policy, block_tokens=args.block_tokens, host_blocks=args.host_blocks,
-                            disk_blocks=args.disk_blocks, write_through=args.write_through)  # fmt: skip
+    spec = ClusterSpec(args.nodes, args.device_blocks, args.host_blocks, args.disk_blocks, args.write_through,
+                       args.policy, args.block_tokens)  # fmt: skip
+    report = cluster_replay(requests, spec, router=router, service=service)
     print(format_cluster_report(args.trace, report), file=out)
     if args.json:
         print(json.dumps(report.as_dict()), file=out)
