@@ -46,7 +46,7 @@ def test_a_differing_text_is_named():
     "argv, message",
     [
         (["--nodes", "0"], "kvjax cluster-demo: error: nodes=0 must be an int >= 1"),
-        (["--arrival-ms", "-5"], "kvjax cluster-demo: error: arrival_ms=-5.0 must be >= 0 (milliseconds between sessions)"),
+        (["--arrival-ms", "-5"], "error: arrival_ms=-5.0 must be >= 0 (milliseconds between sessions)"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):

@@ -1,4 +1,4 @@
-"""The routing policy as plain code: strategies, the load guard, round robin on ties, and the
+"""The routing policy as plain code: strategies, the load guard, fair turns on ties, starvation, and the
 shared-system-prompt case where a weighted cost sends everything to one node."""
 
 import collections

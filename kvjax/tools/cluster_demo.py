@@ -38,8 +38,15 @@ from kvjax.cluster.redis_process import RedisProcess
 from kvjax.tools.cluster_demo_client import Completion, complete
 from kvjax.tools.workload import Session, WorkloadSpec, build_workload
 
-__all__ = ["DEMO_STRATEGIES", "DEMO_WORKLOAD", "ClusterDemoResult", "add_subcommand", "format_table", "run_cluster_demo",
-           "run_workload"]
+__all__ = [
+    "DEMO_STRATEGIES",
+    "DEMO_WORKLOAD",
+    "ClusterDemoResult",
+    "add_subcommand",
+    "format_table",
+    "run_cluster_demo",
+    "run_workload",
+]
 
 DEMO_STRATEGIES = ("prefix", "round_robin")
 _REFERENCE = "one uncached node"
@@ -153,10 +160,10 @@ def format_table(result: ClusterDemoResult) -> str:
     for node in result.node_ids:
         per_run = {run: [c for c in result.runs[run].values() if c.node == node] for run in columns}
         rows.append((f"{node}: requests", [str(len(per_run[run])) for run in columns]))
-        rows.append((f"{node}: cached prompt tokens", [f"{sum(c.cached_tokens for c in per_run[run]):,}"
-                                                       for run in columns]))  # fmt: skip
-        rows.append((f"{node}: prefill tokens computed", [f"{sum(c.prompt_tokens - c.cached_tokens for c in per_run[run]):,}"
-                                                          for run in columns]))  # fmt: skip
+        cached = [sum(c.cached_tokens for c in per_run[run]) for run in columns]
+        computed = [sum(c.prompt_tokens for c in per_run[run]) - hit for run, hit in zip(columns, cached)]
+        rows.append((f"{node}: cached prompt tokens", [f"{tokens:,}" for tokens in cached]))
+        rows.append((f"{node}: prefill tokens computed", [f"{tokens:,}" for tokens in computed]))
     rows.extend(_totals(result, columns))
     width = max(len(label) for label, _ in rows) + 2
     lines = [f"{'':<{width}}" + "".join(f"{run:>20}" for run in columns)]
