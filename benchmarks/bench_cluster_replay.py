@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvjax.cluster.router import STRATEGIES, RouterConfig  # noqa: E402
 from kvjax.tools.cluster_replay import ClusterSpec, ServiceModel, simulate_cluster, yardsticks  # noqa: E402
+from kvjax.tools.replay import DEFAULT_POLICY  # noqa: E402
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_trace  # noqa: E402
 
 SHARED_TRACE = "/work/shared/data/mooncake_synthetic_trace.jsonl"
@@ -39,7 +40,7 @@ def main() -> None:
     parser.add_argument("--system-prompt-device-blocks", type=int, default=2000, help="per node, second table")
     args = parser.parse_args()
     service = ServiceModel()
-    print(f"cluster replay, policy: the cache's default; router defaults {RouterConfig()}")
+    print(f"cluster replay, eviction policy {DEFAULT_POLICY} (the default); router defaults {RouterConfig()}")
     print(service.describe() + "\n")
     start = time.perf_counter()
     requests = load_trace(args.trace)
