@@ -3,8 +3,11 @@
 ``Engine.step()`` runs one step of the path::
 
     add_request: text --canonicalize (if on)--> tokens --Scheduler.add (match, queue)
-    step:  Scheduler.schedule()             admission (cache.admit: longest match, allocate),
-                                            prefill chunks + decodes under the token budget
+    step:  KVCache.poll()                   finished host/disk transfers take effect
+           Scheduler.schedule()             admission (cache.admit: longest match, allocate,
+                                            start host/disk fetches), prefill chunks + decodes
+                                            under the token budget; a request whose fetch is
+                                            in flight waits while the others run
            swap_out, then swap_in           preempted KV to host slots and back (SwapStore)
            ModelRunner.run                  one jitted step on the page pool, sampled tokens
            Scheduler.on_step_done           commit full pages to the trie, finish requests
@@ -46,6 +49,8 @@ from kvjax.text.tokenizer import ByteTokenizer, as_tokenizer
 from kvjax.tiers.page_pool import PagePool
 
 __all__ = ["Engine"]
+
+_FETCH_WAIT_SECONDS = 1.0  # a step with nothing to run but fetches in flight waits this long at most
 
 
 class Engine:
@@ -176,8 +181,10 @@ class Engine:
         events += [self._finish(rid, "rejected") for rid in plan.rejected if rid in self._records]
         self._move_blocks(plan)
         seqs = plan.sequences
+        if not seqs and self.scheduler.fetching:  # nothing runs until a fetch lands: wait for one
+            self.cache.wait_any(_FETCH_WAIT_SECONDS)
         records = [self._records[seq.request_id] for seq in seqs]
-        self._start_admitted(seqs, records)
+        self._note_admitted(seqs, records)
         for seq in plan.prefills:
             self._records[seq.request_id].num_computed_tokens += seq.num_tokens
         new_tokens, logits = self._run_model(seqs, records)
@@ -269,22 +276,13 @@ class Engine:
         if plan.evict_target and self.config.spill_ahead and self.cache.config.tiered:
             self.cache.evict(plan.evict_target)
 
-    def _start_admitted(self, seqs: list[ScheduledSeq], records: list[RequestRecord]) -> None:
-        """Wait for fetched KV; record first admissions (hits by tier, misses by cause).
-
-        A fetch that failed leaves fewer hit tokens than the scheduler planned with: the
-        sequence then recomputes from the last page that did arrive.
-        """
+    def _note_admitted(self, seqs: list[ScheduledSeq], records: list[RequestRecord]) -> None:
+        """Record first runs (hits by tier, misses by cause). The scheduler runs a request
+        only once its fetched KV has landed, so its hits are final here."""
         now = self.clock()
-        for seq, record in zip(seqs, records):
-            handle = record.request.handle
-            if not self.cache.is_ready(handle):
-                self.cache.wait_ready(handle)
-                if handle.num_hit_tokens < seq.start:
-                    seq.num_tokens += seq.start - handle.num_hit_tokens
-                    seq.start = record.request.num_computed_tokens = handle.num_hit_tokens
+        for record in records:
             if record.admitted is None:
-                self.observer.on_admitted(record, now, self.cache.admission_report(handle))
+                self.observer.on_admitted(record, now, self.cache.admission_report(record.request.handle))
 
     def _finish(self, request_id: str, status: str) -> FinishEvent:
         record = self._records.pop(request_id)

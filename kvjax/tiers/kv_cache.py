@@ -281,15 +281,26 @@ class KVCache:
         return self._hit_sources.report(handle.seq_id, handle.num_hit_tokens)
 
     def is_ready(self, handle: SeqHandle) -> bool:
-        """Whether every fetch of ``handle`` finished (its hit KV is in the pool)."""
+        """Whether every fetch of ``handle`` finished (its hit KV is in the pool); transfers
+        that finished take effect first, so ``handle.num_hit_tokens`` is final once True."""
+        if handle.seq_id in self._mover.waiters:
+            self._apply_transfers()
         return handle.seq_id not in self._mover.waiters
+
+    def wait_any(self, timeout: float) -> bool:
+        """Block until some transfer finishes or ``timeout`` seconds pass, then apply what
+        finished; False when nothing was in flight (nothing to wait for)."""
+        if not self._mover.busy:
+            return False
+        self._mover.wait_any(timeout)
+        self._apply_transfers()
+        return True
 
     def wait_ready(self, handle: SeqHandle, timeout: float | None = None) -> bool:
         """Apply finished transfers until ``handle`` is ready; False if ``timeout`` seconds
         (wall clock) pass first. ``handle.num_hit_tokens`` is final once this returns True."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._apply_transfers()
             if self.is_ready(handle):
                 return True
             remaining = 60.0 if deadline is None else deadline - time.monotonic()
