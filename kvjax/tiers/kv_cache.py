@@ -496,6 +496,7 @@ class KVCache:
             fetched_host_blocks=counts["fetched_host"], fetched_disk_blocks=counts["fetched_disk"],
             recompute_chosen_blocks=counts["recompute_chosen"], fetch_failures=moved["fetch_failures"],
             disk_errors=moved["disk_errors"], lost_host_blocks=self.tiers.lost_blocks,
+            pressure_spilled_blocks=moved["pressure_spilled"],
             lossy_hit_blocks=counts["lossy_device_hits"] + counts["fetched_lossy"],
             refused_lossy_blocks=counts["refused_lossy"], prefetches=counts["prefetches"])  # fmt: skip
 

@@ -190,10 +190,11 @@ class TransferEngine:
         return self._submit(job)
 
     def spill(self, keys: Sequence[bytes], namespaces: Sequence[bytes], slots: Sequence[int],
-              parents: Sequence[bytes | None] | None = None, *,
-              priority: Priority = Priority.SPILL) -> concurrent.futures.Future:  # fmt: skip
+              parents: Sequence[bytes | None] | None = None, *, priority: Priority = Priority.SPILL,
+              now: bool = False) -> concurrent.futures.Future:  # fmt: skip
         """Writes host ``slots`` to disk under ``keys`` (host_to_disk); ``done_keys`` says
-        which the disk holds after it (a failed or rejected write leaves some out)."""
+        which the disk holds after it (a failed or rejected write leaves some out). ``now``:
+        on the caller's thread, done when this returns (the slots are needed at once)."""
         job = self._job(Link.HOST_TO_DISK, priority, np.asarray(slots, np.intp))
         if self.disk_tier is None:
             return self._reject(job, "no disk tier")
@@ -201,7 +202,7 @@ class TransferEngine:
         job.parents = tuple(parents) if parents is not None else (None,) * len(job.keys)
         if not len(job.keys) == len(job.namespaces) == len(job.parents) == len(job.slots):
             raise ValueError(f"spill of {len(job.slots)} slots needs as many keys, namespaces and parents")
-        return self._submit(job)
+        return self._run_now(job) if now else self._submit(job)
 
     def restore(self, keys: Sequence[bytes], namespace: bytes, slots: Sequence[int], *,
                 priority: Priority = Priority.PREFETCH) -> concurrent.futures.Future:  # fmt: skip
@@ -356,6 +357,13 @@ class TransferEngine:
 
     # ---- job lifetime --------------------------------------------------------------------
 
+    def _run_now(self, job: _Job) -> concurrent.futures.Future:
+        if self._closed:
+            self._finish(job, self._failure(job, "engine closed"))
+        else:
+            self._run(job.link, [job])
+        return job.future
+
     def _job(self, link: Link, priority: Priority, slots: np.ndarray) -> _Job:
         if not isinstance(priority, Priority):
             raise ValueError(f"{priority=} must be a Priority ({list(Priority)})")
@@ -365,11 +373,7 @@ class TransferEngine:
 
     def _submit(self, job: _Job) -> concurrent.futures.Future:
         if self.synchronous:
-            if self._closed:
-                self._finish(job, self._failure(job, "engine closed"))
-            else:
-                self._run(job.link, [job])
-            return job.future
+            return self._run_now(job)
         with self._cond:
             if not self._closed:
                 heapq.heappush(self._queues[job.link], (job.priority, next(self._seq), job))
