@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from flax import nnx
 
+from kvjax.metrics.compilations import compilations
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import Event, FinishEvent, RunSummary, TokenEvent
@@ -90,7 +91,7 @@ class Engine:
                                   max_model_len=self.max_model_len,
                                   token_buckets=self.config.token_buckets, impl=self.config.impl)
         swap_slots = self.scheduler_config.host_swap_blocks
-        self.swap_store = SwapStore(self.pool, swap_slots) if swap_slots else None
+        self.swap_store = SwapStore(self.pool, swap_slots, cache.config.transfer_buckets) if swap_slots else None
         self.observer = EngineObserver(self.metrics, page_size)
         self._records: dict[str, RequestRecord] = {}
         self._pending: list[Event] = []  # events produced between steps (cancellations)
@@ -173,6 +174,13 @@ class Engine:
 
     def step(self) -> list[Event]:
         """Run one step (see the module docstring); returns its events in order."""
+        before = compilations()
+        try:
+            return self._step()
+        finally:
+            self._count_compilations(before)
+
+    def _step(self) -> list[Event]:
         events, self._pending = self._pending, []
         if not self._records:
             return events
@@ -215,10 +223,16 @@ class Engine:
         return events[-1]
 
     def warmup(self) -> int:
-        """Compile the model step for every token bucket now; returns the compilations."""
-        compilations = self.runner.warmup()
-        self.metrics.inc("compilations", compilations)
-        return compilations
+        """Build every executable serving needs now: the model step for every token bucket,
+        tier moves and swaps for every transfer bucket. Returns how many were built (compiled,
+        or loaded from the persistent compilation cache); serving builds none after this
+        unless a batch outgrows the buckets (the ``compilations`` metric counts them)."""
+        before = compilations()
+        self.cache.warmup()
+        if self.swap_store is not None:
+            self.swap_store.warmup()
+        self.runner.warmup()
+        return self._count_compilations(before)
 
     def summary(self, wall_seconds: float, generated: int) -> RunSummary:
         """Snapshot the metrics, with the throughput of a run that generated ``generated``
@@ -253,10 +267,7 @@ class Engine:
         if not seqs:
             return {}, None
         sampling = [(record.sampling, record.seed, record.request.num_output_tokens) for record in records]
-        before = self.runner.compilations
         tokens, logits = self.runner.run(seqs, sampling, return_logits=self.record_logits)
-        if self.runner.compilations > before:
-            self.metrics.inc("compilations", self.runner.compilations - before)
         new_tokens = {seq.request_id: int(token) for seq, token in zip(seqs, tokens.tolist()) if seq.samples}
         self.num_generated_tokens += len(new_tokens)
         return new_tokens, logits
@@ -283,6 +294,12 @@ class Engine:
         for record in records:
             if record.admitted is None:
                 self.observer.on_admitted(record, now, self.cache.admission_report(record.request.handle))
+
+    def _count_compilations(self, before: int) -> int:
+        built = compilations() - before
+        if built:
+            self.metrics.inc("compilations", built)
+        return built
 
     def _finish(self, request_id: str, status: str) -> FinishEvent:
         record = self._records.pop(request_id)

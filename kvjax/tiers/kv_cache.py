@@ -55,6 +55,8 @@ import functools
 import time
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
@@ -423,6 +425,18 @@ class KVCache:
                 self.index.release(hold)
         self._mover.unhold(held)
 
+    def warmup(self) -> None:
+        """Build the device side of every tier move now, once per transfer bucket: an
+        offload's gather (and encode), a fetch's copy up, decode and scatter, each run on no
+        block. Moves of any number of blocks then compile nothing while serving."""
+        if not self.config.tiered or not self.move_bytes:
+            return
+        no_slots = np.zeros(0, np.intp)
+        for rows in self.config.transfer_buckets:
+            no_blocks = np.full(rows, -1, np.int32)
+            jax.block_until_ready(self._gather(self.pool.kv_pages, jnp.asarray(no_blocks)))
+            self.pool.scatter(no_blocks, self.codec.decode(self.host_pool.to_device(no_slots, rows)))
+
     def flush(self, timeout: float = 30.0) -> bool:
         """Finish every copy in flight, then copy every host page without a disk copy to
         disk and wait for that too. True only when every host page that lacked a disk copy
@@ -545,7 +559,7 @@ class KVCache:
         elif self.disk_tier is not None:
             codec.check_stored_by(self.disk_tier, "disk_tier")
             self.disk_tier.events = self.events
-        gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
+        self._gather = gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
         self.transfer = (transfer_factory or TransferEngine)(
             self.host_pool, self.disk_tier, gather_blocks=gather, buckets=config.transfer_buckets,
             synchronous=not self.move_bytes)  # fmt: skip

@@ -40,7 +40,7 @@ from kvjax.tiers.block_codec import BlockCodec
 from kvjax.tiers.fetch_jobs import FetchJob, Waiter, resolved_future
 from kvjax.tiers.page_pool import PagePool
 from kvjax.tiers.tier_index import TierIndex
-from kvjax.tiers.transfer import Priority, TransferResult
+from kvjax.tiers.transfer import Priority, TransferResult, move_batches
 from pallas_kernels.kv_format import QuantizedPages
 
 __all__ = ["TierMover", "TierReport"]
@@ -181,7 +181,7 @@ class TierMover:
 
     def _copy_down(self, keys: list[bytes], blocks: np.ndarray, namespace: bytes) -> None:
         """Gather ``blocks`` from the pool now and copy them into the host slots of ``keys``."""
-        for start, size in self._batches(len(keys)):
+        for start, size in move_batches(len(keys), self.transfer.buckets):
             run_keys = keys[start : start + size]
             slots = [self.index.slot_of(key) for key in run_keys]
             future = self.transfer.offload(self.pool.kv_pages, blocks[start : start + size], slots,
@@ -189,11 +189,6 @@ class TierMover:
             for key in run_keys:
                 self.copies[key] = future
             self._on_done(future, lambda result, run_keys=run_keys: self._copied_down(run_keys, result))
-
-    def _batches(self, count: int) -> list[tuple[int, int]]:
-        """(start, size) batches of at most the largest transfer bucket, covering ``count``."""
-        step = self.transfer.buckets[-1] if self.transfer.buckets else max(count, 1)
-        return [(start, min(step, count - start)) for start in range(0, count, step)]
 
     def spill_host(self, everything: bool = False) -> None:
         """Copy host pages without a disk copy to disk, LRU first: above the high watermark,
@@ -360,7 +355,7 @@ class TierMover:
         if not job.to_device or valid == 0:  # at the next poll: never inside the job's creator
             self._on_done(resolved_future(), lambda _: self._finish(job, 0 if job.to_device else valid))
             return
-        for start, size in self._batches(valid):
+        for start, size in move_batches(valid, self.transfer.buckets):
             slots = [self.index.slot_of(key) for key in job.keys[start : start + size]]
             future = self.transfer.fetch(slots, priority=job.priority)
             job.pending += 1

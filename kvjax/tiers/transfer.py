@@ -51,7 +51,7 @@ from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.token_bucket import TokenBucket
 
-__all__ = ["Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult", "bucket_rows"]
+__all__ = ["Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult", "bucket_rows", "move_batches"]
 
 _log = logging.getLogger(__name__)
 _POLL_S = 0.05  # longest a waiting worker sleeps before re-reading the (injectable) clock
@@ -94,6 +94,13 @@ def bucket_rows(num_blocks: int, buckets: Sequence[int]) -> int:
         if rows >= num_blocks:
             return rows
     raise ValueError(f"{num_blocks} blocks exceed the largest transfer bucket {buckets[-1]}; split the move")
+
+
+def move_batches(num_blocks: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, size)`` runs of at most the largest bucket covering ``num_blocks`` blocks
+    (one run of all of them without buckets)."""
+    step = buckets[-1] if buckets else max(num_blocks, 1)
+    return [(start, min(step, num_blocks - start)) for start in range(0, num_blocks, step)]
 
 
 @dataclasses.dataclass(slots=True)
