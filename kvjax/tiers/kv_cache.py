@@ -74,12 +74,13 @@ from kvjax.tiers.fetch_jobs import Waiter
 from kvjax.tiers.fetch_plan import AdmissionReport, FetchPlan, HitSources, plan_fetch
 from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.kv_cache_config import KVCacheConfig
+from kvjax.tiers.kv_cache_remote import ExportedPages, export_pages, import_pages
 from kvjax.tiers.mover import TierMover, TierReport
 from kvjax.tiers.page_pool import PagePool
 from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferEngine
 
-__all__ = ["AdmissionReport", "KVCache", "KVCacheConfig", "KVCacheStats", "Lookup", "TierReport"]
+__all__ = ["AdmissionReport", "ExportedPages", "KVCache", "KVCacheConfig", "KVCacheStats", "Lookup", "TierReport"]
 
 _HOST = int(Tier.HOST)
 
@@ -139,6 +140,7 @@ class KVCache:
         self.host_pool: HostPool | None = None
         self.disk_tier: DiskTier | None = disk_tier
         self.transfer: TransferEngine | None = None
+        self._gather = _codec_gather(self.codec, impl)
         self._owns_disk_tier = False  # opened from config.disk_dir: closed with the cache
         if config.tiered:
             self._open_lower_tiers(impl, transfer_factory)
@@ -425,6 +427,19 @@ class KVCache:
                 self.index.release(hold)
         self._mover.unhold(held)
 
+    # --- pages between nodes ----------------------------------------------------------------
+
+    def export_pages(self, tokens: TokensLike, namespace: NamespaceLike, first_page: int,
+                     num_pages: int) -> ExportedPages:  # fmt: skip
+        """Pages ``first_page ..`` (at most ``num_pages``) of ``tokens``' cached prefix, read
+        from their tiers for another node (``kvjax.tiers.kv_cache_remote``)."""
+        return export_pages(self, tokens, namespace, first_page, num_pages)
+
+    def import_pages(self, tokens: TokensLike, namespace: NamespaceLike, first_page: int, blocks: np.ndarray) -> int:
+        """Another node's verified pages ``first_page ..`` of ``tokens`` join this cache as
+        host pages; returns how many (``kvjax.tiers.kv_cache_remote``)."""
+        return import_pages(self, tokens, namespace, first_page, blocks)
+
     def warmup(self) -> None:
         """Build the device side of every tier move now, once per transfer bucket: an
         offload's gather (and encode), a fetch's copy up, decode and scatter, each run on no
@@ -559,9 +574,8 @@ class KVCache:
         elif self.disk_tier is not None:
             codec.check_stored_by(self.disk_tier, "disk_tier")
             self.disk_tier.events = self.events
-        self._gather = gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
         self.transfer = (transfer_factory or TransferEngine)(
-            self.host_pool, self.disk_tier, gather_blocks=gather, buckets=config.transfer_buckets,
+            self.host_pool, self.disk_tier, gather_blocks=self._gather, buckets=config.transfer_buckets,
             synchronous=not self.move_bytes)  # fmt: skip
 
     def _fresh_lookup(self, tokens: TokensLike | Lookup, namespace: NamespaceLike) -> Lookup:
@@ -649,6 +663,11 @@ class KVCache:
     def _copy_hot_path(self, handle: SeqHandle) -> None:
         if handle._committed and self.config.tiered:
             self._copy_path(handle._tail, 0, self.config.selective_min_hits)
+
+
+def _codec_gather(codec, impl: str | None) -> Callable:
+    """``(kv_pages, block_ids) -> stored blocks``: the pool gather, then the codec's encode."""
+    return codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
 
 
 def _truncate(matched: list[tuple[Node, int]], num_pages: int) -> list[tuple[Node, int]]:
