@@ -31,8 +31,9 @@ from host as above)
     remote_latency_seconds + b * block_bytes / remote_bytes_per_second.
 
 The two remote figures here are defaults for a node that has measured nothing yet (loopback
-on this CPU machine: the side channel's round trip through the peer's engine loop, then a
-pull at ~0.5 GiB/s); a node passes its link's measured figures to the methods instead.
+on this CPU machine: the side channel's round trip through the peer's engine loop took 20-35
+ms to an idle peer, 50 ms leaves room for one in the middle of a step; then a pull at ~0.5
+GiB/s); a node passes its link's measured figures to the methods instead.
 
 Block bytes are not part of the model: they are the pool's (or its offload codec's), and the
 cache passes them in.
@@ -69,7 +70,7 @@ class CostModel:
     host_bytes_per_second: float = 9.0e7  # host <-> device
     disk_latency_seconds: float = 6.0e-3  # one restore (segment read and checksum), before any byte
     disk_bytes_per_second: float = 5.5e7
-    remote_latency_seconds: float = 2.0e-2  # ask the peer, its offer, the pull's start
+    remote_latency_seconds: float = 5.0e-2  # ask the peer (through its engine loop), its offer, the pull start
     remote_bytes_per_second: float = 5.0e8  # pulled from another node
 
     def __post_init__(self):

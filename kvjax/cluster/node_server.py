@@ -14,17 +14,30 @@ directory publisher's thread, so neither the HTTP loop nor the engine waits on R
 
 Load (what the router compares): requests accepted and not finished, and the prompt tokens
 of those without a first token yet that the cache did not hold when they arrived.
+
+Remote fetch (``kvjax.cluster.remote_fetch``, with a ``RemoteFetcher``): the handler looks up
+which peer holds more of the prompt before handing the request over; the engine thread
+decides fetch or recompute, and a request whose pages are being pulled waits outside the
+engine until the pull ends (the engine keeps stepping), then its verified pages join the
+cache and it is added. Its usage reports the fetch (``kvjax_remote``). As the owner
+(``kvjax.cluster.remote_offers``), ``POST /kv/offer`` and ``POST /kv/ack``; the pages are read
+on the engine thread between steps (``EngineWorker.export``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
+import anyio.to_thread
+import numpy as np
 import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,9 +58,12 @@ from kvjax.cluster.openai_api import (
     usage_body,
 )
 from kvjax.cluster.publisher import DirectoryPublisher
+from kvjax.cluster.remote_fetch import OUTCOMES, FetchOutcome, FetchPlan, PeerHint, RemoteFetcher
+from kvjax.cluster.remote_offers import OfferRequest, OfferService
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_events import FinishEvent, TokenEvent
 from kvjax.serving.sampling import SamplingParams
+from kvjax.tiers.kv_cache_remote import ExportedPages
 
 __all__ = ["EngineWorker", "cluster_info_of", "create_node_app", "start_worker"]
 
@@ -57,18 +73,31 @@ _IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its queue before
 Sink = Callable[[object], None]  # receives TokenEvent / FinishEvent / an exception
 
 
+@dataclasses.dataclass(slots=True)
+class _Parked:
+    """A request waiting outside the engine for its remote fetch."""
+
+    request: CompletionRequest
+    tokens: np.ndarray
+    plan: FetchPlan
+    future: concurrent.futures.Future
+
+
 class EngineWorker:
     """Runs ``engine`` on its own thread; see the module docstring.
 
     ``publisher`` (optional) receives the batches of ``events`` (the cache's subscription,
     taken with the holdings the publisher started from) and the node's load after each step.
+    ``remote`` (optional) fetches prefixes other nodes hold (see the module docstring).
     """
 
     def __init__(self, engine: Engine, publisher: DirectoryPublisher | None = None,
-                 events: Subscription | None = None):  # fmt: skip
+                 events: Subscription | None = None, remote: RemoteFetcher | None = None):  # fmt: skip
         if (publisher is None) != (events is None):
             raise ValueError("pass both a publisher and the cache's event subscription, or neither")
-        self.engine, self.publisher = engine, publisher
+        self.engine, self.publisher, self.remote = engine, publisher, remote
+        self._parked: dict[str, _Parked] = {}
+        self._remote_reports: dict[str, dict] = {}
         self._events = events
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -98,12 +127,24 @@ class EngineWorker:
     def load(self) -> NodeLoad:
         return self._load
 
-    def submit(self, request_id: str, request: CompletionRequest, sink: Sink) -> None:
-        """Queue a request; its events (or a ValueError from the engine) go to ``sink``."""
-        self._commands.put(("add", request_id, request, sink))
+    def submit(self, request_id: str, request: CompletionRequest, sink: Sink, hint: PeerHint | None = None) -> None:
+        """Queue a request; its events (or a ValueError from the engine) go to ``sink``.
+        ``hint``: a peer holding more of its prompt (``RemoteFetcher.find_peer``)."""
+        self._commands.put(("add", request_id, request, sink, hint))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
+
+    def export(self, request: OfferRequest, deadline: float) -> ExportedPages:
+        """Pages a peer asks for, read on the engine thread between steps (blocking);
+        TimeoutError if ``deadline`` (monotonic seconds) passes first."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("export", request, deadline, future))
+        return future.result(timeout=max(0.0, deadline - time.monotonic()))
+
+    def take_remote_report(self, request_id: str) -> dict | None:
+        """What the remote fetch of a finished request did (``usage.kvjax_remote``), once."""
+        return self._remote_reports.pop(request_id, None)
 
     # --- the engine thread -----------------------------------------------------------------
 
@@ -111,6 +152,8 @@ class EngineWorker:
         try:
             while not self._stop.is_set():
                 self._take_commands(block=not self.engine.has_unfinished)
+                if self._parked:
+                    self._land_fetches()
                 if self.engine.has_unfinished:
                     for event in self.engine.step():  # a step ends its batch of block events
                         self._deliver(event)
@@ -144,30 +187,82 @@ class EngineWorker:
 
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
-            _, request_id, request, sink = command
+            _, request_id, request, sink, hint = command
             try:
-                self._add(request_id, request)
+                self._add(request_id, request, hint)
             except ValueError as error:
                 sink(RequestError(str(error)))
                 return
             self._sinks[request_id] = sink
         elif command[0] == "cancel":
-            self.engine.cancel(command[1])
+            if self._parked.pop(command[1], None) is not None:  # its fetch ends unused
+                self._sinks.pop(command[1], None)
+                self._prefill_tokens.pop(command[1], None)
+            else:
+                self.engine.cancel(command[1])
+        elif command[0] == "export":
+            _, request, deadline, future = command
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._export(request, deadline))
+                except Exception as error:  # noqa: BLE001 - the asking peer gets it as an error
+                    future.set_exception(error)
 
-    def _add(self, request_id: str, request: CompletionRequest) -> None:
+    def _add(self, request_id: str, request: CompletionRequest, hint: PeerHint | None) -> None:
         engine = self.engine
         namespace = Namespace(request.namespace) if request.namespace else None
-        sampling = SamplingParams(request.temperature, request.top_k, request.seed)
         if request.prompt is not None:
-            prompt = {"prompt": request.prompt}
-            tokens = engine.tokenizer.encode(request.prompt)
+            tokens = engine.prompt_tokens(request.prompt)
         else:
-            prompt = {"tokens": request.prompt_tokens}
-            tokens = request.prompt_tokens
-        uncached = len(tokens) - engine.cache.match(tokens, namespace).hit_tokens  # validates the ids too
-        engine.add_request(request_id, **prompt, max_new_tokens=request.max_tokens, sampling=sampling,
-                           namespace=namespace)  # fmt: skip
-        self._prefill_tokens[request_id] = uncached
+            tokens = np.asarray(request.prompt_tokens, np.int32)
+        match = engine.cache.match(tokens, namespace)  # validates the ids too
+        plan = None
+        if hint is not None and self.remote is not None and request.remote_fetch:
+            plan = self.remote.plan(hint, match.num_hit_blocks, len(tokens))
+        if plan is None:
+            self._start(request_id, request)
+        else:
+            future = self.remote.start(plan, tokens, request.namespace)
+            self._parked[request_id] = _Parked(request, tokens, plan, future)
+            future.add_done_callback(lambda _: self._commands.put(("wake",)))
+        self._prefill_tokens[request_id] = len(tokens) - match.hit_tokens
+
+    def _start(self, request_id: str, request: CompletionRequest) -> None:
+        """Hand the request to the engine (ValueError for one it refuses)."""
+        namespace = Namespace(request.namespace) if request.namespace else None
+        sampling = SamplingParams(request.temperature, request.top_k, request.seed)
+        prompt = {"prompt": request.prompt} if request.prompt is not None else {"tokens": request.prompt_tokens}
+        self.engine.add_request(request_id, **prompt, max_new_tokens=request.max_tokens, sampling=sampling,
+                                namespace=namespace)  # fmt: skip
+
+    def _land_fetches(self) -> None:
+        """Requests whose fetch ended: their verified pages join the cache, then the engine
+        takes them."""
+        for request_id, parked in list(self._parked.items()):
+            if not parked.future.done():
+                continue
+            del self._parked[request_id]
+            outcome = self.remote.finish(parked.plan, parked.future.result())
+            imported = 0
+            if outcome.blocks is not None:
+                imported = self.engine.cache.import_pages(parked.tokens, parked.request.namespace,
+                                                          parked.plan.first_page, outcome.blocks)  # fmt: skip
+            page_size = self.engine.pool.config.page_size
+            self._remote_reports[request_id] = _remote_report(outcome, imported * page_size, page_size)
+            try:
+                self._start(request_id, parked.request)
+            except ValueError as error:
+                self._prefill_tokens.pop(request_id, None)
+                self._remote_reports.pop(request_id, None)
+                sink = self._sinks.pop(request_id, None)
+                if sink is not None:
+                    sink(RequestError(str(error)))
+
+    def _export(self, request: OfferRequest, deadline: float) -> ExportedPages:
+        if time.monotonic() >= deadline:
+            raise TimeoutError("the asking peer's wait ended before the engine thread got to it")
+        return self.engine.cache.export_pages(request.tokens, request.namespace, request.first_page,
+                                              request.num_pages)  # fmt: skip
 
     def _deliver(self, event) -> None:
         if isinstance(event, TokenEvent):
@@ -196,17 +291,18 @@ class EngineWorker:
 
 
 def start_worker(engine: Engine, *, node_id: str, address: str, model: str,
-                 directory: Directory | None = None, register_timeout_s: float = 10.0) -> EngineWorker:  # fmt: skip
+                 directory: Directory | None = None, register_timeout_s: float = 10.0,
+                 remote: RemoteFetcher | None = None) -> EngineWorker:  # fmt: skip
     """The engine's worker thread, started; with ``directory``, registered there first and
     publishing the cache's holdings and block events (ValueError / RuntimeError from
-    ``DirectoryPublisher.start`` when it cannot register)."""
+    ``DirectoryPublisher.start`` when it cannot register); ``remote``: fetch from peers."""
     publisher = events = None
     if directory is not None:
         events = engine.cache.subscribe()
         publisher = DirectoryPublisher(directory, node_id, address, cluster_info_of(engine, model),
                                        events.initial.entries())  # fmt: skip
         publisher.start(register_timeout_s)
-    worker = EngineWorker(engine, publisher, events)
+    worker = EngineWorker(engine, publisher, events, remote)
     worker.start()
     return worker
 
@@ -219,11 +315,14 @@ def cluster_info_of(engine: Engine, model: str) -> ClusterInfo:
                        canonicalize)  # fmt: skip
 
 
-def create_node_app(worker: EngineWorker, model: str, node_id: str) -> FastAPI:
-    """The node's FastAPI app around a started ``worker``."""
+def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: OfferService | None = None, *,
+                    fault_control: bool = False) -> FastAPI:  # fmt: skip
+    """The node's FastAPI app around a started ``worker``; ``offers``: serve ``/kv/offer``
+    and ``/kv/ack`` to peers; ``fault_control``: also ``/kv/fault`` (fault tests)."""
     app = FastAPI(title=f"kvjax node {node_id}")
-    registry = _node_metrics(worker)
+    registry = _node_metrics(worker, offers)
     decode = worker.engine.tokenizer.decode
+    engine = worker.engine
 
     @app.exception_handler(RequestError)
     async def request_error(_, error: RequestError):
@@ -240,7 +339,10 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        worker.submit(request_id, request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        hint = None
+        if worker.remote is not None and request.remote_fetch:
+            hint = await anyio.to_thread.run_sync(_find_peer, worker.remote, engine, request)
+        worker.submit(request_id, request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item), hint)
         try:
             first = await events.get()
             _raise_if_failed(first)
@@ -255,8 +357,40 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str) -> FastAPI:
         except asyncio.CancelledError:  # the client went away before the answer was complete
             worker.cancel(request_id)
             raise
-        body = completion_body(request_id, model, finish.text or "", _finish_reason(finish), _usage(finish))
+        usage = _usage(finish, worker.take_remote_report(request_id))
+        body = completion_body(request_id, model, finish.text or "", _finish_reason(finish), usage)
         return JSONResponse(body, headers=headers)
+
+    if offers is not None:
+
+        @app.post("/kv/offer")
+        async def kv_offer(http_request: Request):
+            body = await http_request.json()
+            try:
+                reply = await anyio.to_thread.run_sync(offers.offer, body)
+            except PermissionError as error:
+                return JSONResponse({"error": str(error)}, status_code=503)
+            except TimeoutError as error:
+                return JSONResponse({"error": str(error) or "timed out"}, status_code=504)
+            except ValueError as error:
+                return JSONResponse({"error": str(error)}, status_code=400)
+            return JSONResponse(reply.to_json())
+
+        @app.post("/kv/ack")
+        async def kv_ack(http_request: Request):
+            try:
+                return {"acknowledged": offers.ack(await http_request.json())}
+            except ValueError as error:
+                return JSONResponse({"error": str(error)}, status_code=400)
+
+    if offers is not None and fault_control:
+
+        @app.post("/kv/fault")
+        async def kv_fault(http_request: Request):
+            try:
+                return {"mode": offers.set_fault(await http_request.json())}
+            except ValueError as error:
+                return JSONResponse({"error": str(error)}, status_code=400)
 
     @app.get("/v1/models")
     async def models():
@@ -297,7 +431,8 @@ async def _stream(worker: EngineWorker, request_id: str, request: CompletionRequ
                 finished = True
                 yield sse(stream_chunk(request_id, request.model, text.finish(event.text or ""), _finish_reason(event)))
                 if request.include_usage:
-                    yield sse(stream_chunk(request_id, request.model, "", usage=_usage(event)))
+                    usage = _usage(event, worker.take_remote_report(request_id))
+                    yield sse(stream_chunk(request_id, request.model, "", usage=usage))
                 break
             event = await events.get()
         yield sse("[DONE]")
@@ -320,14 +455,35 @@ def _finish_reason(event: FinishEvent) -> str:
     return event.reason if event.reason in ("length", "stop") else event.status
 
 
-def _usage(event: FinishEvent) -> dict:
-    return usage_body(len(event.prompt_token_ids), len(event.output_token_ids), event.num_hit_tokens)
+def _usage(event: FinishEvent, remote: dict | None = None) -> dict:
+    usage = usage_body(len(event.prompt_token_ids), len(event.output_token_ids), event.num_hit_tokens)
+    if remote is not None:
+        usage["kvjax_remote"] = remote
+    return usage
 
 
-def _node_metrics(worker: EngineWorker) -> prometheus_client.CollectorRegistry:
-    """The node's own series next to the engine's: load and directory publishing."""
+def _find_peer(remote: RemoteFetcher, engine: Engine, request: CompletionRequest) -> PeerHint | None:
+    """The handler's directory lookup (on a worker thread: one Redis round trip)."""
+    tokens = engine.prompt_tokens(request.prompt) if request.prompt is not None else request.prompt_tokens
+    try:
+        return remote.find_peer(tokens, request.namespace)
+    except ValueError:  # bad token ids: the engine thread refuses the request with the message
+        return None
+
+
+def _remote_report(outcome: FetchOutcome, fetched_tokens: int, page_size: int) -> dict:
+    """A fetch as the request's usage reports it (``kvjax_remote``): tokens asked for and
+    fetched (verified and imported), seconds waited and expected."""
+    plan = outcome.plan
+    return {"peer": plan.peer.node_id, "outcome": outcome.outcome, "asked_tokens": plan.num_pages * page_size,
+            "fetched_tokens": fetched_tokens, "wait_s": round(outcome.waited_s, 6),
+            "expected_s": round(plan.expected_s, 6), "detail": plan.detail[:200]}  # fmt: skip
+
+
+def _node_metrics(worker: EngineWorker, offers: OfferService | None) -> prometheus_client.CollectorRegistry:
+    """The node's own series next to the engine's: load, directory publishing, remote fetch."""
     registry = prometheus_client.CollectorRegistry()
-    registry.register(_NodeCollector(worker))
+    registry.register(_NodeCollector(worker, offers))
     return registry
 
 
@@ -339,8 +495,8 @@ class _NodeCollector:
                   ("resyncs", "Registrations that rewrote every held block"),
                   ("errors", "Directory writes that failed"))  # fmt: skip
 
-    def __init__(self, worker: EngineWorker):
-        self.worker = worker
+    def __init__(self, worker: EngineWorker, offers: OfferService | None):
+        self.worker, self.offers = worker, offers
 
     def collect(self):
         load = self.worker.load
@@ -352,3 +508,24 @@ class _NodeCollector:
         if publisher is not None:
             for name, help_text in self._PUBLISHER:
                 yield CounterMetricFamily(f"kvjax_node_directory_{name}", help_text, value=publisher.counters[name])
+        remote = self.worker.remote
+        if remote is not None:
+            fetches = CounterMetricFamily("kvjax_node_remote_fetches", "Remote fetches by outcome", labels=["outcome"])
+            for outcome in OUTCOMES:
+                fetches.add_metric([outcome], remote.counters[outcome])
+            yield fetches
+            yield CounterMetricFamily("kvjax_node_remote_fetched_blocks", "Blocks pulled from peers and verified",
+                                      value=remote.counters["fetched_blocks"])  # fmt: skip
+            recent = list(remote.recent_seconds)
+            if recent:
+                quantiles = GaugeMetricFamily("kvjax_node_remote_fetch_seconds",
+                                              "Seconds a request waited for its remote fetch (recent fetches)",
+                                              labels=["quantile"])  # fmt: skip
+                for q in (0.5, 0.99):
+                    quantiles.add_metric([str(q)], float(np.quantile(recent, q)))
+                yield quantiles
+        if self.offers is not None:
+            for name, value in self.offers.counters.items():
+                yield CounterMetricFamily(f"kvjax_node_offer_{name}", f"Offers to peers: {name}", value=value)
+            for name, value in self.offers.transport.stats().items():
+                yield GaugeMetricFamily(f"kvjax_node_transfer_{name}", f"Transfer server: {name}", value=value)

@@ -157,6 +157,13 @@ class Engine:
         self._num_added += 1
         return accepted
 
+    def prompt_tokens(self, prompt: str) -> np.ndarray:
+        """The token ids ``add_request(prompt=...)`` serves for a text prompt (canonicalized
+        first when canonicalization is on). Pure: safe from any thread."""
+        if self.canonicalize is not None and self.canonicalize.enabled:
+            prompt = canonicalize_text(prompt, self.canonicalize).text
+        return np.asarray(self.tokenizer.encode(prompt), np.int32)
+
     def cancel(self, request_id: str) -> bool:
         """Stop a queued or running request; False if it is not live. Its FinishEvent
         (status "cancelled") comes with the next ``step()``."""
