@@ -181,9 +181,10 @@ class RemoteTransport:
     # --- puller side -----------------------------------------------------------------------
 
     def pull(self, address: str, offer_id: int, num_blocks: int, block_nbytes: int, deadline: float, *,
-             count: bool = True) -> np.ndarray:  # fmt: skip
+             to_host: bool = True, count: bool = True) -> np.ndarray | jax.Array:  # fmt: skip
         """The payload offered as ``offer_id`` at ``address``, ``u8[num_blocks, block_nbytes]``
-        on the host; ``PullError`` by ``deadline`` (monotonic seconds) otherwise."""
+        on the host (``to_host=False``: the ready array on this process's first device);
+        ``PullError`` by ``deadline`` (monotonic seconds) otherwise."""
         spec = jax.ShapeDtypeStruct((num_blocks, block_nbytes), jnp.uint8, sharding=self._sharding)
         connection = self._connection(address)
         outcome: dict = {}
@@ -192,7 +193,8 @@ class RemoteTransport:
         def wait() -> None:
             try:
                 [array] = connection.pull(offer_id, [spec])
-                outcome["payload"] = np.asarray(array)  # blocks until the bytes arrived
+                # Either blocks until the bytes arrived.
+                outcome["payload"] = np.asarray(array) if to_host else array.block_until_ready()
             except Exception as error:  # noqa: BLE001 - reported to the caller
                 outcome["error"] = error
             done.set()
