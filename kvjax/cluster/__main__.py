@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="uncached prefill tokens counted as one request of load (default: learned)")
     router.add_argument("--fair-window", type=int, default=RouterConfig().fair_window,
                         help="recent decisions that fair turns count")
+    router.add_argument("--remote-fetch-cost", type=float, default=None,
+                        help="seconds to fetch a block from another node over seconds to recompute it: the nodes "
+                             "a request may go to when its holders are overloaded are credited with what they can "
+                             "fetch (default: no credit)")
     router.add_argument("--max-attempts", type=int, default=3, help="nodes to try per request")
     router.set_defaults(func=_run_router)
     args = parser.parse_args(argv)
@@ -146,7 +150,8 @@ def _run_router(args) -> int:
         raise SystemExit("router: --redis URL is required (the directory it routes by)")
     try:
         config = RouterConfig(args.strategy, imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
-                              tokens_per_load_unit=args.tokens_per_load_unit, fair_window=args.fair_window)
+                              tokens_per_load_unit=args.tokens_per_load_unit, fair_window=args.fair_window,
+                              remote_fetch_cost=args.remote_fetch_cost)
     except ValueError as error:
         raise SystemExit(f"router: {error}") from None
     service = RouterService(directory, RoutingPolicy(config), max_attempts=args.max_attempts)
