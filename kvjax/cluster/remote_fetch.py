@@ -24,9 +24,10 @@ goes on at once with what arrived (maybe nothing: a recompute), never later than
 deadline, and never with a block that failed a check.
 
 A peer whose fetch timed out, failed, or sent a block that failed its check is suspect for
-``suspect_s`` seconds: no fetch from it meanwhile. Its link estimate also takes the time
-it was given (a timeout says the link is at least that slow), so a peer that is slow, not
-broken, is asked for fewer pages later.
+``suspect_s`` seconds: no fetch from it meanwhile. Only fetches that ended in time feed its
+link estimate: a timeout measures nothing but the deadline, and counting it made the
+estimate grow until the cost model never fetched from that peer again, so nothing could
+bring it back down.
 """
 
 from __future__ import annotations
@@ -72,23 +73,29 @@ class PeerHint:
 
 
 class LinkEstimate:
-    """One peer's link as measured: latency (the ask's round trip, its offer included) and
-    pull bandwidth, exponentially weighted (``weight`` for each new sample), starting from
-    the cost model's defaults."""
+    """One peer's link as measured: the ask's round trip (its offer included) and the pull
+    bandwidth, exponentially weighted (``weight`` for each new sample), starting from the
+    cost model's defaults. The latency a fetch is planned with is the smoothed one plus twice
+    its mean deviation (as TCP sets its retransmission timer): a fetch's deadline is twice
+    the expected time, and a link that jitters by more than its mean would otherwise time
+    out on good peers and make them suspect."""
 
     def __init__(self, latency_s: float, bytes_per_s: float, weight: float = 0.25):
-        self.latency_s, self.bytes_per_s, self.weight = float(latency_s), float(bytes_per_s), weight
+        self.smoothed_s, self.deviation_s = float(latency_s), float(latency_s) / 4
+        self.bytes_per_s, self.weight = float(bytes_per_s), weight
         self.samples = 0
 
+    @property
+    def latency_s(self) -> float:
+        return self.smoothed_s + 2 * self.deviation_s
+
     def observe(self, ask_s: float, pull_s: float, num_bytes: int) -> None:
-        self.latency_s += self.weight * (ask_s - self.latency_s)
+        error = ask_s - self.smoothed_s
+        self.smoothed_s += self.weight * error
+        self.deviation_s += self.weight * (abs(error) - self.deviation_s)
         if num_bytes and pull_s > 0:
             self.bytes_per_s += self.weight * (num_bytes / pull_s - self.bytes_per_s)
         self.samples += 1
-
-    def observe_timeout(self, given_s: float) -> None:
-        """A fetch that did not end within ``given_s`` seconds: the latency is at least that."""
-        self.latency_s += self.weight * max(0.0, given_s - self.latency_s)
 
 
 class PeerHealth:
@@ -242,12 +249,9 @@ class RemoteFetcher:
         else:  # it never ran (queued past its deadline) or broke unexpectedly
             outcome, blocks = ("expired" if "queued" in (result.error or "") else "failed"), None
             plan.detail = plan.detail or result.error or ""
-        link = self.link(plan.peer.node_id)
-        if outcome in ("ok", "partial", "empty"):
-            link.observe(plan.ask_s, plan.pull_s, 0 if blocks is None else blocks.nbytes)
-        elif outcome == "timeout":
-            link.observe_timeout(plan.deadline - plan.started)
-        if outcome in _SUSPICIOUS or outcome == "partial":
+        if outcome in ("ok", "partial", "empty"):  # a timeout measures nothing: the peer is suspect instead
+            self.link(plan.peer.node_id).observe(plan.ask_s, plan.pull_s, 0 if blocks is None else blocks.nbytes)
+        if outcome in _SUSPICIOUS:  # "partial" and "empty": it evicted pages since it published them
             self.health.mark(plan.peer.node_id)
         with self._lock:
             self.counters[outcome] += 1
