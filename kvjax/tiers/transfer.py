@@ -186,6 +186,10 @@ class TransferEngine:
             ids[: len(slots)] = block_ids
             try:
                 job.blocks = self._gather(kv_pages, jnp.asarray(ids))
+                if isinstance(job.blocks, jax.Array):
+                    # The copy down starts now, behind the gather, not when the worker asks
+                    # for the bytes (on CPU the array is host memory already: nothing to do).
+                    job.blocks.copy_to_host_async()
             except Exception as err:  # noqa: BLE001 - resolve, never raise into the request
                 return self._reject(job, f"gather failed: {err!r}")
         return self._submit(job)
