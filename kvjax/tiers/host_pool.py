@@ -13,8 +13,8 @@ Slots are handed out by the tier index (``kvjax.tiers.tier_index``), which owns 
 key, LRU order and holds; this pool only copies bytes:
 
 * ``write(slots, blocks)``: blocks ``[n, *block_shape]`` (on device or host) into slots: one
-  copy to host (none on the CPU backend, where device memory is host memory), then each block
-  copied into its slot;
+  copy to host (none on the CPU backend, where device memory is host memory), one scatter
+  into the slots;
 * ``to_device(slots, num_rows)``: the slots gathered on host into a staging buffer, one
   ``device_put`` of it; ``num_rows >= len(slots)`` pads the batch with zero rows to a fixed
   bucket so the device side (decode, scatter into the pool) compiles once per bucket, not once
@@ -100,11 +100,7 @@ class HostPool:
             raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} must be [>= {len(slots)}, "
                              f"*{self.block_shape}] {self.dtype}")  # fmt: skip
         host = np.asarray(blocks)  # the one copy down (none on the CPU backend: a view)
-        rows = host[: len(slots)].reshape(len(slots), self._block_elems).view(self._bits)
-        # One flat copy per block: faster than numpy's fancy-index assignment, which walks
-        # every axis of the block.
-        for row, slot in enumerate(slots.tolist()):
-            self._slots[slot] = rows[row]
+        self._slots[slots] = host[: len(slots)].reshape(len(slots), self._block_elems).view(self._bits)
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """Host copy ``[len(slots), *block_shape]`` of ``dtype`` (zeros without bytes)."""
@@ -123,8 +119,9 @@ class HostPool:
         if not self.store_bytes:
             return None
         staging = self._take_staging(num_rows)
-        for row, slot in enumerate(slots.tolist()):  # the one gather on host
-            staging[row] = self._slots[slot]
+        # The one gather on host. mode="clip" (the slots are checked already): with out= and
+        # the default mode="raise", numpy gathers into a temporary first, a second copy.
+        np.take(self._slots, slots, axis=0, out=staging[: len(slots)], mode="clip")
         staging[len(slots) :] = 0
         blocks = staging.view(self.dtype).reshape(num_rows, *self.block_shape)
         device_rows = jax.device_put(blocks, self._device)  # the one copy up (none if wrapped)
