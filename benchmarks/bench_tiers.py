@@ -11,9 +11,11 @@ Host section: ``--move-blocks`` blocks of a pool block (``[num_layers, 2, num_kv
 page_size, head_dim]``, 256 KiB by default) between a device page pool of ``--pool-blocks``
 blocks and a host pool of as many slots, block ids and slots scattered at random:
 
-* device->host through the real offload path (``TransferEngine.offload``: one gather on the
-  device, padded to its bucket, then ``HostPool.write`` into the slots, submit to result), with
-  the gather and the write also timed alone; against one ``jax.device_put`` of a contiguous
+* device->host through the real offload path (``TransferEngine.offload`` as ``KVCache``
+  builds it: on an accelerator one gather on the device, padded to its bucket, then
+  ``HostPool.write`` into the slots; on CPU, where the pool is host memory, one copy of each
+  block straight into its slot, ``HostPool.write_rows``; submit to result), with the parts
+  also timed alone; against one ``jax.device_put`` of a contiguous
   device array of the same bytes to ``pinned_host`` memory (``np.asarray`` where the device has
   no such memory kind);
 * host->device through the real fetch path (``TransferEngine.fetch``: ``HostPool.to_device`` of
@@ -95,7 +97,8 @@ def _host_section(config: PoolConfig, args) -> int:
     """Times the host links and prints them; returns the compilations in the timed part."""
     compiles = _CompileCounter()
     bench = _HostBench(config, args)
-    with TransferEngine(bench.host, buckets=bench.buckets) as engine:
+    # As KVCache builds it for a pool stored as is: on CPU an offload reads the pool directly.
+    with TransferEngine(bench.host, buckets=bench.buckets, direct_cpu_reads=True) as engine:
         down, up = bench.moves_down(engine), bench.moves_up(engine)
         bench.warm_up(engine, down + up)
         warm_up_compiles = compiles.count
@@ -184,8 +187,12 @@ class _HostBench:
                      .block_until_ready())
         else:  # np.asarray wraps a CPU array without copying; np.array copies
             plain = ("np.asarray", lambda: (np.asarray if self.accelerator else np.array)(self.plain_device))
+        rows = np.asarray(self.block_ids, np.intp)
+        direct = lambda: self.host.write_rows(self.slots, np.asarray(self.pool.kv_pages), rows)
+        parts = [] if self.accelerator else [("  (CPU) HostPool.write_rows from the pool", direct)]
         return [("TransferEngine.offload",
                  lambda: _expect_ok(engine.offload(self.pool.kv_pages, self.block_ids, self.slots).result(60))),
+                *parts,
                 ("  gather on device", gather),
                 ("  HostPool.write", write),
                 plain]

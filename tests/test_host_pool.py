@@ -31,6 +31,19 @@ def test_device_host_device_round_trip_is_bit_exact(dtype):
     assert same_bits(pool.read(np.array([3, 1])), blocks[[2, 3]])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_written_straight_from_a_source_keep_their_bits(dtype):
+    source = random_blocks(6, BLOCK_SHAPE, dtype, seed=4)
+    pool = HostPool(BLOCK_SHAPE, dtype, num_slots=8)
+    pool.write_rows(np.array([7, 0, 3]), source, np.array([5, 1, 5]))  # a row may go to two slots
+    assert same_bits(pool.read(np.array([0, 3, 7])), source[[1, 5, 5]])
+    with pytest.raises(ValueError, match=r"rows \[6\] must index the 6 rows of source"):
+        pool.write_rows(np.array([1]), source, np.array([6]))
+    with pytest.raises(ValueError, match=r"with one row per slot; got 1 rows for 2 slots"):
+        pool.write_rows(np.array([1, 2]), source, np.array([0]))
+    assert same_bits(pool.read(np.array([0, 3, 7])), source[[1, 5, 5]])  # nothing changed
+
+
 def test_writes_copy_into_the_pool_and_padding_rows_are_zero():
     blocks = random_blocks(3, BLOCK_SHAPE, "float32", seed=2)
     pool = HostPool(BLOCK_SHAPE, "float32", num_slots=4)

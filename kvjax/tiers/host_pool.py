@@ -102,6 +102,21 @@ class HostPool:
         host = np.asarray(blocks)  # the one copy down (none on the CPU backend: a view)
         self._slots[slots] = host[: len(slots)].reshape(len(slots), self._block_elems).view(self._bits)
 
+    def write_rows(self, slots: np.ndarray, source: np.ndarray, rows: np.ndarray) -> None:
+        """Store ``source[rows[i]]`` (a host array ``[m, *block_shape]`` of ``dtype``) in slot
+        ``slots[i]``: one copy per block, straight from ``source`` into its slot."""
+        slots = self._check_slots(slots)
+        if not self.store_bytes or not len(slots):
+            return
+        if tuple(source.shape[1:]) != self.block_shape or source.dtype != self.dtype or len(rows) != len(slots):
+            raise ValueError(f"source {tuple(source.shape)} {source.dtype} must be [m, *{self.block_shape}] "
+                             f"{self.dtype} with one row per slot; got {len(rows)} rows for {len(slots)} slots")
+        if len(rows) and (min(rows) < 0 or max(rows) >= len(source)):
+            raise ValueError(f"rows {np.asarray(rows).tolist()} must index the {len(source)} rows of source")
+        bits = source.reshape(len(source), self._block_elems).view(self._bits)
+        for slot, row in zip(slots.tolist(), rows.tolist()):
+            self._slots[slot] = bits[row]
+
     def read(self, slots: np.ndarray) -> np.ndarray:
         """Host copy ``[len(slots), *block_shape]`` of ``dtype`` (zeros without bytes)."""
         slots = self._check_slots(slots)

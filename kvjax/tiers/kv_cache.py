@@ -562,7 +562,7 @@ class KVCache:
         self._gather = gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
         self.transfer = (transfer_factory or TransferEngine)(
             self.host_pool, self.disk_tier, gather_blocks=gather, buckets=config.transfer_buckets,
-            synchronous=not self.move_bytes)  # fmt: skip
+            synchronous=not self.move_bytes, direct_cpu_reads=codec.stores_as_is and impl is None)  # fmt: skip
 
     def _fresh_lookup(self, tokens: TokensLike | Lookup, namespace: NamespaceLike) -> Lookup:
         if not isinstance(tokens, Lookup):
