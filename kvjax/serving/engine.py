@@ -92,7 +92,7 @@ class Engine:
                                   token_buckets=self.config.token_buckets, impl=self.config.impl)
         swap_slots = self.scheduler_config.host_swap_blocks
         self.swap_store = SwapStore(self.pool, swap_slots, cache.config.transfer_buckets) if swap_slots else None
-        self.observer = EngineObserver(self.metrics, page_size)
+        self.observer = EngineObserver(self.metrics, page_size, cache)
         self._records: dict[str, RequestRecord] = {}
         self._pending: list[Event] = []  # events produced between steps (cancellations)
         self._num_added = 0

@@ -62,7 +62,7 @@ import numpy as np
 import pallas_kernels
 from kvjax.cache.allocator import BlockAllocator
 from kvjax.cache.block_events import BlockIndex, EventLog, Subscription
-from kvjax.cache.block_keys import Namespace, as_namespace
+from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cache.cost_model import CostModel
 from kvjax.cache.device_index import DeviceIndex, NamespaceLike, TokensLike
 from kvjax.cache.records import KVCacheStats, MatchResult, SeqHandle
@@ -81,6 +81,8 @@ from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferEngine
 
 __all__ = ["AdmissionReport", "ExportedPages", "KVCache", "KVCacheConfig", "KVCacheStats", "Lookup", "TierReport"]
+
+_OTHER_NAMESPACES_CHECKED = 8  # a miss checks this many other namespaces' disk blocks at most
 
 _HOST = int(Tier.HOST)
 
@@ -279,6 +281,22 @@ class KVCache:
         if self.config.write_policy == "selective":
             self._copy_hot_path(handle)
         return handle
+
+    def pages_in_other_namespaces(self, tokens: TokensLike, namespace: NamespaceLike, num_pages: int) -> np.ndarray:
+        """Which of the first ``num_pages`` full pages of ``tokens`` the disk tier holds under
+        another namespace (the same tokens, another tenant, model, adapter or salt): a miss
+        isolation forced, even for blocks a previous process wrote. ``bool[num_pages]``; the
+        ``_OTHER_NAMESPACES_CHECKED`` namespaces holding most blocks are checked."""
+        held = np.zeros(num_pages, bool)
+        disk = self.disk_tier
+        if disk is None or num_pages <= 0:
+            return held
+        own = as_namespace(namespace).digest()
+        prefix = np.asarray(tokens)[: num_pages * self.page_size]
+        for digest in [d for d in disk.namespaces() if d != own][:_OTHER_NAMESPACES_CHECKED]:
+            keys = chained_block_keys(prefix, self.page_size, digest)
+            held[: len(keys)] |= [disk.contains(key, digest) for key in keys]
+        return held
 
     def admission_report(self, handle: SeqHandle) -> AdmissionReport:
         """Where ``handle``'s prompt pages came from (final once the handle is ready)."""
@@ -576,7 +594,7 @@ class KVCache:
             self.disk_tier.events = self.events
         self.transfer = (transfer_factory or TransferEngine)(
             self.host_pool, self.disk_tier, gather_blocks=self._gather, buckets=config.transfer_buckets,
-            synchronous=not self.move_bytes)  # fmt: skip
+            synchronous=not self.move_bytes, direct_cpu_reads=codec.stores_as_is and impl is None)  # fmt: skip
 
     def _fresh_lookup(self, tokens: TokensLike | Lookup, namespace: NamespaceLike) -> Lookup:
         if not isinstance(tokens, Lookup):
