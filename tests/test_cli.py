@@ -140,7 +140,7 @@ def test_a_bug_keeps_its_traceback():
         run_command(argparse.Namespace(func=broken), "kvjax demo")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["replay", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["replay", "--help"], ["cluster-demo", "--help"]])
 def test_help_is_plain_text(argv, capsys):
     code, out, _ = run_cli(argv, capsys)
     assert code == 0

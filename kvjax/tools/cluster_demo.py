@@ -283,7 +283,7 @@ def _compile_cache() -> str:
 def add_subcommand(subparsers) -> None:
     """Registers ``python -m kvjax cluster-demo``."""
     parser = subparsers.add_parser("cluster-demo", help="the demo workload through a cluster: prefix vs round robin",
-                                   description=__doc__.splitlines()[0].strip("`"))  # fmt: skip
+                                   description=__doc__.splitlines()[0].replace("``", ""))  # fmt: skip
     parser.add_argument("--nodes", type=int, default=2, help="serving nodes (default: %(default)s)")
     parser.add_argument("--preset", default="tiny", help="configs/<preset>.toml of every node (default: %(default)s)")
     parser.add_argument("--arrival-ms", type=float, default=100.0, help="ms between sessions (default: %(default)s)")
