@@ -241,9 +241,9 @@ class Scheduler:
     # --- helpers: decode, prefill, admission --------------------------------------------------
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
-        prefilling, decodes, page_size = self._prefilling, plan.decodes, self.page_size
+        prefilling, fetching, decodes, page_size = self._prefilling, self._fetching, plan.decodes, self.page_size
         for request_id, request in list(self._running.items()):
-            if request.status is not _RUNNING or request_id in prefilling or request_id in self._fetching:
+            if request.status is not _RUNNING or request_id in prefilling or request_id in fetching:
                 continue  # preempted by an earlier decode of this loop, still prefilling, or fetching
             handle, num_tokens = request.handle, request.num_tokens
             if num_tokens > handle.num_tokens:  # reserve to the end of the page: one call per page

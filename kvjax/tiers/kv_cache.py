@@ -144,6 +144,7 @@ class KVCache:
         self.transfer: TransferEngine | None = None
         self._gather = _codec_gather(self.codec, impl)
         self._owns_disk_tier = False  # opened from config.disk_dir: closed with the cache
+        self._write_through = config.write_policy == "write_through" and config.tiered
         if config.tiered:
             self._open_lower_tiers(impl, transfer_factory)
         self.tiers = TierIndex(self.trie, 0 if self.host_pool is None else self.host_pool.num_slots,
@@ -345,7 +346,9 @@ class KVCache:
 
     def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
         """Room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
-        missing = self.index.blocks_missing(handle, num_new_tokens) if num_new_tokens >= 0 else 0
+        missing = -(-(handle.num_tokens + num_new_tokens) // self.page_size) - len(handle.block_ids)
+        if missing <= 0 or num_new_tokens < 0:  # the usual case: room in the last page
+            return self.index.extend(handle, num_new_tokens)
         short = missing - self.allocator.num_free
         if 0 < short and missing <= self.allocator.num_free + self.index.num_reclaimable:
             self._version += 1
@@ -359,13 +362,13 @@ class KVCache:
         ValueError while the handle is not ready (its fetched pages are not in the pool yet).
         With ``write_through`` the new pages start their host copies.
         """
-        if not self.is_ready(handle):
+        if handle.seq_id in self._mover.waiters and not self.is_ready(handle):
             raise ValueError(f"sequence {handle.seq_id} is waiting for fetches; call wait_ready before commit")
         first = handle._committed
         num_new = self.index.commit(handle, tokens)
         if num_new:
             self._version += 1
-            if self.config.write_policy == "write_through" and self.config.tiered:
+            if self._write_through:
                 self._copy_path(handle._tail, first, 0)
         return num_new
 
