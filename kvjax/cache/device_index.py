@@ -225,14 +225,17 @@ class DeviceIndex:
         if num_new_tokens < 0:
             raise ValueError(f"{num_new_tokens=} must be >= 0")
         num_tokens = handle.num_tokens + num_new_tokens
-        missing = self.blocks_missing(handle, num_new_tokens)
+        missing = -(-num_tokens // self.page_size) - len(handle.block_ids)
         if missing > 0:
+            allocator = self.allocator
             self.trie.expire_soft_pins(self.clock())
-            if missing > self.allocator.num_free + self.trie.num_evictable:
-                self._stats.extend_failures += 1
-                return False
-            self._evict_for(missing)
-            handle.block_ids = np.concatenate((handle.block_ids, self.allocator.allocate(missing)))
+            free = allocator.num_free
+            if missing > free:
+                if missing > free + self.trie.num_evictable:
+                    self._stats.extend_failures += 1
+                    return False
+                self.reclaim(missing - free)
+            handle.block_ids = np.concatenate((handle.block_ids, allocator.allocate(missing)))
         handle.num_tokens = num_tokens
         return True
 

@@ -346,11 +346,13 @@ class KVCache:
 
     def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
         """Room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
-        missing = -(-(handle.num_tokens + num_new_tokens) // self.page_size) - len(handle.block_ids)
+        index = self.index
+        missing = -(-(handle.num_tokens + num_new_tokens) // index.page_size) - len(handle.block_ids)
         if missing <= 0 or num_new_tokens < 0:  # the usual case: room in the last page
-            return self.index.extend(handle, num_new_tokens)
-        short = missing - self.allocator.num_free
-        if 0 < short and missing <= self.allocator.num_free + self.index.num_reclaimable:
+            return index.extend(handle, num_new_tokens)
+        free = index.allocator.num_free
+        short = missing - free
+        if 0 < short and missing <= free + index.num_reclaimable:
             self._version += 1
             self._make_device_room(short)
             self._forget_dropped()
