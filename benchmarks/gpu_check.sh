@@ -2,17 +2,20 @@
 # The prepared device check for a GPU machine (H200): kernel tests compiled for the GPU (the
 # attention kernel on float pools, then on quantized int8/fp8 pools), the quantized decode
 # comparison (issue 6's goal: >= 1.6x the bfloat16 decode throughput at ctx >= 4k), the other
-# kernels' tests, then the paged-attention benchmark. Runs from the repository root, installs
-# nothing, keeps going after a failing step and records every step's exit code and seconds in
-# $OUT/steps.tsv.
+# kernels' tests, then the paged-attention benchmark, then the host tier's moves (issue 11:
+# device->host and host->device of 64 blocks against one device_put to/from pinned_host, GB/s
+# each, and the one-block fetch p50/p99), then a 64-block pull between two processes on the GPU
+# (issue 14: jax.experimental.transfer device to device; >= 0.5 GiB/s on CPU). Runs from the
+# repository root, installs nothing, keeps going after a failing step and records every step's
+# exit code and seconds in $OUT/steps.tsv.
 #
 #   bash benchmarks/gpu_check.sh               # on the GPU machine; results in ${OUT:-./gpu_results}
 #   bash benchmarks/gpu_check.sh --cpu-smoke   # here: same steps, CPU-sized, to exercise the script
 #
-# Step time limits add up to 440 s (500 s with the kill grace), under 8.5 minutes; each
-# benchmark also stops starting new cases after its --budget-s. $OUT receives at most 8 files:
+# Step time limits add up to 500 s (580 s with the kill grace), under 9.7 minutes; each
+# benchmark also stops starting new cases after its --budget-s. $OUT receives at most 10 files:
 # env.txt, tests.log, bench.log, bench_quant.json, bench_quant.md, bench.json, bench.md,
-# steps.tsv.
+# bench_tiers.log, bench_remote.json, steps.tsv.
 set -u
 
 MODE=gpu
@@ -27,7 +30,9 @@ if [[ "$MODE" == cpu-smoke ]]; then
   OTHER_TEST_ARGS=(-k "num_seqs_zero or rejects")
   QUANT_BENCH_ARGS=(--quick --rounds 2 --budget-s 30)
   BENCH_ARGS=(--quick --rounds 3 --budget-s 60)
-  LIMITS=(60 240 240 240 240 240)
+  REMOTE_ARGS=(--repeats 3 --block-kib 256 --min-gib-s 0)
+  TIERS_ARGS=(--host-only --quick)
+  LIMITS=(60 240 240 240 240 240 120 120)
 else
   OUT="${OUT:-./gpu_results}"
   PY="${PYTHON:-python3}"
@@ -36,8 +41,12 @@ else
   OTHER_TEST_ARGS=()
   QUANT_BENCH_ARGS=(--budget-s 50)
   BENCH_ARGS=(--budget-s 80 --sweep)
-  # env, float-pool kernel tests, quantized kernel tests, quantized bench, other kernels, bench
-  LIMITS=(15 115 60 85 55 110)
+  REMOTE_ARGS=(--repeats 20 --block-kib 256 16)
+  # 1 MiB blocks (16 layers, 8 KV heads, page 16, head_dim 128, bf16): 64 MiB per move
+  TIERS_ARGS=(--host-only --quick --repeats 10 --num-layers 16 --num-kv-heads 8)
+  # env, float-pool kernel tests, quantized kernel tests, quantized bench, other kernels, bench,
+  # host tier moves, remote pull
+  LIMITS=(15 115 60 85 55 100 40 30)
 fi
 mkdir -p "$OUT"
 export PYTHONPATH=.
@@ -84,6 +93,10 @@ if [[ ${#other_tests[@]} -gt 0 ]]; then
 fi
 run_step bench_paged_attention "${LIMITS[5]}" "$OUT/bench.log" \
   "$PY" benchmarks/bench_paged_attention.py --out "$OUT/bench.json" "${BENCH_ARGS[@]}"
+run_step bench_tiers_host "${LIMITS[6]}" "$OUT/bench_tiers.log" \
+  "$PY" benchmarks/bench_tiers.py "${TIERS_ARGS[@]}"
+run_step bench_remote "${LIMITS[7]}" "$OUT/bench.log" \
+  "$PY" benchmarks/bench_remote.py --json "$OUT/bench_remote.json" "${REMOTE_ARGS[@]}"
 
 echo "--- steps (name, exit code, seconds) in $OUT/steps.tsv"
 cat "$OUT/steps.tsv"
@@ -92,4 +105,7 @@ grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 6
 for md in bench_quant bench; do
   if [[ -f "$OUT/$md.md" ]]; then echo "--- $md"; cat "$OUT/$md.md"; fi
 done
+if [[ -f "$OUT/bench_tiers.log" ]]; then echo "--- bench_tiers (host)"; cat "$OUT/bench_tiers.log"; fi
+echo "--- bench_remote"
+grep -A 4 "^| blocks" "$OUT/bench.log" | tail -n 5
 exit $((FAILED > 0))

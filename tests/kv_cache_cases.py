@@ -66,7 +66,8 @@ class ManualTransfer:
     an offload's gather (and its copy) happens at submit, as the real engine gathers then.
     """
 
-    def __init__(self, host, disk=None, gather_blocks=pallas_kernels.gather_blocks, buckets=(), synchronous=False):
+    def __init__(self, host, disk=None, gather_blocks=pallas_kernels.gather_blocks, buckets=(), synchronous=False,
+                 direct_cpu_reads=False):
         self.host, self.disk = host, disk
         self.engine = TransferEngine(host, disk, gather_blocks=gather_blocks, buckets=buckets, synchronous=True)
         self.buckets = self.engine.buckets

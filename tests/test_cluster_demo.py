@@ -30,7 +30,17 @@ def test_a_workload_through_the_router_gives_one_uncached_nodes_text(cluster):
     assert result.identical
     table = format_table(result)
     assert "prefix: same text as one uncached node: yes (5 requests)" in table
-    assert "TTFT p50" in table and "n2: cached prompt tokens" in table
+    assert "TTFT p50" in table and "n2: cached prompt tokens" in table and "n2:   fetched from others" in table
+
+
+def test_fetches_are_counted_with_their_waits():
+    plain, fetched = Completion("n1", "a", 32, 0, 0.2), Completion("n2", "a", 32, 16, 0.1, 16, 0.05, "ok")
+    result = ClusterDemoResult({"round_robin": {"r1": plain, "r2": fetched}, "one uncached node": {"r1": plain,
+                                                                                               "r2": plain}},
+                               ["n1", "n2"])  # fmt: skip
+    table = format_table(result)
+    assert [line.split()[-2] for line in table.splitlines() if line.startswith("tokens fetched")] == ["16"]
+    assert "1 (1 ok)" in table and "fetch wait p50" in table and "50 ms" in table
 
 
 def test_a_differing_text_is_named():
@@ -47,6 +57,7 @@ def test_a_differing_text_is_named():
     [
         (["--nodes", "0"], "kvjax cluster-demo: error: nodes=0 must be an int >= 1"),
         (["--arrival-ms", "-5"], "error: arrival_ms=-5.0 must be >= 0 (milliseconds between sessions)"),
+        (["--router", "fastest"], "error: strategies=['fastest']; expected some of ['prefix', 'least_loaded', "),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):

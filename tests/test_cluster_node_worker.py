@@ -8,7 +8,7 @@ from cluster_fixtures import wait_until
 from kvjax.cache.block_events import EventLog
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import NodeLoad
-from kvjax.cluster.node_server import EngineWorker, cluster_info_of
+from kvjax.cluster.node_worker import EngineWorker, cluster_info_of
 from kvjax.cluster.publisher import DirectoryPublisher
 from kvjax.serving.engine import Engine
 

@@ -8,7 +8,14 @@ import pytest
 
 from kvjax.__main__ import main
 from kvjax.cluster.router import RouterConfig
-from kvjax.tools.cluster_replay import ClusterSpec, ServiceModel, cluster_replay, simulate_cluster, window_max_mean
+from kvjax.tools.cluster_replay import (
+    ClusterSpec,
+    FetchModel,
+    ServiceModel,
+    cluster_replay,
+    simulate_cluster,
+    window_max_mean,
+)
 from kvjax.tools.replay import replay_trace
 from kvjax.tools.trace import TraceRequest
 
@@ -33,9 +40,12 @@ def trace(paths, *, every_s=1.0, outputs=None):
 TWO_CONVERSATIONS = trace(conversation(1, 3) + conversation(5, 3))
 
 
-def run(requests, strategy, nodes=2, device_blocks=10, **options):
+FREE_FETCH = FetchModel(latency_s=0.0)  # a 4-token block is worth fetching only without a fixed cost
+
+
+def run(requests, strategy, nodes=2, device_blocks=10, fetch=FREE_FETCH, **options):
     spec = ClusterSpec(nodes, device_blocks, block_tokens=BLOCK, **options)
-    return cluster_replay(requests, spec, router=RouterConfig(strategy))
+    return cluster_replay(requests, spec, router=RouterConfig(strategy), fetch=fetch)
 
 
 def test_prefix_keeps_each_conversation_on_one_node_and_hits_like_one_cache():
@@ -48,9 +58,31 @@ def test_prefix_keeps_each_conversation_on_one_node_and_hits_like_one_cache():
 def test_round_robin_splits_the_conversations_and_another_node_holds_the_rest():
     report = run(TWO_CONVERSATIONS, "round_robin")
     # X1 n0, X2 n1 (n0 held 2), X3 n0 (hits 2; n1 held 3), and Y the same way
-    assert report.local.hit_blocks == 4 and report.remote_blocks == 6
-    assert report.as_dict()["remote_block_hit_rate"] == pytest.approx(6 / 18)
+    assert report.local.hit_blocks == 4 and report.remote_blocks == 6 and report.fetched_blocks == 6
+    summary = report.as_dict()
+    assert summary["remote_block_hit_rate"] == summary["reachable_remote_block_hit_rate"] == pytest.approx(6 / 18)
+    assert summary["served_block_hit_rate"] == pytest.approx(10 / 18)  # as one cache: everything fetched
     assert report.requests_per_node == (3, 3) and report.max_mean_requests == 1.0
+
+
+@pytest.mark.parametrize("fetch", [None, FetchModel(link_bytes_per_s=1e6), FetchModel()])
+def test_blocks_another_node_holds_are_served_only_when_fetching_beats_recomputing(fetch):
+    # off; a link slower than prefill (each token's KV 0.13 s away); the default 1 ms fetch
+    # latency against 0.2 ms of prefill for a 4-token block
+    report = run(TWO_CONVERSATIONS, "round_robin", fetch=fetch)
+    assert report.remote_blocks == 6 and report.fetched_blocks == 0
+    assert report.served_block_hit_rate == report.local.block_hit_rate
+
+
+def test_the_router_is_told_what_a_fetched_block_costs():
+    # n0 caches (1, 2, 3); round robin sends the longer prompt to n1, which fetches all three
+    requests = trace([(1, 2, 3), (1, 2, 3, 4)])
+    service = ServiceModel(prefill_tokens_per_s=1.0)
+    spec = ClusterSpec(2, 10, block_tokens=BLOCK)
+    fetched = simulate_cluster(requests, spec, router=RouterConfig("round_robin"), service=service, fetch=FREE_FETCH)
+    assert fetched.fetched_blocks == 3 and fetched.router.remote_fetch_cost == pytest.approx(0.0, abs=1e-3)
+    recomputed = simulate_cluster(requests, spec, router=RouterConfig("round_robin"), service=service, fetch=None)
+    assert recomputed.fetched_blocks == 0 and recomputed.router.remote_fetch_cost is None
 
 
 def test_least_loaded_sees_the_requests_the_service_model_keeps_in_flight():
@@ -122,7 +154,8 @@ def test_cli_cluster_replay_ends_with_the_cluster_fields(tmp_path, capsys):
     summary = json.loads(out[-1])
     assert (summary["nodes"], summary["router"], summary["requests"]) == (2, "round_robin", 6)
     assert summary["block_hit_rate"] == pytest.approx(4 / 18)
-    assert summary["remote_block_hit_rate"] == pytest.approx(6 / 18)
+    assert summary["reachable_remote_block_hit_rate"] == pytest.approx(6 / 18)
+    assert summary["remote_block_hit_rate"] == 0.0  # 4-token blocks: the 1 ms fetch latency costs more
     assert summary["single_cache_block_hit_rate"] == pytest.approx(10 / 18)
     assert summary["max_mean_requests"] == 1.0 and summary["p95_window_max_mean_requests"] == 1.0
     assert "unlimited_block_hit_rate" in summary and "offline_block_hit_rate" in summary

@@ -199,3 +199,24 @@ def test_a_burst_with_nothing_finishing_still_spreads():
     served = simulate(lambda views: policy.choose(views, 400, PAGE).node_id, num_requests=400,
                       arrivals_per_tick=400, service_ticks=10)  # fmt: skip
     assert max_mean(served) <= 1.10
+
+
+def test_when_the_holder_is_overloaded_the_blocks_others_can_fetch_count_at_their_cost():
+    # a holds all 6 pages (96 of 100 tokens) but has 6 in flight (6.04 against a mean of 3.05);
+    # b holds 3 pages with 1 in flight, c none with 60 tokens pending
+    views = [node("a", 6, inflight=6), node("b", 3, inflight=1), node("c", 0, prefill_tokens=60)]
+    config = RouterConfig(imbalance_abs=2, imbalance_rel=0, tokens_per_load_unit=100)
+    # without fetch: b would prefill 52 tokens (1 + 0.52), c all 100 (0.6 + 1.0): b
+    assert RoutingPolicy(config).choose(views, 100, PAGE).node_id == "b"
+    # a fetched block costing a tenth of a recomputed one: b 1.52 - 0.9 * 48 / 100 = 1.09,
+    # c 1.6 - 0.9 * 96 / 100 = 0.74
+    fetching = RoutingPolicy(RouterConfig(imbalance_abs=2, imbalance_rel=0, tokens_per_load_unit=100,
+                                          remote_fetch_cost=0.1))  # fmt: skip
+    decision = fetching.choose(views, 100, PAGE)
+    assert (decision.node_id, decision.reason) == ("c", "imbalanced")
+    assert decision.uncached_tokens == 100  # what the node itself reports until its fetch lands
+    # affinity itself is unchanged: a holder within the guard still takes it
+    within = [node("a", 6, inflight=1), node("b", 3, inflight=1), node("c", 0)]
+    assert fetching.choose(within, 100, PAGE).node_id == "a"
+    with pytest.raises(ValueError, match=r"remote_fetch_cost=1.5 must be a number in \[0, 1\]"):
+        RouterConfig(remote_fetch_cost=1.5)

@@ -160,6 +160,24 @@ def test_a_fetch_in_flight_holds_back_only_its_own_request(fail):
     assert (host_hits == 0) if fail else (host_hits >= 11 * PAGE), finished["again"].hit_tokens_by_tier
 
 
+def test_a_new_engine_tells_another_namespaces_disk_blocks_from_never_seen_ones(tmp_path):
+    """A restarted engine on the same disk directory has seen nothing in this process, yet its
+    misses on pages another tenant left on disk count as ``other_namespace``, not ``never_seen``."""
+    rng = np.random.default_rng(6)
+    [shared] = random_prompts(rng, 12 * PAGE, [5])
+    fresh = rng.integers(0, 256, 6 * PAGE + 3).astype(np.int32)
+    tiers = dict(host_bytes=BLOCKS * 8 * 1024, disk_dir=str(tmp_path), disk_bytes=1 << 26)
+    with make_engine(**tiers) as engine:
+        _run(engine, [("a", shared, 2, "tenant-a")])
+        engine.cache.evict(BLOCKS)
+        assert engine.cache.flush(timeout=30)  # on disk, for the next process
+    with make_engine(**tiers) as engine:  # the next process: a new cache and a new observer
+        finished = _run(engine, [("b", shared, 2, "tenant-b"), ("c", fresh, 2, "tenant-b")])
+    assert finished["b"].miss_tokens_by_cause == {"other_namespace": len(shared)}
+    assert finished["c"].miss_tokens_by_cause == {"never_seen": len(fresh)}
+    assert finished["b"].output_token_ids.tolist() == dense_greedy(shared, 2)
+
+
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
 def test_preempted_sequences_resume_exactly(preemption):
     rng = np.random.default_rng(3)

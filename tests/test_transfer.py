@@ -5,6 +5,7 @@ import errno
 import glob
 import os
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,26 @@ def test_moves_are_padded_to_their_bucket_with_zero_rows(tmp_path):
     assert gathered == [[5, 2, 7, -1]]  # one gather, padded with a block id of no block
     assert fetched.shape == (4, *BLOCK_SHAPE)
     assert same_bits(fetched[:2], pool[[7, 5]]) and not np.asarray(fetched[2:]).any()
+
+
+def test_an_offload_from_a_cpu_pool_reads_it_directly_when_allowed(tmp_path):
+    """``direct_cpu_reads``: no gather, the same host bits, and the pool may change right after."""
+    pool = random_pool(8, "float32", seed=5)
+    host, _ = tiers(tmp_path)
+    gathered = []
+
+    def counting_gather(kv_pages, block_ids):
+        gathered.append(block_ids.tolist())
+        return gather_blocks(kv_pages, block_ids)
+    for direct in (True, False):
+        kv_pages = jax.device_put(pool)
+        with TransferEngine(host, gather_blocks=counting_gather, buckets=(4,), direct_cpu_reads=direct) as engine:
+            future = engine.offload(kv_pages, [6, 1, 3], [2, 0, 1])
+            kv_pages = scatter_blocks(kv_pages, jnp.array([6, 1, 3], jnp.int32),
+                                      jnp.zeros((3, *pool.shape[1:]), pool.dtype))  # donated and overwritten
+            done(future)
+        assert same_bits(host.read(np.array([2, 0, 1])), pool[[6, 1, 3]])
+    assert gathered == [[6, 1, 3, -1]]  # only the engine without direct reads gathered
 
 
 def completion_order(futures):
@@ -247,3 +268,39 @@ def test_bad_requests_raise_before_anything_is_queued(tmp_path):
     result = no_disk.spill(keys(1), [NS], [0]).result(timeout=WAIT_S)
     assert not result.ok and result.error == "no disk tier"
     no_disk.close()
+
+
+def test_the_remote_link_runs_pulls_by_priority_under_its_budget_and_its_deadlines(tmp_path):
+    now = [0.0]
+    host, _ = tiers(tmp_path)
+    budget = {Link.REMOTE_TO_HOST: LinkBudget(rate_bytes_per_s=100, burst_bytes=1012)}  # demands: 12
+    order, far = [], time.monotonic() + WAIT_S
+
+    def pull(name, blocks=None):
+        def run(deadline):
+            assert deadline == far
+            order.append(name)
+            return blocks
+        return run
+
+    with TransferEngine(host, budgets=budget, clock=lambda: now[0], paused=True) as engine:
+        background = engine.pull_remote(pull("prefetch"), 1, 1000, deadline=far, priority=Priority.PREFETCH)
+        starved = engine.pull_remote(pull("starved"), 1, 1000, deadline=far, priority=Priority.PREFETCH)
+        blocks = np.arange(6, dtype=np.uint8).reshape(2, 3)
+        demand = engine.pull_remote(pull("demand", blocks), 2, 3, deadline=far)
+        expired = engine.pull_remote(pull("expired"), 1, 3, deadline=time.monotonic() - 1)
+        broken = engine.pull_remote(lambda deadline: 1 / 0, 1, 3, deadline=far)
+        engine.resume()
+        result = done(demand)
+        assert result.link is Link.REMOTE_TO_HOST and result.blocks is blocks and result.seconds >= 0
+        done(background)
+        assert not expired.result(WAIT_S).ok and "queued" in expired.result(WAIT_S).error
+        assert not broken.result(WAIT_S).ok and "ZeroDivisionError" in broken.result(WAIT_S).error
+        assert not starved.done()  # the budget paid for one background pull only
+        now[0] = 10.0
+        done(starved)
+        assert order == ["demand", "prefetch", "starved"]  # expired never ran; demand first
+        stats = engine.stats()["remote_to_host"]
+        assert stats == {"jobs": 5, "failed": 2, "bytes": 2006, "queued": 0}
+        with pytest.raises(ValueError, match="num_blocks=0 must be an int >= 1"):
+            engine.pull_remote(pull("x"), 0, 3, deadline=far)

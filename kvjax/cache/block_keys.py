@@ -62,10 +62,13 @@ def as_namespace(namespace: Namespace | str | None) -> Namespace:
 def chained_block_keys(
     tokens: Sequence[int] | np.ndarray,
     page_size: int,
-    namespace: Namespace | str | None,
+    namespace: Namespace | str | bytes | None,
     parent: bytes | None = None,
 ) -> list[bytes]:
     """Keys of the full pages of ``tokens`` (the partial last page gets none).
+
+    ``namespace`` as for ``as_namespace``, or the 16-byte digest of one (what a tier that
+    names blocks without their namespace's fields holds).
 
     ``parent`` is the key of the page just before ``tokens[0]`` (None at the start of a
     sequence), so keys can be extended incrementally as a sequence grows. 16 bytes each.
@@ -82,10 +85,16 @@ def chained_block_keys(
         raise ValueError(f"{page_size=} must be a positive number of tokens")
     if parent is not None and len(parent) != KEY_BYTES:
         raise ValueError(f"parent key has {len(parent)} bytes; expected {KEY_BYTES}")
+    if isinstance(namespace, bytes):
+        if len(namespace) != KEY_BYTES:
+            raise ValueError(f"namespace digest has {len(namespace)} bytes; expected {KEY_BYTES}")
+        ns_digest = namespace
+    else:
+        ns_digest = as_namespace(namespace).digest()
     # Keying blake2b costs one compression of the padded key block per hasher; every page of a
     # namespace starts from the same keyed state, so build it once and copy it per page (256
     # pages: 0.20 -> 0.14 ms here). The bytes hashed, hence the keys, are the same.
-    keyed = _keyed_hasher(as_namespace(namespace).digest())
+    keyed = _keyed_hasher(ns_digest)
     buf = memoryview(validate_tokens(tokens, None).tobytes())
     page_bytes = page_size * TOKEN_DTYPE.itemsize
     key = parent if parent is not None else bytes(KEY_BYTES)

@@ -9,7 +9,10 @@ Every decision that weighs recomputing KV against moving it uses this model, in 
   or, when a host/disk copy survives, the cheaper of that and its fetch
   (:meth:`CostModel.miss_seconds`);
 * preemption (the scheduler): swap a victim's pages to host and back, or recompute them
-  (:meth:`CostModel.swap_seconds` against :meth:`CostModel.recompute_seconds`).
+  (:meth:`CostModel.swap_seconds` against :meth:`CostModel.recompute_seconds`);
+* fetch from another node or recompute (a cluster node, ``kvjax.cluster.remote_fetch``): the
+  leading pages past the local hits that a peer holds, pulled into host memory and then
+  fetched like host pages (:meth:`CostModel.remote_pages_to_fetch`).
 
 Recomputing ``n`` tokens starting at position ``s`` costs
 
@@ -20,7 +23,17 @@ Recomputing ``n`` tokens starting at position ``s`` costs
 than shallow ones); fetching ``b`` blocks, ``d`` of which must first be read from disk, costs
 
     fetch_latency_seconds + b * block_bytes / host_bytes_per_second
-    + (d > 0) * disk_latency_seconds + d * block_bytes / disk_bytes_per_second.
+    + (d > 0) * disk_latency_seconds + d * block_bytes / disk_bytes_per_second;
+
+pulling ``b`` blocks from another node costs (the remote link's part; the pages then come up
+from host as above)
+
+    remote_latency_seconds + b * block_bytes / remote_bytes_per_second.
+
+The two remote figures here are defaults for a node that has measured nothing yet (loopback
+on this CPU machine: the side channel's round trip through the peer's engine loop took 20-35
+ms to an idle peer, 50 ms leaves room for one in the middle of a step; then a pull at ~0.5
+GiB/s); a node passes its link's measured figures to the methods instead.
 
 Block bytes are not part of the model: they are the pool's (or its offload codec's), and the
 cache passes them in.
@@ -57,13 +70,15 @@ class CostModel:
     host_bytes_per_second: float = 9.0e7  # host <-> device
     disk_latency_seconds: float = 6.0e-3  # one restore (segment read and checksum), before any byte
     disk_bytes_per_second: float = 5.5e7
+    remote_latency_seconds: float = 5.0e-2  # ask the peer (through its engine loop), its offer, the pull start
+    remote_bytes_per_second: float = 5.0e8  # pulled from another node
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{field.name}={value!r} must be a number >= 0")
-        for name in ("host_bytes_per_second", "disk_bytes_per_second"):
+        for name in ("host_bytes_per_second", "disk_bytes_per_second", "remote_bytes_per_second"):
             if getattr(self, name) == 0:
                 raise ValueError(f"{name}=0 must be > 0 bytes per second")
 
@@ -86,6 +101,37 @@ class CostModel:
         if num_disk_blocks:
             seconds += self.disk_latency_seconds + num_disk_blocks * block_bytes / self.disk_bytes_per_second
         return seconds
+
+    def remote_seconds(self, num_blocks: int, block_bytes: int, *, latency_seconds: float | None = None,
+                       bytes_per_second: float | None = None) -> float:  # fmt: skip
+        """Seconds to pull ``num_blocks`` blocks from another node into host memory (0 for no
+        blocks); ``latency_seconds`` / ``bytes_per_second``: the link's measured figures
+        (None: this model's defaults)."""
+        if num_blocks == 0:
+            return 0.0
+        latency = self.remote_latency_seconds if latency_seconds is None else latency_seconds
+        rate = self.remote_bytes_per_second if bytes_per_second is None else bytes_per_second
+        return latency + num_blocks * block_bytes / rate
+
+    def remote_pages_to_fetch(self, first_page: int, page_size: int, num_pages: int, block_bytes: int, *,
+                              latency_seconds: float | None = None,
+                              bytes_per_second: float | None = None) -> int:  # fmt: skip
+        """How many of the pages ``first_page, first_page + 1, ...`` (``num_pages`` of them,
+        held by a peer) to pull rather than recompute: the ``k`` that saves the most seconds
+        (recompute of the k pages minus their pull and their fetch up from host), 0 when no
+        ``k`` saves anything. Link figures as in ``remote_seconds``."""
+        if num_pages <= 0:
+            return 0
+        latency = self.remote_latency_seconds if latency_seconds is None else latency_seconds
+        rate = self.remote_bytes_per_second if bytes_per_second is None else bytes_per_second
+        if not rate > 0 or not latency >= 0:
+            raise ValueError(f"link figures latency_seconds={latency!r} and bytes_per_second={rate!r} must be "
+                             ">= 0 and > 0")  # fmt: skip
+        saved = self.seconds_saved(first_page, page_size, np.zeros(num_pages, bool), block_bytes)
+        k = np.arange(1, num_pages + 1, dtype=np.float64)
+        saved = saved - (latency + k * block_bytes / rate)
+        best = int(np.argmax(saved))
+        return best + 1 if saved[best] > 0 else 0
 
     def swap_seconds(self, num_blocks: int, block_bytes: int) -> float:
         """Seconds to copy ``num_blocks`` blocks to host and later back (a preempted sequence)."""

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -26,6 +27,8 @@ import uvicorn
 from kvjax.cluster.directory import Directory
 from kvjax.cluster.node_server import create_node_app, start_worker
 from kvjax.cluster.redis_process import RedisProcess
+from kvjax.cluster.remote_fetch import RemoteFetcher
+from kvjax.cluster.remote_offers import FAULTS, OfferService
 from kvjax.cluster.router import STRATEGIES, RouterConfig, RoutingPolicy
 from kvjax.cluster.router_server import RouterService, create_router_app
 from kvjax.serving.engine import Engine
@@ -47,6 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--model-name", help="the model name clients send (default: the preset's name)")
     node.add_argument("--no-tiers", action="store_true", help="leave out the preset's host and disk tiers")
     node.add_argument("--weights", help="an orbax checkpoint directory (default: random weights from the seed)")
+    node.add_argument("--no-remote-fetch", action="store_true",
+                      help="never fetch a prefix from another node (this node still offers its own)")
+    node.add_argument("--transfer-address", default=None,
+                      help="host:port of the block transfer server (default: --host, any free port)")
+    node.add_argument("--remote-suspect-s", type=float, default=10.0,
+                      help="seconds a peer whose fetch failed is not asked again")
+    node.add_argument("--remote-fault", default=None, choices=FAULTS,
+                      help="misbehave when peers ask for blocks, and take POST /kv/fault to change how (fault "
+                           "tests only)")
     node.set_defaults(func=_run_node)
     router = commands.add_parser("router", help="route requests to the nodes")
     _common(router, default_port=8000)
@@ -59,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="uncached prefill tokens counted as one request of load (default: learned)")
     router.add_argument("--fair-window", type=int, default=RouterConfig().fair_window,
                         help="recent decisions that fair turns count")
+    router.add_argument("--remote-fetch-cost", type=float, default=None,
+                        help="seconds to fetch a block from another node over seconds to recompute it: the nodes "
+                             "a request may go to when its holders are overloaded are credited with what they can "
+                             "fetch (default: no credit)")
     router.add_argument("--max-attempts", type=int, default=3, help="nodes to try per request")
     router.set_defaults(func=_run_router)
     args = parser.parse_args(argv)
@@ -92,13 +108,39 @@ def _run_node(args) -> int:
     address = args.advertise or f"http://{args.host}:{sock.getsockname()[1]}"
     directory = _directory(args)
     model = args.model_name or args.preset
-    worker = start_worker(engine, node_id=args.node_id, address=address, model=model, directory=directory)
+    transport = remote = None
+    if directory is not None:  # peers find each other through the directory
+        from kvjax.tiers.remote_transport import RemoteTransport  # the transfer server only where used
+
+        transport = RemoteTransport(args.transfer_address or f"{args.host}:0")
+        if not args.no_remote_fetch and engine.cache.config.tiered and not engine.cache.codec.lossy:
+            remote = RemoteFetcher(engine.cache, transport, directory, args.node_id,
+                                   suspect_s=args.remote_suspect_s)  # fmt: skip
+    worker = start_worker(engine, node_id=args.node_id, address=address, model=model, directory=directory,
+                          remote=remote)  # fmt: skip
+    offers = None
+    if transport is not None:
+        codec = engine.cache.codec
+        offers = OfferService(transport, worker.export, codec.name, codec.block_nbytes,
+                              fault=args.remote_fault or "none")  # fmt: skip
     try:
-        _serve(create_node_app(worker, model, args.node_id), sock,
-               {"ready": address, "node_id": args.node_id, "model": model})  # fmt: skip
+        _serve(create_node_app(worker, model, args.node_id, offers, fault_control=args.remote_fault is not None), sock,
+               {"ready": address, "node_id": args.node_id, "model": model,
+                "transfer": None if transport is None else transport.address,
+                "remote_fetch": remote is not None})  # fmt: skip
     finally:
         worker.stop()
+        if remote is not None:
+            remote.close()
         engine.close()
+        if transport is not None:
+            transport.close()
+            if transport.stats()["abandoned_pulls"]:
+                # A pull still blocked in the transfer library aborts the interpreter's exit
+                # (std::terminate): everything is closed, so leave without it.
+                logging.shutdown()
+                sys.stdout.flush()
+                os._exit(0)
     return 0
 
 
@@ -108,7 +150,8 @@ def _run_router(args) -> int:
         raise SystemExit("router: --redis URL is required (the directory it routes by)")
     try:
         config = RouterConfig(args.strategy, imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
-                              tokens_per_load_unit=args.tokens_per_load_unit, fair_window=args.fair_window)
+                              tokens_per_load_unit=args.tokens_per_load_unit, fair_window=args.fair_window,
+                              remote_fetch_cost=args.remote_fetch_cost)
     except ValueError as error:
         raise SystemExit(f"router: {error}") from None
     service = RouterService(directory, RoutingPolicy(config), max_attempts=args.max_attempts)

@@ -4,35 +4,28 @@ Endpoints: ``POST /v1/completions`` (streamed as server-sent events or not; see
 ``kvjax.cluster.openai_api`` for the fields and the ``namespace`` extension), ``GET
 /v1/models``, ``GET /health`` (200 while the engine loop runs, 503 after it failed or a newer
 process took over the node id) and ``GET /metrics`` (Prometheus text: the engine's metrics and
-the node's own).
+the node's own). With remote fetch, ``POST /kv/offer`` and ``POST /kv/ack`` for peers
+(``kvjax.cluster.remote_offers``).
 
-Threads: the engine is single-threaded, so one thread (``EngineWorker``) owns it: HTTP
-handlers hand it requests and cancellations through a queue, and it hands each request's
-events back to that request's asyncio queue. After every step it closes the cache's batch of
-block events, polls its subscription and passes the batches, with the node's load, to the
-directory publisher's thread, so neither the HTTP loop nor the engine waits on Redis.
-
-Load (what the router compares): requests accepted and not finished, and the prompt tokens
-of those without a first token yet that the cache did not hold when they arrived.
+The engine runs on its own thread (``kvjax.cluster.node_worker.EngineWorker``): handlers hand
+it requests through a queue and read each request's events from an asyncio queue. A handler
+with a ``RemoteFetcher`` first looks up which peer holds more of the prompt (a directory round
+trip, on a worker thread) and hands that along; the engine thread decides fetch or recompute.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
-import threading
 import uuid
-from collections.abc import Callable
 
+import anyio.to_thread
+import numpy as np
 import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvjax.cache.block_events import Subscription
-from kvjax.cache.block_keys import Namespace
-from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad
+from kvjax.cluster.node_worker import EngineWorker, cluster_info_of, start_worker
 from kvjax.cluster.openai_api import (
     CompletionRequest,
     RequestError,
@@ -44,186 +37,22 @@ from kvjax.cluster.openai_api import (
     stream_chunk,
     usage_body,
 )
-from kvjax.cluster.publisher import DirectoryPublisher
+from kvjax.cluster.remote_fetch import OUTCOMES, PeerHint, RemoteFetcher
+from kvjax.cluster.remote_offers import OfferService
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_events import FinishEvent, TokenEvent
-from kvjax.serving.sampling import SamplingParams
 
 __all__ = ["EngineWorker", "cluster_info_of", "create_node_app", "start_worker"]
 
-_LOG = logging.getLogger(__name__)
-_IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its queue before looking again
 
-Sink = Callable[[object], None]  # receives TokenEvent / FinishEvent / an exception
-
-
-class EngineWorker:
-    """Runs ``engine`` on its own thread; see the module docstring.
-
-    ``publisher`` (optional) receives the batches of ``events`` (the cache's subscription,
-    taken with the holdings the publisher started from) and the node's load after each step.
-    """
-
-    def __init__(self, engine: Engine, publisher: DirectoryPublisher | None = None,
-                 events: Subscription | None = None):  # fmt: skip
-        if (publisher is None) != (events is None):
-            raise ValueError("pass both a publisher and the cache's event subscription, or neither")
-        self.engine, self.publisher = engine, publisher
-        self._events = events
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}
-        self._prefill_tokens: dict[str, int] = {}  # requests without a first token yet
-        self._load = NodeLoad()
-        self._stop = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop the engine thread, then the publisher (which drops the node's record)."""
-        self._stop.set()
-        self._commands.put(("wake",))
-        if self._thread.is_alive():
-            self._thread.join(timeout=10.0)
-        if self.publisher is not None:
-            self.publisher.close()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
-
-    @property
-    def load(self) -> NodeLoad:
-        return self._load
-
-    def submit(self, request_id: str, request: CompletionRequest, sink: Sink) -> None:
-        """Queue a request; its events (or a ValueError from the engine) go to ``sink``."""
-        self._commands.put(("add", request_id, request, sink))
-
-    def cancel(self, request_id: str) -> None:
-        self._commands.put(("cancel", request_id))
-
-    # --- the engine thread -----------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._take_commands(block=not self.engine.has_unfinished)
-                if self.engine.has_unfinished:
-                    for event in self.engine.step():  # a step ends its batch of block events
-                        self._deliver(event)
-                self._publish()
-        except Exception as error:  # a broken engine: fail every request, report unhealthy
-            _LOG.exception("engine loop failed")
-            self.error = error
-            failure = RuntimeError(f"the engine failed: {error}")
-            for sink in self._sinks.values():
-                sink(failure)
-            self._sinks.clear()
-            while True:  # requests queued meanwhile get the same answer
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if command[0] == "add":
-                    command[3](failure)
-
-    def _take_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _handle(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, request_id, request, sink = command
-            try:
-                self._add(request_id, request)
-            except ValueError as error:
-                sink(RequestError(str(error)))
-                return
-            self._sinks[request_id] = sink
-        elif command[0] == "cancel":
-            self.engine.cancel(command[1])
-
-    def _add(self, request_id: str, request: CompletionRequest) -> None:
-        engine = self.engine
-        namespace = Namespace(request.namespace) if request.namespace else None
-        sampling = SamplingParams(request.temperature, request.top_k, request.seed)
-        if request.prompt is not None:
-            prompt = {"prompt": request.prompt}
-            tokens = engine.tokenizer.encode(request.prompt)
-        else:
-            prompt = {"tokens": request.prompt_tokens}
-            tokens = request.prompt_tokens
-        uncached = len(tokens) - engine.cache.match(tokens, namespace).hit_tokens  # validates the ids too
-        engine.add_request(request_id, **prompt, max_new_tokens=request.max_tokens, sampling=sampling,
-                           namespace=namespace)  # fmt: skip
-        self._prefill_tokens[request_id] = uncached
-
-    def _deliver(self, event) -> None:
-        if isinstance(event, TokenEvent):
-            self._prefill_tokens.pop(event.request_id, None)
-            sink = self._sinks.get(event.request_id)
-        elif isinstance(event, FinishEvent):
-            self._prefill_tokens.pop(event.request_id, None)
-            sink = self._sinks.pop(event.request_id, None)
-        else:
-            return
-        if sink is not None:
-            sink(event)
-
-    def _publish(self) -> None:
-        load, self._load = self._load, NodeLoad(len(self._sinks), sum(self._prefill_tokens.values()))
-        if self.publisher is None:
-            return
-        batches = self._events.poll()
-        if self._events.lost_batches:  # fell behind: start again from the holdings
-            self._events.close()
-            self._events = self.engine.cache.subscribe()
-            self.publisher.reset(self._events.initial.entries())
-            batches = []
-        if batches or self._load != load:
-            self.publisher.submit(batches, self._load)
-
-
-def start_worker(engine: Engine, *, node_id: str, address: str, model: str,
-                 directory: Directory | None = None, register_timeout_s: float = 10.0) -> EngineWorker:  # fmt: skip
-    """The engine's worker thread, started; with ``directory``, registered there first and
-    publishing the cache's holdings and block events (ValueError / RuntimeError from
-    ``DirectoryPublisher.start`` when it cannot register)."""
-    publisher = events = None
-    if directory is not None:
-        events = engine.cache.subscribe()
-        publisher = DirectoryPublisher(directory, node_id, address, cluster_info_of(engine, model),
-                                       events.initial.entries())  # fmt: skip
-        publisher.start(register_timeout_s)
-    worker = EngineWorker(engine, publisher, events)
-    worker.start()
-    return worker
-
-
-def cluster_info_of(engine: Engine, model: str) -> ClusterInfo:
-    """What a router needs to key prompts the way ``engine`` does."""
-    tokenizer = getattr(engine.tokenizer, "name", type(engine.tokenizer).__name__)
-    canonicalize = engine.canonicalize is not None and engine.canonicalize.enabled
-    return ClusterInfo(model, engine.pool.config.page_size, "byte" if tokenizer == "ByteTokenizer" else tokenizer,
-                       canonicalize)  # fmt: skip
-
-
-def create_node_app(worker: EngineWorker, model: str, node_id: str) -> FastAPI:
-    """The node's FastAPI app around a started ``worker``."""
+def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: OfferService | None = None, *,
+                    fault_control: bool = False) -> FastAPI:  # fmt: skip
+    """The node's FastAPI app around a started ``worker``; ``offers``: serve ``/kv/offer``
+    and ``/kv/ack`` to peers; ``fault_control``: also ``/kv/fault`` (fault tests)."""
     app = FastAPI(title=f"kvjax node {node_id}")
-    registry = _node_metrics(worker)
+    registry = _node_metrics(worker, offers)
     decode = worker.engine.tokenizer.decode
+    engine = worker.engine
 
     @app.exception_handler(RequestError)
     async def request_error(_, error: RequestError):
@@ -240,7 +69,10 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        worker.submit(request_id, request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        hint = None
+        if worker.remote is not None and request.remote_fetch:
+            hint = await anyio.to_thread.run_sync(_find_peer, worker.remote, engine, request)
+        worker.submit(request_id, request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item), hint)
         try:
             first = await events.get()
             _raise_if_failed(first)
@@ -255,8 +87,40 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str) -> FastAPI:
         except asyncio.CancelledError:  # the client went away before the answer was complete
             worker.cancel(request_id)
             raise
-        body = completion_body(request_id, model, finish.text or "", _finish_reason(finish), _usage(finish))
+        usage = _usage(finish, worker.take_remote_report(request_id))
+        body = completion_body(request_id, model, finish.text or "", _finish_reason(finish), usage)
         return JSONResponse(body, headers=headers)
+
+    if offers is not None:
+
+        @app.post("/kv/offer")
+        async def kv_offer(http_request: Request):
+            body = await http_request.json()
+            try:
+                reply = await anyio.to_thread.run_sync(offers.offer, body)
+            except PermissionError as error:
+                return JSONResponse({"error": str(error)}, status_code=503)
+            except TimeoutError as error:
+                return JSONResponse({"error": str(error) or "timed out"}, status_code=504)
+            except ValueError as error:
+                return JSONResponse({"error": str(error)}, status_code=400)
+            return JSONResponse(reply.to_json())
+
+        @app.post("/kv/ack")
+        async def kv_ack(http_request: Request):
+            try:
+                return {"acknowledged": offers.ack(await http_request.json())}
+            except ValueError as error:
+                return JSONResponse({"error": str(error)}, status_code=400)
+
+    if offers is not None and fault_control:
+
+        @app.post("/kv/fault")
+        async def kv_fault(http_request: Request):
+            try:
+                return {"mode": offers.set_fault(await http_request.json())}
+            except ValueError as error:
+                return JSONResponse({"error": str(error)}, status_code=400)
 
     @app.get("/v1/models")
     async def models():
@@ -297,7 +161,8 @@ async def _stream(worker: EngineWorker, request_id: str, request: CompletionRequ
                 finished = True
                 yield sse(stream_chunk(request_id, request.model, text.finish(event.text or ""), _finish_reason(event)))
                 if request.include_usage:
-                    yield sse(stream_chunk(request_id, request.model, "", usage=_usage(event)))
+                    usage = _usage(event, worker.take_remote_report(request_id))
+                    yield sse(stream_chunk(request_id, request.model, "", usage=usage))
                 break
             event = await events.get()
         yield sse("[DONE]")
@@ -320,14 +185,25 @@ def _finish_reason(event: FinishEvent) -> str:
     return event.reason if event.reason in ("length", "stop") else event.status
 
 
-def _usage(event: FinishEvent) -> dict:
-    return usage_body(len(event.prompt_token_ids), len(event.output_token_ids), event.num_hit_tokens)
+def _usage(event: FinishEvent, remote: dict | None = None) -> dict:
+    usage = usage_body(len(event.prompt_token_ids), len(event.output_token_ids), event.num_hit_tokens)
+    if remote is not None:
+        usage["kvjax_remote"] = remote
+    return usage
 
 
-def _node_metrics(worker: EngineWorker) -> prometheus_client.CollectorRegistry:
-    """The node's own series next to the engine's: load and directory publishing."""
+def _find_peer(remote: RemoteFetcher, engine: Engine, request: CompletionRequest) -> PeerHint | None:
+    """The handler's directory lookup (on a worker thread: one Redis round trip)."""
+    tokens = engine.prompt_tokens(request.prompt) if request.prompt is not None else request.prompt_tokens
+    try:
+        return remote.find_peer(tokens, request.namespace)
+    except ValueError:  # bad token ids: the engine thread refuses the request with the message
+        return None
+
+def _node_metrics(worker: EngineWorker, offers: OfferService | None) -> prometheus_client.CollectorRegistry:
+    """The node's own series next to the engine's: load, directory publishing, remote fetch."""
     registry = prometheus_client.CollectorRegistry()
-    registry.register(_NodeCollector(worker))
+    registry.register(_NodeCollector(worker, offers))
     return registry
 
 
@@ -339,8 +215,8 @@ class _NodeCollector:
                   ("resyncs", "Registrations that rewrote every held block"),
                   ("errors", "Directory writes that failed"))  # fmt: skip
 
-    def __init__(self, worker: EngineWorker):
-        self.worker = worker
+    def __init__(self, worker: EngineWorker, offers: OfferService | None):
+        self.worker, self.offers = worker, offers
 
     def collect(self):
         load = self.worker.load
@@ -352,3 +228,24 @@ class _NodeCollector:
         if publisher is not None:
             for name, help_text in self._PUBLISHER:
                 yield CounterMetricFamily(f"kvjax_node_directory_{name}", help_text, value=publisher.counters[name])
+        remote = self.worker.remote
+        if remote is not None:
+            fetches = CounterMetricFamily("kvjax_node_remote_fetches", "Remote fetches by outcome", labels=["outcome"])
+            for outcome in OUTCOMES:
+                fetches.add_metric([outcome], remote.counters[outcome])
+            yield fetches
+            yield CounterMetricFamily("kvjax_node_remote_fetched_blocks", "Blocks pulled from peers and verified",
+                                      value=remote.counters["fetched_blocks"])  # fmt: skip
+            recent = list(remote.recent_seconds)
+            if recent:
+                quantiles = GaugeMetricFamily("kvjax_node_remote_fetch_seconds",
+                                              "Seconds a request waited for its remote fetch (recent fetches)",
+                                              labels=["quantile"])  # fmt: skip
+                for q in (0.5, 0.99):
+                    quantiles.add_metric([str(q)], float(np.quantile(recent, q)))
+                yield quantiles
+        if self.offers is not None:
+            for name, value in self.offers.counters.items():
+                yield CounterMetricFamily(f"kvjax_node_offer_{name}", f"Offers to peers: {name}", value=value)
+            for name, value in self.offers.transport.stats().items():
+                yield GaugeMetricFamily(f"kvjax_node_transfer_{name}", f"Transfer server: {name}", value=value)

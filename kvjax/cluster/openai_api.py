@@ -14,7 +14,10 @@ Accepted request fields (anything else is refused with the list of these):
   a string (default: the default namespace). The same can come in the ``X-KVJax-Namespace``
   header, which is where a gateway that authenticates tenants sets it; body and header
   must agree when both are given. The namespace is trusted input: whoever can choose it can
-  hit that tenant's cache, so expose the router to tenants only behind such a gateway.
+  hit that tenant's cache, so expose the router to tenants only behind such a gateway;
+* ``remote_fetch`` (kvjax's extension, default true): whether the serving node may fetch
+  the prompt's cached prefix from another node (``kvjax.cluster.remote_fetch``) instead of
+  recomputing it; false recomputes what the node does not hold (a comparison run).
 
 The official client passes the extension as ``extra_body={"namespace": "tenant-a"}``.
 """
@@ -44,7 +47,7 @@ NAMESPACE_HEADER = "x-kvjax-namespace"
 _NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0,
             "logprobs": None, "suffix": None, "stop": None, "logit_bias": None}  # fmt: skip
 _FIELDS = ("model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_k", "seed", "user",
-           "namespace", *_NEUTRAL)  # fmt: skip
+           "namespace", "remote_fetch", *_NEUTRAL)  # fmt: skip
 
 
 class RequestError(ValueError):
@@ -73,6 +76,7 @@ class CompletionRequest:
     top_k: int = 0
     seed: int | None = None
     namespace: str | None = None
+    remote_fetch: bool = True
 
 
 def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, str] | None = None) -> CompletionRequest:
@@ -100,7 +104,8 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
         model=model, prompt=prompt, prompt_tokens=tokens,
         max_tokens=_int_in(body, "max_tokens", 16, 1, None), stream=stream, include_usage=include_usage,
         temperature=_number_in(body, "temperature", 0.0, 0.0, 2.0), top_k=_int_in(body, "top_k", 0, 0, None),
-        seed=_int_in(body, "seed", None, 0, 2**32 - 1), namespace=_namespace(body, headers or {}))  # fmt: skip
+        seed=_int_in(body, "seed", None, 0, 2**32 - 1), namespace=_namespace(body, headers or {}),
+        remote_fetch=_typed(body, "remote_fetch", bool, True))  # fmt: skip
 
 
 def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error") -> dict:

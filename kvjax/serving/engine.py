@@ -92,7 +92,7 @@ class Engine:
                                   token_buckets=self.config.token_buckets, impl=self.config.impl)
         swap_slots = self.scheduler_config.host_swap_blocks
         self.swap_store = SwapStore(self.pool, swap_slots, cache.config.transfer_buckets) if swap_slots else None
-        self.observer = EngineObserver(self.metrics, page_size)
+        self.observer = EngineObserver(self.metrics, page_size, cache)
         self._records: dict[str, RequestRecord] = {}
         self._pending: list[Event] = []  # events produced between steps (cancellations)
         self._num_added = 0
@@ -156,6 +156,13 @@ class Engine:
         self._records[request_id] = record
         self._num_added += 1
         return accepted
+
+    def prompt_tokens(self, prompt: str) -> np.ndarray:
+        """The token ids ``add_request(prompt=...)`` serves for a text prompt (canonicalized
+        first when canonicalization is on). Pure: safe from any thread."""
+        if self.canonicalize is not None and self.canonicalize.enabled:
+            prompt = canonicalize_text(prompt, self.canonicalize).text
+        return np.asarray(self.tokenizer.encode(prompt), np.int32)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a queued or running request; False if it is not live. Its FinishEvent

@@ -62,7 +62,7 @@ import numpy as np
 import pallas_kernels
 from kvjax.cache.allocator import BlockAllocator
 from kvjax.cache.block_events import BlockIndex, EventLog, Subscription
-from kvjax.cache.block_keys import Namespace, as_namespace
+from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cache.cost_model import CostModel
 from kvjax.cache.device_index import DeviceIndex, NamespaceLike, TokensLike
 from kvjax.cache.records import KVCacheStats, MatchResult, SeqHandle
@@ -74,12 +74,15 @@ from kvjax.tiers.fetch_jobs import Waiter
 from kvjax.tiers.fetch_plan import AdmissionReport, FetchPlan, HitSources, plan_fetch
 from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.kv_cache_config import KVCacheConfig
+from kvjax.tiers.kv_cache_remote import ExportedPages, export_pages, import_pages
 from kvjax.tiers.mover import TierMover, TierReport
 from kvjax.tiers.page_pool import PagePool
 from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferEngine
 
-__all__ = ["AdmissionReport", "KVCache", "KVCacheConfig", "KVCacheStats", "Lookup", "TierReport"]
+__all__ = ["AdmissionReport", "ExportedPages", "KVCache", "KVCacheConfig", "KVCacheStats", "Lookup", "TierReport"]
+
+_OTHER_NAMESPACES_CHECKED = 8  # a miss checks this many other namespaces' disk blocks at most
 
 _HOST = int(Tier.HOST)
 
@@ -139,6 +142,7 @@ class KVCache:
         self.host_pool: HostPool | None = None
         self.disk_tier: DiskTier | None = disk_tier
         self.transfer: TransferEngine | None = None
+        self._gather = _codec_gather(self.codec, impl)
         self._owns_disk_tier = False  # opened from config.disk_dir: closed with the cache
         if config.tiered:
             self._open_lower_tiers(impl, transfer_factory)
@@ -277,6 +281,22 @@ class KVCache:
         if self.config.write_policy == "selective":
             self._copy_hot_path(handle)
         return handle
+
+    def pages_in_other_namespaces(self, tokens: TokensLike, namespace: NamespaceLike, num_pages: int) -> np.ndarray:
+        """Which of the first ``num_pages`` full pages of ``tokens`` the disk tier holds under
+        another namespace (the same tokens, another tenant, model, adapter or salt): a miss
+        isolation forced, even for blocks a previous process wrote. ``bool[num_pages]``; the
+        ``_OTHER_NAMESPACES_CHECKED`` namespaces holding most blocks are checked."""
+        held = np.zeros(num_pages, bool)
+        disk = self.disk_tier
+        if disk is None or num_pages <= 0:
+            return held
+        own = as_namespace(namespace).digest()
+        prefix = np.asarray(tokens)[: num_pages * self.page_size]
+        for digest in [d for d in disk.namespaces() if d != own][:_OTHER_NAMESPACES_CHECKED]:
+            keys = chained_block_keys(prefix, self.page_size, digest)
+            held[: len(keys)] |= [disk.contains(key, digest) for key in keys]
+        return held
 
     def admission_report(self, handle: SeqHandle) -> AdmissionReport:
         """Where ``handle``'s prompt pages came from (final once the handle is ready)."""
@@ -425,6 +445,19 @@ class KVCache:
                 self.index.release(hold)
         self._mover.unhold(held)
 
+    # --- pages between nodes ----------------------------------------------------------------
+
+    def export_pages(self, tokens: TokensLike, namespace: NamespaceLike, first_page: int,
+                     num_pages: int) -> ExportedPages:  # fmt: skip
+        """Pages ``first_page ..`` (at most ``num_pages``) of ``tokens``' cached prefix, read
+        from their tiers for another node (``kvjax.tiers.kv_cache_remote``)."""
+        return export_pages(self, tokens, namespace, first_page, num_pages)
+
+    def import_pages(self, tokens: TokensLike, namespace: NamespaceLike, first_page: int, blocks: np.ndarray) -> int:
+        """Another node's verified pages ``first_page ..`` of ``tokens`` join this cache as
+        host pages; returns how many (``kvjax.tiers.kv_cache_remote``)."""
+        return import_pages(self, tokens, namespace, first_page, blocks)
+
     def warmup(self) -> None:
         """Build the device side of every tier move now, once per transfer bucket: an
         offload's gather (and encode), a fetch's copy up, decode and scatter, each run on no
@@ -559,10 +592,9 @@ class KVCache:
         elif self.disk_tier is not None:
             codec.check_stored_by(self.disk_tier, "disk_tier")
             self.disk_tier.events = self.events
-        self._gather = gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
         self.transfer = (transfer_factory or TransferEngine)(
-            self.host_pool, self.disk_tier, gather_blocks=gather, buckets=config.transfer_buckets,
-            synchronous=not self.move_bytes)  # fmt: skip
+            self.host_pool, self.disk_tier, gather_blocks=self._gather, buckets=config.transfer_buckets,
+            synchronous=not self.move_bytes, direct_cpu_reads=codec.stores_as_is and impl is None)  # fmt: skip
 
     def _fresh_lookup(self, tokens: TokensLike | Lookup, namespace: NamespaceLike) -> Lookup:
         if not isinstance(tokens, Lookup):
@@ -649,6 +681,11 @@ class KVCache:
     def _copy_hot_path(self, handle: SeqHandle) -> None:
         if handle._committed and self.config.tiered:
             self._copy_path(handle._tail, 0, self.config.selective_min_hits)
+
+
+def _codec_gather(codec, impl: str | None) -> Callable:
+    """``(kv_pages, block_ids) -> stored blocks``: the pool gather, then the codec's encode."""
+    return codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
 
 
 def _truncate(matched: list[tuple[Node, int]], num_pages: int) -> list[tuple[Node, int]]:

@@ -1,11 +1,14 @@
-"""Transfer engine: moves KV blocks between device, host and disk off the serving thread.
+"""Transfer engine: moves KV blocks between device, host, disk and other processes off the
+serving thread.
 
-Four links, each with its own queue and worker thread:
+Five links, each with its own queue and worker thread:
 
     device_to_host   offload: blocks gathered from the page pool into host slots
     host_to_device   fetch:   host slots copied to a device array the caller scatters
     host_to_disk     spill:   host slots written to disk segments (queued spills coalesce)
     disk_to_host     restore: disk blocks read back into host slots
+    remote_to_host   pull:    another process's blocks, returned as a host array (the caller
+                              verifies them and commits them; ``kvjax.cluster.remote_fetch``)
 
 Within a link, jobs run by priority (DEMAND < PREFETCH < SPILL), then in submission order. Each
 link may have a byte budget (a token bucket): background jobs wait for tokens; a demand job
@@ -62,6 +65,7 @@ class Link(enum.Enum):
     HOST_TO_DEVICE = "host_to_device"
     HOST_TO_DISK = "host_to_disk"
     DISK_TO_HOST = "disk_to_host"
+    REMOTE_TO_HOST = "remote_to_host"
 
 
 class Priority(enum.IntEnum):
@@ -84,8 +88,10 @@ class TransferResult:
     num_blocks: int
     ok: bool
     done_keys: tuple[bytes, ...] = ()  # spill / restore: keys now held by the destination
-    blocks: jax.Array | None = None  # host_to_device only: [rows, *block_shape], ready
+    blocks: jax.Array | np.ndarray | None = None  # host_to_device: [rows, *block_shape], ready;
+    # remote_to_host: what the pull returned (a host array)
     error: str | None = None
+    seconds: float = 0.0  # remote_to_host: how long the pull ran (not counting its queueing)
 
 
 def bucket_rows(num_blocks: int, buckets: Sequence[int]) -> int:
@@ -116,6 +122,9 @@ class _Job:
     rows: int = 0  # fetch: the bucket the batch is padded to
     blocks: jax.Array | None = None  # device_to_host: the gathered (encoded) blocks
     pinned: bool = False  # disk_to_host: its disk segments are pinned until it finishes
+    pull: Callable[[float], object] | None = None  # remote_to_host: (deadline) -> blocks
+    deadline: float = 0.0  # remote_to_host: time.monotonic() seconds the pull must end by
+    num_blocks: int = 0  # remote_to_host: blocks it brings
 
 
 class TransferEngine:
@@ -133,7 +142,7 @@ class TransferEngine:
     def __init__(self, host: HostPool, disk_tier: DiskTier | None = None, *,
                  gather_blocks: Callable | None = None, budgets: Mapping[Link, LinkBudget] = (),
                  clock: Callable[[], float] = time.monotonic, buckets: Sequence[int] = (),
-                 synchronous: bool = False, paused: bool = False):  # fmt: skip
+                 synchronous: bool = False, paused: bool = False, direct_cpu_reads: bool = False):  # fmt: skip
         """Args:
         gather_blocks: ``(kv_pages, block_ids) -> [n, *block_shape]``, bit-exact, zero rows
           for negative ids; default ``pallas_kernels.gather_blocks``.
@@ -142,12 +151,17 @@ class TransferEngine:
         buckets: ascending batch sizes offloads and fetches are padded to (empty: no padding).
         synchronous: run each job at submit on the caller's thread (no workers, no budgets).
         paused: workers take no job until ``resume()`` (queue work up first, then start).
+        direct_cpu_reads: blocks are stored as the pool holds them (no codec) and
+          ``gather_blocks`` is a plain gather: an offload from a pool on one CPU device (whose
+          memory is host memory) then copies each block straight into its slot on the
+          caller's thread, one copy where a gather and a copy would be two.
         """
         self.host = host
         self.disk_tier = disk_tier
         self.buckets = tuple(buckets)
         self.synchronous = synchronous
         self._gather = gather_blocks or pallas_kernels.gather_blocks
+        self._direct_cpu_reads = direct_cpu_reads
         self._buckets = {link: TokenBucket(b.rate_bytes_per_s, b.burst_bytes, clock)
                          for link, b in dict(budgets).items()}  # fmt: skip
         self._cond = threading.Condition()
@@ -157,7 +171,8 @@ class TransferEngine:
         self._running = {link: 0 for link in Link}
         self._counters = {link: {"jobs": 0, "failed": 0, "bytes": 0} for link in Link}
         self._runners = {Link.DEVICE_TO_HOST: self._run_offload, Link.HOST_TO_DEVICE: self._run_fetch,
-                         Link.HOST_TO_DISK: self._run_spill, Link.DISK_TO_HOST: self._run_restore}  # fmt: skip
+                         Link.HOST_TO_DISK: self._run_spill, Link.DISK_TO_HOST: self._run_restore,
+                         Link.REMOTE_TO_HOST: self._run_pull}  # fmt: skip
         self._workers = [] if synchronous else [
             threading.Thread(target=self._work, args=(link,), daemon=True, name=f"kvjax-{link.value}")
             for link in Link]  # fmt: skip
@@ -181,14 +196,33 @@ class TransferEngine:
         if len(block_ids) != len(slots):
             raise ValueError(f"{len(block_ids)=} must equal {len(slots)=}")
         job = self._job(Link.DEVICE_TO_HOST, priority, slots)
-        if kv_pages is not None and len(slots):
+        pool_memory = self._cpu_pool_memory(kv_pages) if len(slots) else None
+        if pool_memory is not None:  # the pool is host memory: read it now, before it is donated
+            self.host.write_rows(slots, pool_memory, np.asarray(block_ids, np.intp))
+        elif kv_pages is not None and len(slots):
             ids = np.full(self.rows_for(len(slots)), -1, np.int32)
             ids[: len(slots)] = block_ids
             try:
                 job.blocks = self._gather(kv_pages, jnp.asarray(ids))
+                if isinstance(job.blocks, jax.Array):
+                    # The copy down starts now, behind the gather, not when the worker asks
+                    # for the bytes (on CPU the array is host memory already: nothing to do).
+                    job.blocks.copy_to_host_async()
             except Exception as err:  # noqa: BLE001 - resolve, never raise into the request
                 return self._reject(job, f"gather failed: {err!r}")
         return self._submit(job)
+
+    def _cpu_pool_memory(self, kv_pages) -> np.ndarray | None:
+        """The pool's own memory as a read-only numpy view (no copy), when offloads may read
+        it directly (``direct_cpu_reads``, a plain array on one CPU device stored as is)."""
+        if not self._direct_cpu_reads or not isinstance(kv_pages, jax.Array) or not self.host.store_bytes:
+            return None
+        devices = kv_pages.devices()
+        if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+            return None
+        if kv_pages.dtype != self.host.dtype or tuple(kv_pages.shape[1:]) != self.host.block_shape:
+            return None
+        return np.asarray(kv_pages)  # waits for the step that wrote it
 
     def fetch(self, slots: Sequence[int], *, priority: Priority = Priority.DEMAND) -> concurrent.futures.Future:
         """Copies host ``slots`` to the device (host_to_device), padded to the batch's bucket."""
@@ -224,6 +258,24 @@ class TransferEngine:
         if not self.disk_tier.lock(job.keys, namespace):
             return self._reject(job, "not all keys are on disk")
         job.pinned = True
+        return self._submit(job)
+
+    def pull_remote(self, pull: Callable[[float], object], num_blocks: int, block_nbytes: int, *, deadline: float,
+                    priority: Priority = Priority.DEMAND) -> concurrent.futures.Future:  # fmt: skip
+        """Run ``pull(deadline)`` on the remote_to_host link: another process's ``num_blocks``
+        blocks of ``block_nbytes`` bytes (the byte budget's charge). ``deadline`` is
+        ``time.monotonic()`` seconds; ``pull`` must return or raise by then (it owns the
+        watchdog); a job still queued at its deadline fails without running. The result's
+        ``blocks`` is what ``pull`` returned, ``seconds`` how long it ran; an exception
+        resolves it with ``ok=False`` and the error."""
+        if not callable(pull):
+            raise ValueError(f"pull={pull!r} must be a callable (deadline) -> blocks")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 1")
+        if not isinstance(priority, Priority):
+            raise ValueError(f"{priority=} must be a Priority ({list(Priority)})")
+        job = _Job(Link.REMOTE_TO_HOST, priority, np.zeros(0, np.intp), num_blocks * int(block_nbytes),
+                   concurrent.futures.Future(), pull=pull, deadline=deadline, num_blocks=num_blocks)  # fmt: skip
         return self._submit(job)
 
     # ---- control -------------------------------------------------------------------------
@@ -362,6 +414,14 @@ class TransferEngine:
         self.host.write(job.slots[read.hits], read.blocks[read.hits])
         return [self._success(job, [key for key, hit in zip(job.keys, read.hits) if hit])]
 
+    def _run_pull(self, jobs: list[_Job]) -> list[TransferResult]:
+        [job] = jobs
+        start = time.monotonic()
+        if start >= job.deadline:
+            return [self._failure(job, "deadline passed while queued")]
+        blocks = job.pull(job.deadline)
+        return [TransferResult(job.link, job.num_blocks, ok=True, blocks=blocks, seconds=time.monotonic() - start)]
+
     # ---- job lifetime --------------------------------------------------------------------
 
     def _run_now(self, job: _Job) -> concurrent.futures.Future:
@@ -405,7 +465,10 @@ class TransferEngine:
             counters = self._counters[job.link]
             counters["jobs"] += 1
             counters["failed"] += not result.ok
-            counters["bytes"] += (done if result.ok or job.keys else 0) * self.host.block_nbytes
+            if job.link is Link.REMOTE_TO_HOST:
+                counters["bytes"] += job.nbytes if result.ok else 0
+            else:
+                counters["bytes"] += (done if result.ok or job.keys else 0) * self.host.block_nbytes
         job.future.set_result(result)
 
     @staticmethod
@@ -419,4 +482,4 @@ class TransferEngine:
 
     @staticmethod
     def _failure(job: _Job, error: str) -> TransferResult:
-        return TransferResult(job.link, len(job.slots), ok=False, error=error)
+        return TransferResult(job.link, job.num_blocks or len(job.slots), ok=False, error=error)

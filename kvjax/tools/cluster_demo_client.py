@@ -24,14 +24,18 @@ class Completion:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from cached KV
     ttft_s: float  # seconds from sending to the first streamed chunk
+    fetched_tokens: int = 0  # of the cached ones, fetched from another node
+    fetch_s: float | None = None  # seconds the request waited for its fetch (None: it did not fetch)
+    fetch_outcome: str | None = None  # how the fetch ended ("ok", "timeout", ...; kvjax.cluster.remote_fetch)
 
 
 def complete(base_url: str, model: str, prompt: str, max_tokens: int, namespace: str,
-             timeout_s: float = 120.0) -> Completion:  # fmt: skip
+             timeout_s: float = 120.0, remote_fetch: bool = True) -> Completion:  # fmt: skip
     """Send one greedy streamed completion to ``base_url`` (a node or a router) and read it
-    to the end. RuntimeError naming the status and the server's message on an error answer."""
+    to the end; ``remote_fetch`` False: the node recomputes what it does not hold. RuntimeError
+    naming the status and the server's message on an error answer."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "namespace": namespace}  # fmt: skip
+            "stream_options": {"include_usage": True}, "namespace": namespace, "remote_fetch": remote_fetch}  # fmt: skip
     request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})  # fmt: skip
     start = time.perf_counter()
@@ -58,4 +62,6 @@ def complete(base_url: str, model: str, prompt: str, max_tokens: int, namespace:
     if usage is None:
         raise RuntimeError(f"{base_url} ended the stream without usage")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return Completion(node, "".join(pieces), usage["prompt_tokens"], cached, ttft or 0.0)
+    remote = usage.get("kvjax_remote")
+    fetch = (0, None, None) if remote is None else (remote["fetched_tokens"], remote["wait_s"], remote["outcome"])
+    return Completion(node, "".join(pieces), usage["prompt_tokens"], cached, ttft or 0.0, *fetch)

@@ -13,6 +13,13 @@ Model of the replay, request by request in timestamp order:
 3. The chosen node's cache serves the request as the single-node replay does
    (``kvjax.tools.replay.serve_request``: admit, commit, release; ``move_bytes=False``).
 
+Remote fetch (``FetchModel``, on unless ``fetch=None``): past the chosen node's own hits, the
+blocks the best other node holds are fetched when that is quicker than prefilling them (the
+same rule as a node's: fetch time at the model's link against prefill time at the service
+model's rate), and count as served; the chosen node then caches them like the rest of the
+prompt. The router credits a node with what it could fetch at the model's cost ratio
+(``RouterConfig.remote_fetch_cost``, unless the router config sets it).
+
 Load comes from a service-time model (``ServiceModel``, printed with the results): a node
 prefills one request at a time, in arrival order, at ``prefill_tokens_per_s`` uncached prompt
 tokens a second; a request then decodes its ``output_length`` tokens at
@@ -21,8 +28,9 @@ a node's load is what its HTTP server would report: requests whose modelled fini
 (in flight), and the uncached prompt tokens of those whose modelled prefill ends later.
 
 Figures (``ClusterReplayReport.as_dict``; rates are fractions of all prompt blocks):
-``block_hit_rate`` served locally; ``remote_block_hit_rate`` blocks past the chosen node's
-hits that another node held (what fetching from a peer could add);
+``block_hit_rate`` served locally; ``remote_block_hit_rate`` served by a fetch from another
+node; ``served_block_hit_rate`` the two together; ``reachable_remote_block_hit_rate`` blocks
+past the chosen node's hits that another node held (what fetching could add at any cost);
 ``single_cache_block_hit_rate`` one cache of N x C device blocks (N x M host, N x K disk),
 same policy; ``max_mean_requests`` the busiest node's requests over the mean;
 ``p95_window_max_mean_requests`` the same over every window of 50 x N consecutive arrivals,
@@ -49,6 +57,7 @@ __all__ = [
     "WINDOW_REQUESTS_PER_NODE",
     "ClusterReplayReport",
     "ClusterSpec",
+    "FetchModel",
     "ServiceModel",
     "cluster_replay",
     "format_cluster_report",
@@ -83,6 +92,47 @@ class ServiceModel:
                 f"uncached prompt tokens/s, then the request decodes at {self.decode_tokens_per_s:,.0f} "
                 "tokens/s (batched: no contention); load at an arrival = requests in flight + uncached "
                 "prompt tokens not yet prefilled")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FetchModel:
+    """What fetching a block from another node costs, against prefilling it (see the module
+    docstring). The defaults are an 8B model's KV in bf16 (32 layers x 8 KV heads x 128 x K, V
+    x 2 bytes = 128 KiB a token) over a 100 Gb/s link: a 512-token block in 5.4 ms against
+    25.6 ms of prefill at the default service model's rate."""
+
+    kv_bytes_per_token: int = 131072
+    link_bytes_per_s: float = 12.5e9
+    latency_s: float = 1e-3  # per fetch: the ask and the transfer's start
+
+    def __post_init__(self) -> None:
+        for name in ("kv_bytes_per_token", "link_bytes_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r} must be a number > 0")
+        if not self.latency_s >= 0:
+            raise ValueError(f"latency_s={self.latency_s!r} must be >= 0 seconds")
+
+    def cost_ratio(self, service: ServiceModel) -> float:
+        """Seconds to fetch a token's KV over seconds to prefill it (the router's
+        ``remote_fetch_cost``), capped at 1."""
+        return min(1.0, self.kv_bytes_per_token / self.link_bytes_per_s * service.prefill_tokens_per_s)
+
+    def blocks_to_fetch(self, block_tokens: Sequence[int], service: ServiceModel) -> int:
+        """How many of these blocks (their token counts, in order) to fetch: the leading run
+        that saves the most seconds, 0 when none saves anything."""
+        if not len(block_tokens):
+            return 0
+        tokens = np.cumsum(block_tokens, dtype=np.float64)
+        saved = tokens / service.prefill_tokens_per_s - (self.latency_s + tokens * self.kv_bytes_per_token /
+                                                          self.link_bytes_per_s)  # fmt: skip
+        best = int(np.argmax(saved))
+        return best + 1 if saved[best] > 0 else 0
+
+    def describe(self, service: ServiceModel) -> str:
+        return (f"remote fetch: {self.kv_bytes_per_token:,} bytes of KV a token over "
+                f"{self.link_bytes_per_s / 1e9:g} GB/s, {1e3 * self.latency_s:g} ms a fetch: a token fetched costs "
+                f"{self.cost_ratio(service):.2f} of one prefilled")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,6 +171,8 @@ class ClusterReplayReport:
     requests_per_node: tuple[int, ...]
     p95_window_max_mean: float
     reasons: dict[str, int]  # routing decisions by ``Decision.reason``
+    fetch: FetchModel | None = None
+    fetched_blocks: int = 0  # of the remote blocks, those fetched (and so served)
     single_cache: HitCounts | None = None  # one cache of nodes x the capacities, same policy
     offline: HitCounts | None = None  # farthest-next-use at nodes x device_blocks
     unlimited: HitCounts | None = None
@@ -131,8 +183,17 @@ class ClusterReplayReport:
         return max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0
 
     @property
-    def remote_block_hit_rate(self) -> float:
+    def reachable_remote_block_hit_rate(self) -> float:
         return self.remote_blocks / self.local.blocks if self.local.blocks else 0.0
+
+    @property
+    def remote_block_hit_rate(self) -> float:
+        """Blocks served by fetches from other nodes, over all blocks."""
+        return self.fetched_blocks / self.local.blocks if self.local.blocks else 0.0
+
+    @property
+    def served_block_hit_rate(self) -> float:
+        return self.local.block_hit_rate + self.remote_block_hit_rate
 
     def as_dict(self) -> dict[str, Any]:
         """The single-node replay's keys (``ReplayReport.as_dict``: the local hits, capacities
@@ -150,7 +211,11 @@ class ClusterReplayReport:
             "fair_window": self.router.fair_window,
             "prefill_tokens_per_s": self.service.prefill_tokens_per_s,
             "decode_tokens_per_s": self.service.decode_tokens_per_s,
+            "remote_fetch_cost": self.router.remote_fetch_cost,
+            "remote_fetch": None if self.fetch is None else dataclasses.asdict(self.fetch),
             "remote_block_hit_rate": self.remote_block_hit_rate,
+            "served_block_hit_rate": self.served_block_hit_rate,
+            "reachable_remote_block_hit_rate": self.reachable_remote_block_hit_rate,
             "single_cache_block_hit_rate": self.single_cache.block_hit_rate,
             "single_cache_token_hit_rate": self.single_cache.token_hit_rate,
             "requests_per_node": list(self.requests_per_node),
@@ -160,22 +225,29 @@ class ClusterReplayReport:
         }
 
 
+_DEFAULT_FETCH = FetchModel()
+
+
 def cluster_replay(requests: Sequence[TraceRequest], spec: ClusterSpec, *, router: RouterConfig | None = None,
-                   service: ServiceModel | None = None) -> ClusterReplayReport:  # fmt: skip
+                   service: ServiceModel | None = None,
+                   fetch: FetchModel | None = _DEFAULT_FETCH) -> ClusterReplayReport:  # fmt: skip
     """Replays ``requests`` (in the given order) through the cluster of ``spec``, routed by
     ``router`` (default ``RouterConfig()``) with load from ``service`` (default
-    ``ServiceModel()``), next to the yardsticks at the cluster's whole capacity; see the
-    module docstring. ValueError naming the value, before replaying anything, for a
-    capacity out of range or an unknown policy."""
-    run = simulate_cluster(requests, spec, router=router, service=service)
+    ``ServiceModel()``) and remote fetch by ``fetch`` (None: no fetch), next to the
+    yardsticks at the cluster's whole capacity; see the module docstring. ValueError naming
+    the value, before replaying anything, for a capacity out of range or an unknown policy."""
+    run = simulate_cluster(requests, spec, router=router, service=service, fetch=fetch)
     return dataclasses.replace(run, **yardsticks(requests, spec))
 
 
 def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, router: RouterConfig | None = None,
-                     service: ServiceModel | None = None) -> ClusterReplayReport:  # fmt: skip
+                     service: ServiceModel | None = None,
+                     fetch: FetchModel | None = _DEFAULT_FETCH) -> ClusterReplayReport:  # fmt: skip
     """The cluster part of ``cluster_replay``, without the yardsticks (left None): a
     benchmark comparing strategies computes those once."""
     router, service = router or RouterConfig(), service or ServiceModel()
+    if fetch is not None and router.remote_fetch_cost is None:
+        router = dataclasses.replace(router, remote_fetch_cost=fetch.cost_ratio(service))
     caches = [spec.cache() for _ in range(spec.nodes)]
     node_ids = [f"n{index:0{len(str(spec.nodes - 1))}d}" for index in range(spec.nodes)]  # sort as the indices
     loads = _LoadModel(spec.nodes, service)
@@ -183,7 +255,7 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
     paths, _ = intern_block_paths(requests)
     counter = HitCounter(spec.block_tokens)
     chosen = np.zeros(len(requests), np.int64)
-    remote_blocks = 0
+    remote_blocks = fetched_blocks = 0
     reasons: collections.Counter[str] = collections.Counter()
     for index, (request, path) in enumerate(zip(requests, paths)):
         now = request.timestamp_ms / 1000.0
@@ -197,8 +269,13 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
         node = node_ids.index(decision.node_id)
         hit_blocks, lower_tiers = serve_request(caches[node][0], blocks)
         counter.add(request, hit_blocks, lower_tiers)
-        remote_blocks += max([0, *(held[other] - hit_blocks for other in range(spec.nodes) if other != node)])
-        loads.add(node, now, sum(request.block_tokens(spec.block_tokens)[hit_blocks:]), request.output_length)
+        reachable = max([0, *(held[other] - hit_blocks for other in range(spec.nodes) if other != node)])
+        block_tokens = request.block_tokens(spec.block_tokens)
+        fetched = 0 if fetch is None else fetch.blocks_to_fetch(block_tokens[hit_blocks : hit_blocks + reachable],
+                                                                 service)  # fmt: skip
+        remote_blocks += reachable
+        fetched_blocks += fetched
+        loads.add(node, now, sum(block_tokens[hit_blocks + fetched :]), request.output_length)
         chosen[index] = node
         reasons[decision.reason] += 1
     evicted = sum(cache.stats.prefix.evicted_blocks for cache, _ in caches)
@@ -206,7 +283,7 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
         cache.close()
     return ClusterReplayReport(
         spec=spec, router=router, service=service, local=counter.result(evicted_blocks=evicted),
-        remote_blocks=remote_blocks,
+        remote_blocks=remote_blocks, fetch=fetch, fetched_blocks=fetched_blocks,
         requests_per_node=tuple(int(count) for count in np.bincount(chosen, minlength=spec.nodes)),
         p95_window_max_mean=window_max_mean(chosen, spec.nodes, WINDOW_REQUESTS_PER_NODE * spec.nodes),
         reasons=dict(sorted(reasons.items())),
@@ -254,13 +331,16 @@ def format_cluster_report(trace: str, report: ClusterReplayReport) -> str:
         (f"router {router.strategy} (imbalance_abs={router.imbalance_abs:g}, imbalance_rel={router.imbalance_rel:g}, "
          f"tokens_per_load_unit={router.tokens_per_load_unit or 'learned'}, fair_window={router.fair_window})"),
         report.service.describe(),
+        report.fetch.describe(report.service) if report.fetch is not None else "remote fetch: off",
         f"{'':<36}{'block hits':>12}{'token hits':>12}",
     ]  # fmt: skip
     for label, counts in rates:
         if counts is not None:
             lines.append(f"{label:<36}{counts.block_hit_rate:>12.2%}{counts.token_hit_rate:>12.2%}")
         if counts is local:
-            lines.append(f"{'  another node held more':<36}{report.remote_block_hit_rate:>12.2%}")
+            lines.append(f"{'  fetched from another node':<36}{report.remote_block_hit_rate:>12.2%}")
+            lines.append(f"{'  served (local + fetched)':<36}{report.served_block_hit_rate:>12.2%}")
+            lines.append(f"{'  another node held more':<36}{report.reachable_remote_block_hit_rate:>12.2%}")
     lines.append(f"requests per node: {', '.join(map(str, report.requests_per_node))}; max/mean "
                  f"{report.max_mean_requests:.3f}; windows of {WINDOW_REQUESTS_PER_NODE * spec.nodes} arrivals: "
                  f"p95 max/mean {report.p95_window_max_mean:.3f}")  # fmt: skip

@@ -13,15 +13,16 @@ import json
 from collections.abc import Sequence
 
 from kvjax.cluster.router import STRATEGIES, RouterConfig
-from kvjax.tools.cluster_replay import ClusterSpec, ServiceModel, cluster_replay, format_cluster_report
+from kvjax.tools.cluster_replay import ClusterSpec, FetchModel, ServiceModel, cluster_replay, format_cluster_report
 from kvjax.tools.trace import TraceRequest
 
 __all__ = ["add_cluster_arguments", "cluster_options_without_nodes", "run_cluster_replay"]
 
-_DEFAULTS, _SERVICE = RouterConfig(), ServiceModel()
-_ROUTER_OPTIONS = ("imbalance_abs", "imbalance_rel", "tokens_per_load_unit", "fair_window")
+_DEFAULTS, _SERVICE, _FETCH = RouterConfig(), ServiceModel(), FetchModel()
+_ROUTER_OPTIONS = ("imbalance_abs", "imbalance_rel", "tokens_per_load_unit", "fair_window", "remote_fetch_cost")
 _SERVICE_OPTIONS = ("prefill_tokens_per_s", "decode_tokens_per_s")
-_CLUSTER_ONLY = ("router", *_ROUTER_OPTIONS, *_SERVICE_OPTIONS)
+_FETCH_OPTIONS = ("kv_bytes_per_token", "link_bytes_per_s")
+_CLUSTER_ONLY = ("router", *_ROUTER_OPTIONS, *_SERVICE_OPTIONS, *_FETCH_OPTIONS, "no_remote_fetch")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +43,15 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"service model: a node's prefill rate (default: {_SERVICE.prefill_tokens_per_s:g})")
     group.add_argument("--decode-tokens-per-s", type=float, metavar="R",
                        help=f"service model: one request's decode rate (default: {_SERVICE.decode_tokens_per_s:g})")
+    group.add_argument("--no-remote-fetch", action="store_const", const=True,
+                       help="nodes never fetch blocks another node holds (they recompute them)")
+    group.add_argument("--kv-bytes-per-token", type=int, metavar="B",
+                       help=f"remote fetch: bytes of KV a token (default: {_FETCH.kv_bytes_per_token:,}, an 8B model)")
+    group.add_argument("--link-bytes-per-s", type=float, metavar="R",
+                       help=f"remote fetch: the link's rate (default: {_FETCH.link_bytes_per_s:g})")
+    group.add_argument("--remote-fetch-cost", type=float, metavar="F",
+                       help="router: seconds to fetch a block over seconds to recompute it (default: the remote "
+                            "fetch model's ratio)")
 
 
 def cluster_options_without_nodes(args: argparse.Namespace) -> list[str]:
@@ -59,7 +69,8 @@ def run_cluster_replay(args: argparse.Namespace, requests: Sequence[TraceRequest
     service = ServiceModel(**_given(args, _SERVICE_OPTIONS))
     spec = ClusterSpec(args.nodes, args.device_blocks, args.host_blocks, args.disk_blocks, args.write_through,
                        args.policy, args.block_tokens)  # fmt: skip
-    report = cluster_replay(requests, spec, router=router, service=service)
+    fetch = None if args.no_remote_fetch else FetchModel(**_given(args, _FETCH_OPTIONS))
+    report = cluster_replay(requests, spec, router=router, service=service, fetch=fetch)
     print(format_cluster_report(args.trace, report), file=out)
     if args.json:
         print(json.dumps(report.as_dict()), file=out)

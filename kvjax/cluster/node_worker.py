@@ -1,0 +1,300 @@
+"""The engine's thread of a serving node: requests in, events out, block events to the directory.
+
+The engine is single-threaded, so one thread (``EngineWorker``) owns it: HTTP handlers hand
+it requests and cancellations through a queue, and it hands each request's events back to
+that request's asyncio queue. After every step it closes the cache's batch of block events,
+polls its subscription and passes the batches, with the node's load, to the directory
+publisher's thread, so neither the HTTP loop nor the engine waits on Redis.
+
+Load (what the router compares): requests accepted and not finished, and the prompt tokens
+of those without a first token yet that the cache did not hold when they arrived.
+
+Remote fetch (``kvjax.cluster.remote_fetch``, with a ``RemoteFetcher``): given a peer that
+holds more of a prompt, the thread decides fetch or recompute when the request arrives; a
+request whose pages are being pulled waits outside the engine until the pull ends (the engine
+keeps stepping), then its verified pages join the cache and it is added; its usage reports
+the fetch (``take_remote_report``). As the owner, the pages a peer asks for are read here,
+between steps (``export``; ``kvjax.cluster.remote_offers``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvjax.cache.block_events import Subscription
+from kvjax.cache.block_keys import Namespace
+from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad
+from kvjax.cluster.openai_api import CompletionRequest, RequestError
+from kvjax.cluster.publisher import DirectoryPublisher
+from kvjax.cluster.remote_fetch import FetchOutcome, FetchPlan, PeerHint, RemoteFetcher
+from kvjax.cluster.remote_offers import OfferRequest
+from kvjax.serving.engine import Engine
+from kvjax.serving.engine_events import FinishEvent, TokenEvent
+from kvjax.serving.sampling import SamplingParams
+from kvjax.tiers.kv_cache_remote import ExportedPages
+
+__all__ = ["EngineWorker", "cluster_info_of", "start_worker"]
+
+_LOG = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its queue before looking again
+
+Sink = Callable[[object], None]  # receives TokenEvent / FinishEvent / an exception
+
+
+@dataclasses.dataclass(slots=True)
+class _Parked:
+    """A request waiting outside the engine for its remote fetch."""
+
+    request: CompletionRequest
+    tokens: np.ndarray
+    plan: FetchPlan
+    future: concurrent.futures.Future
+
+
+class EngineWorker:
+    """Runs ``engine`` on its own thread; see the module docstring.
+
+    ``publisher`` (optional) receives the batches of ``events`` (the cache's subscription,
+    taken with the holdings the publisher started from) and the node's load after each step.
+    ``remote`` (optional) fetches prefixes other nodes hold (see the module docstring).
+    """
+
+    def __init__(self, engine: Engine, publisher: DirectoryPublisher | None = None,
+                 events: Subscription | None = None, remote: RemoteFetcher | None = None):  # fmt: skip
+        if (publisher is None) != (events is None):
+            raise ValueError("pass both a publisher and the cache's event subscription, or neither")
+        self.engine, self.publisher, self.remote = engine, publisher, remote
+        self._parked: dict[str, _Parked] = {}
+        self._remote_reports: dict[str, dict] = {}
+        self._events = events
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._prefill_tokens: dict[str, int] = {}  # requests without a first token yet
+        self._load = NodeLoad()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the engine thread, then the publisher (which drops the node's record)."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread.is_alive():
+            self._thread.join(timeout=10.0)
+        if self.publisher is not None:
+            self.publisher.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def load(self) -> NodeLoad:
+        return self._load
+
+    def submit(self, request_id: str, request: CompletionRequest, sink: Sink, hint: PeerHint | None = None) -> None:
+        """Queue a request; its events (or a ValueError from the engine) go to ``sink``.
+        ``hint``: a peer holding more of its prompt (``RemoteFetcher.find_peer``)."""
+        self._commands.put(("add", request_id, request, sink, hint))
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", request_id))
+
+    def export(self, request: OfferRequest, deadline: float) -> ExportedPages:
+        """Pages a peer asks for, read on the engine thread between steps (blocking);
+        TimeoutError if ``deadline`` (monotonic seconds) passes first."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("export", request, deadline, future))
+        return future.result(timeout=max(0.0, deadline - time.monotonic()))
+
+    def take_remote_report(self, request_id: str) -> dict | None:
+        """What the remote fetch of a finished request did (``usage.kvjax_remote``), once."""
+        return self._remote_reports.pop(request_id, None)
+
+    # --- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._take_commands(block=not self.engine.has_unfinished)
+                if self._parked:
+                    self._land_fetches()
+                if self.engine.has_unfinished:
+                    for event in self.engine.step():  # a step ends its batch of block events
+                        self._deliver(event)
+                self._publish()
+        except Exception as error:  # a broken engine: fail every request, report unhealthy
+            _LOG.exception("engine loop failed")
+            self.error = error
+            failure = RuntimeError(f"the engine failed: {error}")
+            for sink in self._sinks.values():
+                sink(failure)
+            self._sinks.clear()
+            while True:  # requests queued meanwhile get the same answer
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] == "add":
+                    command[3](failure)
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, request_id, request, sink, hint = command
+            try:
+                self._add(request_id, request, hint)
+            except ValueError as error:
+                sink(RequestError(str(error)))
+                return
+            self._sinks[request_id] = sink
+        elif command[0] == "cancel":
+            if self._parked.pop(command[1], None) is not None:  # its fetch ends unused
+                self._sinks.pop(command[1], None)
+                self._prefill_tokens.pop(command[1], None)
+            else:
+                self.engine.cancel(command[1])
+        elif command[0] == "export":
+            _, request, deadline, future = command
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._export(request, deadline))
+                except Exception as error:  # noqa: BLE001 - the asking peer gets it as an error
+                    future.set_exception(error)
+
+    def _add(self, request_id: str, request: CompletionRequest, hint: PeerHint | None) -> None:
+        engine = self.engine
+        namespace = Namespace(request.namespace) if request.namespace else None
+        if request.prompt is not None:
+            tokens = engine.prompt_tokens(request.prompt)
+        else:
+            tokens = np.asarray(request.prompt_tokens, np.int32)
+        match = engine.cache.match(tokens, namespace)  # validates the ids too
+        plan = None
+        if hint is not None and self.remote is not None and request.remote_fetch:
+            plan = self.remote.plan(hint, match.num_hit_blocks, len(tokens))
+        if plan is None:
+            self._start(request_id, request)
+        else:
+            future = self.remote.start(plan, tokens, request.namespace)
+            self._parked[request_id] = _Parked(request, tokens, plan, future)
+            future.add_done_callback(lambda _: self._commands.put(("wake",)))
+        self._prefill_tokens[request_id] = len(tokens) - match.hit_tokens
+
+    def _start(self, request_id: str, request: CompletionRequest) -> None:
+        """Hand the request to the engine (ValueError for one it refuses)."""
+        namespace = Namespace(request.namespace) if request.namespace else None
+        sampling = SamplingParams(request.temperature, request.top_k, request.seed)
+        prompt = {"prompt": request.prompt} if request.prompt is not None else {"tokens": request.prompt_tokens}
+        self.engine.add_request(request_id, **prompt, max_new_tokens=request.max_tokens, sampling=sampling,
+                                namespace=namespace)  # fmt: skip
+
+    def _land_fetches(self) -> None:
+        """Requests whose fetch ended: their verified pages join the cache, then the engine
+        takes them."""
+        for request_id, parked in list(self._parked.items()):
+            if not parked.future.done():
+                continue
+            del self._parked[request_id]
+            outcome = self.remote.finish(parked.plan, parked.future.result())
+            imported = 0
+            if outcome.blocks is not None:
+                imported = self.engine.cache.import_pages(parked.tokens, parked.request.namespace,
+                                                          parked.plan.first_page, outcome.blocks)  # fmt: skip
+            page_size = self.engine.pool.config.page_size
+            self._remote_reports[request_id] = _remote_report(outcome, imported * page_size, page_size)
+            try:
+                self._start(request_id, parked.request)
+            except ValueError as error:
+                self._prefill_tokens.pop(request_id, None)
+                self._remote_reports.pop(request_id, None)
+                sink = self._sinks.pop(request_id, None)
+                if sink is not None:
+                    sink(RequestError(str(error)))
+
+    def _export(self, request: OfferRequest, deadline: float) -> ExportedPages:
+        if time.monotonic() >= deadline:
+            raise TimeoutError("the asking peer's wait ended before the engine thread got to it")
+        return self.engine.cache.export_pages(request.tokens, request.namespace, request.first_page,
+                                              request.num_pages)  # fmt: skip
+
+    def _deliver(self, event) -> None:
+        if isinstance(event, TokenEvent):
+            self._prefill_tokens.pop(event.request_id, None)
+            sink = self._sinks.get(event.request_id)
+        elif isinstance(event, FinishEvent):
+            self._prefill_tokens.pop(event.request_id, None)
+            sink = self._sinks.pop(event.request_id, None)
+        else:
+            return
+        if sink is not None:
+            sink(event)
+
+    def _publish(self) -> None:
+        load, self._load = self._load, NodeLoad(len(self._sinks), sum(self._prefill_tokens.values()))
+        if self.publisher is None:
+            return
+        batches = self._events.poll()
+        if self._events.lost_batches:  # fell behind: start again from the holdings
+            self._events.close()
+            self._events = self.engine.cache.subscribe()
+            self.publisher.reset(self._events.initial.entries())
+            batches = []
+        if batches or self._load != load:
+            self.publisher.submit(batches, self._load)
+
+
+def start_worker(engine: Engine, *, node_id: str, address: str, model: str,
+                 directory: Directory | None = None, register_timeout_s: float = 10.0,
+                 remote: RemoteFetcher | None = None) -> EngineWorker:  # fmt: skip
+    """The engine's worker thread, started; with ``directory``, registered there first and
+    publishing the cache's holdings and block events (ValueError / RuntimeError from
+    ``DirectoryPublisher.start`` when it cannot register); ``remote``: fetch from peers."""
+    publisher = events = None
+    if directory is not None:
+        events = engine.cache.subscribe()
+        publisher = DirectoryPublisher(directory, node_id, address, cluster_info_of(engine, model),
+                                       events.initial.entries())  # fmt: skip
+        publisher.start(register_timeout_s)
+    worker = EngineWorker(engine, publisher, events, remote)
+    worker.start()
+    return worker
+
+
+def cluster_info_of(engine: Engine, model: str) -> ClusterInfo:
+    """What a router needs to key prompts the way ``engine`` does."""
+    tokenizer = getattr(engine.tokenizer, "name", type(engine.tokenizer).__name__)
+    canonicalize = engine.canonicalize is not None and engine.canonicalize.enabled
+    return ClusterInfo(model, engine.pool.config.page_size, "byte" if tokenizer == "ByteTokenizer" else tokenizer,
+                       canonicalize)  # fmt: skip
+
+
+def _remote_report(outcome: FetchOutcome, fetched_tokens: int, page_size: int) -> dict:
+    """A fetch as the request's usage reports it (``kvjax_remote``): tokens asked for and
+    fetched (verified and imported), seconds waited and expected."""
+    plan = outcome.plan
+    return {"peer": plan.peer.node_id, "outcome": outcome.outcome, "asked_tokens": plan.num_pages * page_size,
+            "fetched_tokens": fetched_tokens, "wait_s": round(outcome.waited_s, 6),
+            "expected_s": round(plan.expected_s, 6), "detail": plan.detail[:200]}  # fmt: skip

@@ -1,0 +1,351 @@
+"""A node's side of remote fetch as the requester: a prefix cached on another node serves here.
+
+Per request, in three places:
+
+1. the HTTP handler's thread, before the request reaches the engine (``find_peer``): one
+   directory lookup of the prompt's block keys; the live peer (not suspect) holding the
+   longest leading run, if it holds more than this node does;
+2. the engine thread, when the request arrives there (``plan``): this node's own match
+   (``KVCache.match``, every tier) and the cost model (``CostModel.remote_pages_to_fetch``)
+   with the peer's measured link (``LinkEstimate``) decide how many pages past the local ones
+   to pull rather than recompute; none, and the request goes straight to the engine. Else
+   ``start`` queues the fetch on the transfer engine's remote link (DEMAND priority, a byte
+   budget if the cache's engine has one) with a deadline of twice its expected seconds, and
+   the request waits outside the engine (the others keep running);
+3. the remote link's worker thread (the job): ask the peer for an offer over HTTP
+   (``kvjax.cluster.remote_offers``), pull it (``RemoteTransport.pull``, abandoned at the
+   deadline), check every key against this node's own chained keys of the prompt and every
+   checksum, keep the leading run that passed, acknowledge the offer.
+
+Back on the engine thread, ``finish`` turns the job into a ``FetchOutcome``: the verified
+blocks, which the worker imports as host pages (``KVCache.import_pages``) before adding the
+request, so the admission hits them like any host pages. Whatever went wrong, the request
+goes on at once with what arrived (maybe nothing: a recompute), never later than its
+deadline, and never with a block that failed a check.
+
+A peer whose fetch timed out, failed, or sent a block that failed its check is suspect for
+``suspect_s`` seconds: no fetch from it meanwhile. Only fetches that ended in time feed its
+link estimate: a timeout measures nothing but the deadline, and counting it made the
+estimate grow until the cost model never fetched from that peer again, so nothing could
+bring it back down.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import numpy as np
+
+from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cache.cost_model import CostModel
+from kvjax.cluster.directory import Directory
+from kvjax.cluster.remote_offers import OfferReply, OfferRequest
+from kvjax.tiers.kv_cache import KVCache
+from kvjax.tiers.remote_transport import PullError, RemoteTransport, verified_blocks
+from kvjax.tiers.transfer import Priority, TransferResult
+
+__all__ = ["OUTCOMES", "FetchOutcome", "FetchPlan", "LinkEstimate", "PeerHealth", "PeerHint", "RemoteFetcher"]
+
+OUTCOMES = ("ok", "partial", "empty", "timeout", "failed", "corrupt", "refused", "expired")
+"""How a fetch ended: every page verified; some (a leading run) did; the peer offered none;
+the deadline passed; the ask or the pull failed; a key or checksum did not match (nothing
+from that block on is used); the peer answered 503; the deadline passed while the job was
+still queued behind other fetches (not the peer's fault)."""
+_SUSPICIOUS = ("timeout", "failed", "corrupt", "refused")
+_RECENT = 1024  # fetch durations kept for the percentiles
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerHint:
+    """The peer to ask: ``prefix_blocks`` leading blocks of the prompt it holds, against this
+    node's ``own_blocks`` (both as the directory saw them)."""
+
+    node_id: str
+    address: str  # its HTTP base URL
+    prefix_blocks: int
+    own_blocks: int
+
+
+class LinkEstimate:
+    """One peer's link as measured: the ask's round trip (its offer included) and the pull
+    bandwidth, exponentially weighted (``weight`` for each new sample), starting from the
+    cost model's defaults. The latency a fetch is planned with is the smoothed one plus twice
+    its mean deviation (as TCP sets its retransmission timer): a fetch's deadline is twice
+    the expected time, and a link that jitters by more than its mean would otherwise time
+    out on good peers and make them suspect."""
+
+    def __init__(self, latency_s: float, bytes_per_s: float, weight: float = 0.25):
+        self.smoothed_s, self.deviation_s = float(latency_s), float(latency_s) / 4
+        self.bytes_per_s, self.weight = float(bytes_per_s), weight
+        self.samples = 0
+
+    @property
+    def latency_s(self) -> float:
+        return self.smoothed_s + 2 * self.deviation_s
+
+    def observe(self, ask_s: float, pull_s: float, num_bytes: int) -> None:
+        error = ask_s - self.smoothed_s
+        self.smoothed_s += self.weight * error
+        self.deviation_s += self.weight * (abs(error) - self.deviation_s)
+        if num_bytes and pull_s > 0:
+            self.bytes_per_s += self.weight * (num_bytes / pull_s - self.bytes_per_s)
+        self.samples += 1
+
+
+class PeerHealth:
+    """Peers marked suspect, each until ``suspect_s`` seconds after its last failure."""
+
+    def __init__(self, suspect_s: float, clock: Callable[[], float] = time.monotonic):
+        if not suspect_s >= 0:
+            raise ValueError(f"suspect_s={suspect_s!r} must be >= 0 seconds")
+        self.suspect_s, self.clock = float(suspect_s), clock
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, node_id: str) -> None:
+        with self._lock:
+            self._until[node_id] = self.clock() + self.suspect_s
+
+    def is_suspect(self, node_id: str) -> bool:
+        with self._lock:
+            until = self._until.get(node_id)
+            if until is not None and until <= self.clock():
+                del self._until[node_id]
+                until = None
+            return until is not None
+
+
+@dataclasses.dataclass(slots=True)
+class FetchPlan:
+    """One fetch: pages ``first_page .. first_page + num_pages - 1`` from ``peer``.
+
+    ``expected_s``: its expected seconds by the link estimate; ``deadline``:
+    ``time.monotonic()`` seconds it must end by (twice the expected time after ``started``).
+    The job fills in the rest while it runs; the engine thread reads them once it is done.
+    """
+
+    peer: PeerHint
+    first_page: int
+    num_pages: int
+    expected_s: float
+    started: float
+    deadline: float
+    outcome: str = "failed"
+    detail: str = ""
+    ask_s: float = 0.0
+    pull_s: float = 0.0
+    tiers: tuple[str, ...] = ()  # where the peer read each offered page
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    """A finished fetch, as the request reports it: ``blocks`` (``[n, *block_shape]`` in the
+    codec's dtype, verified; None when nothing arrived), how it ended, how long the request
+    waited for it and how long it was expected to take (seconds)."""
+
+    plan: FetchPlan
+    blocks: np.ndarray | None
+    outcome: str
+    waited_s: float
+
+    @property
+    def num_blocks(self) -> int:
+        return 0 if self.blocks is None else len(self.blocks)
+
+
+class RemoteFetcher:
+    """The requester's side for one node (see the module docstring).
+
+    ``cache``: the node's cache (its codec, host tier and transfer engine; fetches need a
+    host tier); ``transport``: the node's transfer server; ``directory``: where peers are
+    found; ``cost_model``: recompute and fetch costs (default the cache's).
+    """
+
+    def __init__(self, cache: KVCache, transport: RemoteTransport, directory: Directory, node_id: str, *,
+                 cost_model: CostModel | None = None, suspect_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        if not cache.config.tiered or cache.transfer is None:
+            raise ValueError("remote fetch needs a host tier: pulled pages join the cache as host pages")
+        if cache.codec.lossy:
+            raise ValueError(f"remote fetch needs a lossless codec; the cache's is {cache.codec.name}")
+        self.cache, self.transport, self.directory, self.node_id = cache, transport, directory, node_id
+        self.cost_model = cost_model or cache.cost_model
+        self.page_size, self.codec = cache.page_size, cache.codec
+        self.health = PeerHealth(suspect_s, clock)
+        self.clock = clock
+        self._links: dict[str, LinkEstimate] = {}
+        self._http = httpx.Client(timeout=httpx.Timeout(5.0))
+        self._acks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvjax-offer-ack")
+        self._lock = threading.Lock()
+        self.counters = collections.Counter({outcome: 0 for outcome in OUTCOMES})
+        self.counters.update(fetched_blocks=0, asked_blocks=0, lookups=0, lookup_errors=0)
+        self.recent_seconds: collections.deque[float] = collections.deque(maxlen=_RECENT)
+
+    # --- 1. the HTTP handler's thread ------------------------------------------------------
+
+    def find_peer(self, tokens, namespace: str | None) -> PeerHint | None:
+        """The live, unsuspected peer holding the longest leading run of the prompt's
+        blocks, if longer than this node's; None otherwise (or if the directory fails)."""
+        if len(tokens) <= self.page_size:
+            return None
+        ns = Namespace(namespace) if namespace else Namespace()
+        keys = chained_block_keys(np.asarray(tokens, np.int32)[: len(tokens) - 1], self.page_size, ns)
+        try:
+            views = self.directory.lookup(ns.digest(), keys)
+        except Exception:  # noqa: BLE001 - no directory, no fetch: the request recomputes
+            self._count("lookup_errors")
+            return None
+        self._count("lookups")
+        own = next((view.prefix_blocks for view in views if view.node_id == self.node_id), 0)
+        peers = [view for view in views if view.node_id != self.node_id and view.prefix_blocks > own
+                 and not self.health.is_suspect(view.node_id)]  # fmt: skip
+        if not peers:
+            return None
+        best = max(peers, key=lambda view: (view.prefix_blocks, view.node_id))
+        return PeerHint(best.node_id, best.address, best.prefix_blocks, own)
+
+    # --- 2. the engine thread --------------------------------------------------------------
+
+    def plan(self, hint: PeerHint, local_pages: int, num_tokens: int) -> FetchPlan | None:
+        """How many pages past this node's ``local_pages`` to fetch from ``hint``'s peer for
+        a prompt of ``num_tokens`` tokens; None to recompute them all."""
+        if self.health.is_suspect(hint.node_id):
+            return None
+        usable = min(hint.prefix_blocks, (num_tokens - 1) // self.page_size, self.cache.tiers.host_capacity)
+        link = self.link(hint.node_id)
+        count = self.cost_model.remote_pages_to_fetch(local_pages, self.page_size, usable - local_pages,
+                                                      self.codec.block_nbytes, latency_seconds=link.latency_s,
+                                                      bytes_per_second=link.bytes_per_s)  # fmt: skip
+        if count <= 0:
+            return None
+        expected = self.expected_seconds(hint.node_id, count)
+        now = self.clock()
+        return FetchPlan(hint, local_pages, count, expected, now, now + 2 * expected)
+
+    def expected_seconds(self, node_id: str, num_pages: int) -> float:
+        link = self.link(node_id)
+        return self.cost_model.remote_seconds(num_pages, self.codec.block_nbytes, latency_seconds=link.latency_s,
+                                              bytes_per_second=link.bytes_per_s)  # fmt: skip
+
+    def start(self, plan: FetchPlan, tokens, namespace: str | None) -> concurrent.futures.Future:
+        """Queue ``plan`` on the remote link; the future resolves to its ``TransferResult``."""
+        prefix = np.asarray(tokens, np.int32)[: (plan.first_page + plan.num_pages) * self.page_size].copy()
+        self._count("asked_blocks", plan.num_pages)
+        return self.cache.transfer.pull_remote(lambda deadline: self._fetch(plan, prefix, namespace, deadline),
+                                               plan.num_pages, self.codec.block_nbytes, deadline=plan.deadline,
+                                               priority=Priority.DEMAND)  # fmt: skip
+
+    def finish(self, plan: FetchPlan, result: TransferResult) -> FetchOutcome:
+        """The outcome of a finished job: link estimate and peer health updated, counted."""
+        waited = self.clock() - plan.started
+        if result.ok:
+            outcome, blocks = plan.outcome, result.blocks
+        else:  # it never ran (queued past its deadline) or broke unexpectedly
+            outcome, blocks = ("expired" if "queued" in (result.error or "") else "failed"), None
+            plan.detail = plan.detail or result.error or ""
+        if outcome in ("ok", "partial", "empty"):  # a timeout measures nothing: the peer is suspect instead
+            self.link(plan.peer.node_id).observe(plan.ask_s, plan.pull_s, 0 if blocks is None else blocks.nbytes)
+        if outcome in _SUSPICIOUS:  # "partial" and "empty": it evicted pages since it published them
+            self.health.mark(plan.peer.node_id)
+        with self._lock:
+            self.counters[outcome] += 1
+            self.counters["fetched_blocks"] += 0 if blocks is None else len(blocks)
+            self.recent_seconds.append(waited)
+        return FetchOutcome(plan, blocks, outcome, waited)
+
+    def link(self, node_id: str) -> LinkEstimate:
+        with self._lock:
+            link = self._links.get(node_id)
+            if link is None:
+                model = self.cost_model
+                link = self._links[node_id] = LinkEstimate(model.remote_latency_seconds, model.remote_bytes_per_second)
+            return link
+
+    def close(self) -> None:
+        self._acks.shutdown(wait=False)
+        self._http.close()
+
+    # --- 3. the remote link's worker thread ------------------------------------------------
+
+    def _fetch(self, plan: FetchPlan, prefix: np.ndarray, namespace: str | None, deadline: float) -> np.ndarray | None:
+        """Ask, pull, verify (see the module docstring); sets ``plan``'s outcome and timings
+        and returns the verified blocks (None when none arrived)."""
+        ns = Namespace(namespace) if namespace else Namespace()
+        start = time.monotonic()
+        request = OfferRequest(namespace, prefix, plan.first_page, plan.num_pages, self.codec.name,
+                               self.codec.block_nbytes, max(0.0, deadline - start))  # fmt: skip
+        try:
+            reply = self._ask(plan.peer.address, request, deadline)
+        except _AskFailed as failure:
+            plan.outcome, plan.detail = failure.outcome, str(failure)
+            return None
+        plan.ask_s = time.monotonic() - start
+        plan.tiers = reply.tiers
+        if reply.num_pages == 0:
+            plan.outcome, plan.detail = "empty", reply.reason
+            return None
+        if reply.num_pages > plan.num_pages or reply.block_nbytes != self.codec.block_nbytes:
+            plan.outcome = "corrupt"
+            plan.detail = f"offered {reply.num_pages} pages of {reply.block_nbytes} B for {plan.num_pages} asked"
+            return None
+        pulled_at = time.monotonic()
+        try:
+            payload = self.transport.pull(reply.address, reply.offer_id, reply.num_pages, reply.block_nbytes, deadline)
+        except PullError as error:
+            plan.outcome, plan.detail = error.reason, str(error)
+            return None
+        plan.pull_s = time.monotonic() - pulled_at
+        self._acks.submit(self._ack, plan.peer.address, reply.offer_id)
+        keys = chained_block_keys(prefix, self.page_size, ns)[plan.first_page : plan.first_page + reply.num_pages]
+        good = verified_blocks(ns.digest(), keys, payload, reply.checksums) if list(reply.keys) == keys else 0
+        if list(reply.keys) != keys:
+            plan.detail = "the peer's keys are not this prompt's"
+        if good < reply.num_pages:
+            plan.outcome = "corrupt"
+            plan.detail = plan.detail or f"block {plan.first_page + good} failed its checksum"
+        else:
+            plan.outcome = "ok" if reply.num_pages == plan.num_pages else "partial"
+        if good == 0:
+            return None
+        return payload[:good].view(self.codec.dtype).reshape(good, *self.codec.block_shape)
+
+    def _ask(self, address: str, request: OfferRequest, deadline: float) -> OfferReply:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _AskFailed("timeout", "no time left to ask")
+        try:
+            response = self._http.post(f"{address}/kv/offer", json=request.to_json(), timeout=remaining)
+        except httpx.TimeoutException:
+            raise _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s") from None
+        except httpx.HTTPError as error:
+            raise _AskFailed("failed", f"{address}: {type(error).__name__}: {error}") from None
+        if response.status_code == 503:
+            raise _AskFailed("refused", f"{address} refused: {response.text[:200]}")
+        if response.status_code != 200:
+            raise _AskFailed("failed", f"{address} answered {response.status_code}: {response.text[:200]}")
+        try:
+            return OfferReply.from_json(response.json())
+        except ValueError as error:
+            raise _AskFailed("corrupt", f"{address}: {error}") from None
+
+    def _ack(self, address: str, offer_id: int) -> None:
+        try:
+            self._http.post(f"{address}/kv/ack", json={"offer_id": offer_id}, timeout=2.0)
+        except httpx.HTTPError:
+            pass  # the peer reclaims the offer itself; it was pulled, so that wait is abandoned there
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += amount
+
+
+class _AskFailed(Exception):
+    def __init__(self, outcome: str, message: str):
+        super().__init__(message)
+        self.outcome = outcome
