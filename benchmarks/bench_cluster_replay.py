@@ -13,8 +13,30 @@ within 1 point of one cache, max/mean <= 1.05, window p95 <= 1.15 on the shared 
 max/mean <= 1.10 on the system-prompt trace. Issue 14's: served within 0.5 points of one
 cache, fetched <= 3% at 8,000 blocks.
 
-    .venv/bin/python benchmarks/bench_cluster_replay.py [--trace PATH] [--nodes 4 8]
+``--share-slack-rel F [F ...]`` prints the trade-off instead: ``prefix`` at each share slack
+(``inf``: pure affinity, no share bound), gap local and served, fetched, max/mean and window
+p95 per configuration. Tie-breaking alone moves a gap by +-0.3 points at 2,000 blocks (which
+families share a node), so read differences below that as noise. ``--shape NAME`` replays a
+generated trace of ``kvjax.tools.trace_family`` instead of the shared one.
+
+    .venv/bin/python benchmarks/bench_cluster_replay.py [--trace PATH | --shape NAME] [--nodes 4 8]
         [--device-blocks 2000 8000] [--no-remote-fetch] [--policy NAME]
+        [--share-slack-rel 0.05 0.1 0.15 0.2 0.3 inf]
+
+Measured here (``PYTHONPATH=. .venv/bin/python benchmarks/bench_cluster_replay.py``, 28 s;
+router defaults: share slack 0.15, guard 16 units / 50%), ``prefix`` rows on the shared trace:
+
+| nodes | blocks/node | local hits | fetched | one cache | gap local | gap served | max/mean | window p95 |
+|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| 4 | 2,000 | 37.76% | 0.26% | 39.06% | +1.30 | +1.03 | 1.013 | 1.100 |
+| 4 | 8,000 | 62.36% | 0.45% | 60.37% | -1.99 | -2.44 | 1.005 | 1.100 |
+| 8 | 2,000 | 51.93% | 1.09% | 54.15% | +2.22 | +1.12 | 1.028 | 1.140 |
+| 8 | 8,000 | 62.77% | 1.19% | 63.96% | +1.19 | +0.00 | 1.010 | 1.140 |
+
+least_loaded / round_robin: local 9.6-29.9%, window p95 1.24-1.26 / 1.00. System-prompt
+trace, ``prefix``: max/mean 1.000 at 4 and 8 nodes (least_loaded 1.013 / 1.059). With
+``--policy lru`` the local gaps are +1.08, +0.60, +1.08, +1.19 and served +0.59, +0.06,
++0.39, +0.00. The frontier and the other trace shapes: ``kvjax.cluster.router``'s docstring.
 """
 
 from __future__ import annotations
@@ -32,6 +54,7 @@ from kvjax.cluster.router import STRATEGIES, RouterConfig  # noqa: E402
 from kvjax.tools.cluster_replay import ClusterSpec, FetchModel, ServiceModel, simulate_cluster, yardsticks  # noqa: E402
 from kvjax.tools.replay import DEFAULT_POLICY  # noqa: E402
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_trace  # noqa: E402
+from kvjax.tools.trace_family import SHAPES, generate  # noqa: E402
 
 SHARED_TRACE = "/work/shared/data/mooncake_synthetic_trace.jsonl"
 
@@ -44,16 +67,24 @@ def main() -> None:
     parser.add_argument("--system-prompt-device-blocks", type=int, default=2000, help="per node, second table")
     parser.add_argument("--no-remote-fetch", action="store_true", help="nodes recompute what others hold")
     parser.add_argument("--policy", default=DEFAULT_POLICY, help="eviction policy of every cache")
+    parser.add_argument("--shape", choices=SHAPES, help="a generated trace of this shape instead (trace_family)")
+    parser.add_argument("--shape-requests", type=int, default=4000, help="requests of the generated --shape trace")
+    parser.add_argument("--share-slack-rel", type=float, nargs="+", help="print the frontier of these share slacks")
     args = parser.parse_args()
     service, fetch = ServiceModel(), None if args.no_remote_fetch else FetchModel()
     print(f"cluster replay, eviction policy {args.policy}; router defaults {RouterConfig()}")
     print(service.describe())
     print((fetch.describe(service) if fetch else "remote fetch: off") + "\n")
     start = time.perf_counter()
-    requests = load_trace(args.trace)
+    requests = generate(args.shape, num_requests=args.shape_requests) if args.shape else load_trace(args.trace)
+    trace_name = f"generated {args.shape} ({args.shape_requests} requests, seed 0)" if args.shape else args.trace
+    if args.share_slack_rel:
+        print_frontier(requests, args.nodes, args.device_blocks, args.share_slack_rel, service, fetch, args.policy)
+        print(f"\n{time.perf_counter() - start:.0f} s; command: {' '.join(sys.argv)}")
+        return
     rows = [row for nodes in args.nodes for blocks in args.device_blocks
             for row in compare(requests, nodes, blocks, service, fetch, args.policy)]  # fmt: skip
-    print(f"trace {args.trace}: {len(requests)} requests\n")
+    print(f"trace {trace_name}: {len(requests)} requests\n")
     print_table(rows)
     shared = shared_system_prompt_trace()
     rows = [row for nodes in args.nodes
@@ -76,14 +107,38 @@ def compare(requests: list[TraceRequest], nodes: int, device_blocks: int, servic
 
 def print_table(rows: list[tuple]) -> None:
     print("| nodes | blocks/node | router | local hits | fetched | served | another node held | one cache of N x C "
-          "| gap (pts) | max/mean | window p95 | routing reasons |")  # fmt: skip
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| gap local (pts) | gap served (pts) | max/mean | window p95 | routing reasons |")  # fmt: skip
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for nodes, blocks, strategy, report, single in rows:
         local, served = report.local.block_hit_rate, report.served_block_hit_rate
         reasons = ", ".join(f"{reason} {count}" for reason, count in report.reasons.items())
         print(f"| {nodes} | {blocks:,} | {strategy} | {local:.2%} | {report.remote_block_hit_rate:.2%} | {served:.2%} "
-              f"| {report.reachable_remote_block_hit_rate:.2%} | {single:.2%} | {100 * (single - served):+.2f} "
-              f"| {report.max_mean_requests:.3f} | {report.p95_window_max_mean:.3f} | {reasons} |")  # fmt: skip
+              f"| {report.reachable_remote_block_hit_rate:.2%} | {single:.2%} | {100 * (single - local):+.2f} "
+              f"| {100 * (single - served):+.2f} | {report.max_mean_requests:.3f} | {report.p95_window_max_mean:.3f} "
+              f"| {reasons} |")  # fmt: skip
+
+
+def print_frontier(requests: list[TraceRequest], nodes: list[int], device_blocks: list[int], slacks: list[float],
+                   service: ServiceModel, fetch: FetchModel | None, policy: str) -> None:  # fmt: skip
+    """``prefix`` at each share slack: gap local / served (points), fetched, max/mean and window
+    p95 per configuration."""
+    configs = [(n, blocks) for n in nodes for blocks in device_blocks]
+    singles = {(n, blocks): yardsticks(requests, ClusterSpec(n, blocks, policy=policy))["single_cache"].block_hit_rate
+               for n, blocks in configs}  # fmt: skip
+    print(f"trace: {len(requests)} requests; prefix router, cells: gap local / gap served (pts) / fetched / "
+          "max/mean / window p95\n")
+    print("| share_slack_rel | " + " | ".join(f"{n} x {blocks:,}" for n, blocks in configs) + " |")
+    print("|---:|" + "---:|" * len(configs))
+    for slack in slacks:
+        cells = []
+        for n, blocks in configs:
+            report = simulate_cluster(requests, ClusterSpec(n, blocks, policy=policy),
+                                      router=RouterConfig(share_slack_rel=slack), service=service, fetch=fetch)
+            local = 100 * (singles[n, blocks] - report.local.block_hit_rate)
+            served = 100 * (singles[n, blocks] - report.served_block_hit_rate)
+            cells.append(f"{local:+.2f} / {served:+.2f} / {report.remote_block_hit_rate:.2%} / "
+                         f"{report.max_mean_requests:.3f} / {report.p95_window_max_mean:.3f}")
+        print(f"| {slack:g} | " + " | ".join(cells) + " |")
 
 
 # --- the shared-system-prompt trace --------------------------------------------------------

@@ -16,7 +16,9 @@ from kvjax.tools.cli import ArgumentParser, run_command
 COMMAND_MODULES = ("kvjax.tools.demo", "kvjax.tools.replay_cli", "kvjax.tools.cluster_demo")
 
 DESCRIPTION = ("kvjax: reusable KV cache for JAX/Flax serving. 'demo' serves a built-in workload "
-               "with and without the cache; 'replay' sizes a cache from a request trace.")
+               "with and without the cache; 'replay' sizes a cache, or with --nodes a cluster behind the "
+               "router, from a request trace; 'cluster-demo' runs the workload through Redis, nodes and the "
+               "router on loopback. 'python -m kvjax.cluster' starts those pieces by hand.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvjax.cache.block_keys import KEY_BYTES, Namespace, as_namespace, chained_block_keys
 from kvjax.text.tokens import token_bytes, validate_tokens
@@ -142,3 +144,15 @@ def test_token_bytes_equal_validated_little_endian_bytes(tokens):
 def test_token_bytes_reject_what_validate_tokens_rejects(tokens, message):
     with pytest.raises(ValueError, match=message):
         token_bytes(tokens, 10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**31 - 1), max_size=70), page_size=st.integers(1, 9),
+       tenant=st.text(max_size=6), salt=st.text(max_size=3), parent=st.none() | st.binary(min_size=16, max_size=16))
+def test_keys_equal_the_reference_on_random_inputs(tokens, page_size, tenant, salt, parent):
+    """The keyed-state copy per page hashes exactly the documented bytes (random prompts,
+    page sizes, namespaces, parents)."""
+    namespace = Namespace(tenant, salt=salt)
+    keys = chained_block_keys(np.asarray(tokens, np.int64), page_size, namespace, parent=parent)
+    assert keys == reference_keys(tokens, page_size, namespace, parent)
+    assert chained_block_keys(tokens, page_size, namespace, parent=parent) == keys

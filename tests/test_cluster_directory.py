@@ -2,6 +2,7 @@
 event batches, lookups, TTLs, namespace isolation, and a lost Redis rebuilt from a node."""
 
 import contextlib
+import random
 import time
 
 import pytest
@@ -91,9 +92,48 @@ def test_removed_entries_shorten_the_run_and_leave_no_key_behind(directory):
     directory.write_blocks("n1", epoch, masks_of(stored(TENANT_A, keys)))
     name = directory.block_key(TENANT_A.digest(), keys[4])
     assert 0 < directory.client.pttl(name) <= directory.block_ttl_s * 1000
-    directory.write_blocks("n1", epoch, {(TENANT_A.digest(), keys[4]): 0})
+    # evicted from the tail, as a cache drops pages: a device page goes only after its children
+    directory.write_blocks("n1", epoch, {(TENANT_A.digest(), key): 0 for key in keys[4:]})
     assert directory.lookup(TENANT_A.digest(), keys)[0].prefix_blocks == 4
     assert not directory.client.exists(name)  # the node's field was the last: the hash is gone
+
+
+def walked_run(entries, epoch, count):
+    """The leading run and its blocks by fastest tier, walking every block (the reference)."""
+    run, by_tier = 0, {"device": 0, "host": 0, "disk": 0}
+    for index in range(count):
+        held = entries.get(index)
+        if held is None or held[0] != epoch:
+            break
+        run += 1
+        by_tier["device" if held[1] & 1 else "host" if held[1] & 2 else "disk"] += 1
+    return run, by_tier
+
+
+def test_lookup_equals_a_walk_of_every_block_for_cache_shaped_holdings(directory):
+    """Random holdings shaped as a cache's are (a block held only with its parent, a device
+    block only with its parent on device; host and disk in any mix below), plus entries of an
+    old epoch and of dead nodes: the lookup's binary searches give what walking every block
+    gives, for every node, prompt length and tier mix."""
+    rng = random.Random(13)
+    epochs = {node: directory.register(node, f"http://{node}", CLUSTER) for node in ("n1", "n2", "n3", "n4")}
+    for trial in range(60):
+        count = rng.choice([1, 2, 3, 7, 16, 33, 64])
+        keys = keys_of(TENANT_A, list(range(trial * 1000, trial * 1000 + count * CLUSTER.page_size)))
+        entries = {}
+        for node, epoch in epochs.items():
+            run = rng.choice([0, count, rng.randint(0, count)])
+            device = rng.choice([0, run, rng.randint(0, run)])
+            mine = {i: (epoch, 1 | rng.choice([0, 2, 4, 6]) if i < device else rng.choice([2, 4, 6])) for i in range(run)}
+            stale = {i: (epoch - 1, 1) for i in range(run, count) if rng.random() < 0.5}  # a previous epoch's
+            directory.write_blocks(node, epoch, {(TENANT_A.digest(), keys[i]): mask for i, (_, mask) in mine.items()})
+            for i, (old, mask) in stale.items():
+                directory.client.hset(directory.block_key(TENANT_A.digest(), keys[i]), node, f"{old}:{mask}")
+            entries[node] = {**stale, **mine}
+        directory.client.hset(directory.block_key(TENANT_A.digest(), keys[-1]), "gone", "1:7")  # a dead node's
+        for view in directory.lookup(TENANT_A.digest(), keys):
+            expected = walked_run(entries[view.node_id], epochs[view.node_id], count)
+            assert (view.prefix_blocks, dict(view.blocks_by_tier)) == expected, (trial, view.node_id)
 
 
 def test_entries_of_an_old_epoch_are_never_used(directory):

@@ -174,7 +174,9 @@ def test_cli_without_nodes_is_the_single_node_replay(tmp_path, capsys):
         (["--router", "prefix"], "kvjax replay: error: --router: cluster options; add --nodes N"),
         (["--nodes", "0"], "kvjax replay: error: nodes=0 must be an int >= 1"),
         (["--nodes", "2", "--decode-tokens-per-s", "-1"], "decode_tokens_per_s=-1.0 must be a number > 0"),
-        (["--nodes", "2", "--imbalance-abs", "-1"], "imbalance_abs=-1.0 and imbalance_rel=0.25 must be >= 0"),
+        (["--nodes", "2", "--imbalance-abs", "-1"], "imbalance_abs=-1.0 and imbalance_rel=0.5 must be >= 0"),
+        (["--nodes", "2", "--share-slack-rel", "-1"], "share_slack_abs=2.0 must be >= 1 (requests) and "
+                                                      "share_slack_rel=-1.0 >= 0"),
     ],
 )
 def test_cli_refuses_bad_cluster_options_with_one_line(tmp_path, capsys, extra, message):

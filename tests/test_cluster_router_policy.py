@@ -1,12 +1,14 @@
-"""The routing policy as plain code: strategies, the load guard, fair turns on ties, starvation, and the
-shared-system-prompt case where a weighted cost sends everything to one node."""
+"""The routing policy as plain code: strategies, the share bound, the load guard, fair turns on ties, and
+the shared-system-prompt case where a weighted cost sends everything to one node."""
 
 import collections
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvjax.cluster.directory import NodeLoad, NodeView
-from kvjax.cluster.router import STRATEGIES, RouterConfig, RoutingPolicy
+from kvjax.cluster.router import RECENT_PER_NODE, STRATEGIES, RouterConfig, RoutingPolicy
 
 PAGE = 16
 
@@ -23,12 +25,16 @@ def test_unknown_strategy_and_bad_guard_settings_are_refused():
     expected = r"strategy='fastest'; expected one of \('prefix', 'least_loaded', 'round_robin'\)"
     with pytest.raises(ValueError, match=expected):
         RouterConfig(strategy="fastest")
-    with pytest.raises(ValueError, match="imbalance_abs=-1 and imbalance_rel=0.25 must be >= 0"):
+    with pytest.raises(ValueError, match="imbalance_abs=-1 and imbalance_rel=0.5 must be >= 0"):
         RouterConfig(imbalance_abs=-1)
     with pytest.raises(ValueError, match=r"tokens_per_load_unit=0 must be an int >= 1, or None \(learned\)"):
         RouterConfig(tokens_per_load_unit=0)
-    with pytest.raises(ValueError, match=r"fair_window=0 must be an int >= 1 \(decisions\)"):
+    with pytest.raises(ValueError, match=r"fair_window=0 must be an int >= 1 \(decisions\), or None \(50 per live"):
         RouterConfig(fair_window=0)
+    with pytest.raises(ValueError, match=r"share_slack_abs=0.5 must be >= 1 \(requests\) and share_slack_rel=0.15"):
+        RouterConfig(share_slack_abs=0.5)
+    with pytest.raises(ValueError, match=r"share_slack_rel=-0.1 >= 0"):
+        RouterConfig(share_slack_rel=-0.1)
 
 
 def test_no_node_left_is_an_error_naming_the_excluded():
@@ -107,11 +113,20 @@ def test_the_relative_slack_grows_with_the_mean_load():
 
 
 def test_nothing_cached_anywhere_takes_fair_turns_among_nodes_not_overloaded():
-    policy = RoutingPolicy(RouterConfig(tokens_per_load_unit=100))
+    policy = RoutingPolicy(RouterConfig(imbalance_abs=2, imbalance_rel=0.25, tokens_per_load_unit=100))
     views = [node("a", inflight=1), node("b"), node("c")]
     assert choose_ids(policy, views, 3) == ["a", "b", "c"]
     assert policy.choose(views, 100, PAGE).reason == "no_prefix"
     assert set(choose_ids(policy, [node("a", inflight=9), node("b"), node("c")], 4)) == {"b", "c"}
+
+
+def test_the_default_guard_lets_a_holder_run_well_above_the_mean_in_flight():
+    """A safety valve, not a balancer: 8 more requests in flight than the others keep the
+    affinity (outputs of 4 to 900 tokens make such gaps common and harmless)."""
+    views = [node("a", 5, inflight=10), node("b", inflight=2), node("c", inflight=2)]
+    assert RoutingPolicy().choose(views, 100, PAGE).reason == "affinity"
+    views = [node("a", 5, inflight=40), node("b", inflight=2), node("c", inflight=2)]  # a fell behind
+    assert RoutingPolicy().choose(views, 100, PAGE).reason == "imbalanced"
 
 
 def test_fair_turns_give_the_other_requests_to_the_nodes_affinity_left_behind():
@@ -121,12 +136,94 @@ def test_fair_turns_give_the_other_requests_to_the_nodes_affinity_left_behind():
     assert choose_ids(policy, [node("a"), node("b"), node("c")], 7) == ["b", "c", "b", "c", "b", "c", "a"]
 
 
-def test_a_node_starved_of_requests_takes_one_though_it_holds_less():
-    policy = RoutingPolicy(RouterConfig(tokens_per_load_unit=100, fair_window=32))
-    views = [node("a", 5, inflight=1), node("b", inflight=0)]
-    assert choose_ids(policy, views, 16) == ["a"] * 16  # a share of 8 each before starvation is judged
+def test_a_holder_over_its_share_sends_the_request_to_the_longest_prefix_among_the_others():
+    policy = RoutingPolicy(RouterConfig(share_slack_abs=2, share_slack_rel=0, fair_window=30))
+    views = [node("a", 5), node("b", 2), node("c")]
+    # a may take share + 2 of the requests counting each new one: 3 of 3, 4 of 6, ...
+    assert choose_ids(policy, views, 3) == ["a", "a", "a"]
     decision = policy.choose(views, 100, PAGE)
-    assert (decision.node_id, decision.reason) == ("b", "starved")
+    assert (decision.node_id, decision.reason, decision.prefix_blocks) == ("b", "over_share", 2)
+    # b caches the prefix too: the two holders take turns, c gets what they leave
+    views = [node("a", 5), node("b", 5), node("c")]
+    assert choose_ids(policy, views, 4) == ["b", "b", "a", "b"]  # fair turns: b catches up with a first
+
+
+def test_a_shared_prefix_reaches_every_node_through_the_share_bound():
+    policy = RoutingPolicy(RouterConfig(fair_window=40))
+    holders = {"a"}
+    served = collections.Counter()
+    for _ in range(200):
+        views = [node(n, 4 if n in holders else 0) for n in "abcd"]
+        chosen = policy.choose(views, 100, PAGE).node_id
+        holders.add(chosen)
+        served[chosen] += 1
+    assert holders == set("abcd") and max(served.values()) / 50 <= 1.10
+
+
+def window_counts_within_bound(chosen, valve, window, num_nodes, config):
+    """Every run of ``window`` consecutive decisions (and every shorter run at the start)
+    gives a node at most share + max(abs, rel x share) of them, plus the safety-valve
+    decisions ("overloaded") it took in that run."""
+    share = window / num_nodes
+    bound = share + max(config.share_slack_abs, config.share_slack_rel * share)
+    for end in range(1, len(chosen) + 1):
+        run = range(max(end - window, 0), end)
+        counts = collections.Counter(chosen[i] for i in run)
+        extra = collections.Counter(chosen[i] for i in run if valve[i])
+        for node_id, count in counts.items():
+            assert count <= bound + extra[node_id], (end, node_id, count, bound, extra[node_id])
+    return bound
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.data(),
+    st.integers(2, 6),
+    st.one_of(st.none(), st.integers(4, 60)),
+    st.sampled_from([0.0, 0.05, 0.15, 0.5]),
+    st.sampled_from([1.0, 2.0, 3.5]),
+    st.booleans(),
+)
+def test_every_run_of_fair_window_decisions_stays_within_the_share_bound(data, num_nodes, window, rel, abs_, guard):
+    """The share bound's guarantee, for any sequence of lookups with a stable set of nodes:
+    whatever each node holds and whatever its load, a node gets at most its share plus the
+    slack of every run of ``fair_window`` consecutive decisions, beyond the requests the
+    safety valve sent it; with the guard out of play (``guard`` False) the valve never
+    fires and the bound is exact."""
+    config = RouterConfig(share_slack_abs=abs_, share_slack_rel=rel, fair_window=window,
+                          imbalance_abs=2.0 if guard else 1e9, imbalance_rel=0.25 if guard else 0.0)  # fmt: skip
+    policy = RoutingPolicy(config)
+    ids = "abcdef"[:num_nodes]
+    view = st.tuples(st.integers(0, 6), st.integers(0, 12), st.integers(0, 300))  # prefix, in flight, pending
+    steps = data.draw(st.lists(st.lists(view, min_size=num_nodes, max_size=num_nodes), min_size=1, max_size=250))
+    chosen, valve = [], []
+    for step in steps:
+        views = [node(n, p, inflight=i, prefill_tokens=t) for n, (p, i, t) in zip(ids, step)]
+        decision = policy.choose(views, data.draw(st.integers(1, 120)), PAGE)
+        chosen.append(decision.node_id)
+        valve.append(decision.reason == "overloaded")
+    window_counts_within_bound(chosen, valve, window or RECENT_PER_NODE * num_nodes, num_nodes, config)
+    if not guard:
+        assert not any(valve)
+
+
+def test_the_safety_valve_sends_the_request_to_the_least_loaded_when_every_node_within_its_share_is_overloaded():
+    policy = RoutingPolicy(RouterConfig(share_slack_abs=1, share_slack_rel=0, fair_window=4, imbalance_abs=2,
+                                        imbalance_rel=0, tokens_per_load_unit=100))  # fmt: skip
+    assert choose_ids(policy, [node("a", 5), node("b", 5)], 2) == ["a", "b"]
+    # a fell behind (9 in flight against b's 0): b takes what its share allows, 3 of any 4
+    views = [node("a", 5, inflight=9), node("b", 5)]
+    assert choose_ids(policy, views, 2) == ["b", "b"]
+    decision = policy.choose(views, 100, PAGE)  # b would take 4 of 4; a, within, is overloaded
+    assert (decision.node_id, decision.reason) == ("b", "overloaded")
+
+
+def test_a_retry_keeps_the_window_of_the_live_nodes():
+    policy = RoutingPolicy()
+    views = [node("a"), node("b"), node("c"), node("d")]
+    choose_ids(policy, views, 150)
+    policy.choose(views, 100, PAGE, exclude={"a"})
+    assert len(policy._recent) == 151  # not cut to 3 x 50 for the retry
 
 
 def test_least_loaded_and_round_robin_ignore_the_prefix():

@@ -198,3 +198,5 @@ def test_an_unknown_strategy_is_refused_at_start(capsys):
 def test_a_bad_guard_setting_is_refused_at_start():
     with pytest.raises(SystemExit, match=r"router: fair_window=0 must be an int >= 1 \(decisions\)"):
         cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--fair-window", "0"])
+    with pytest.raises(SystemExit, match=r"router: share_slack_abs=0.0 must be >= 1 \(requests\)"):
+        cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--share-slack-abs", "0"])

@@ -29,15 +29,27 @@ from kvjax.cluster.node_server import create_node_app, start_worker
 from kvjax.cluster.redis_process import RedisProcess
 from kvjax.cluster.remote_fetch import RemoteFetcher
 from kvjax.cluster.remote_offers import FAULTS, OfferService
-from kvjax.cluster.router import STRATEGIES, RouterConfig, RoutingPolicy
+from kvjax.cluster.router import RECENT_PER_NODE, STRATEGIES, RouterConfig, RoutingPolicy
 from kvjax.cluster.router_server import RouterService, create_router_app
 from kvjax.serving.engine import Engine
 
 __all__ = ["main"]
 
+ROUTER_DESCRIPTION = ("The OpenAI-compatible front of the cluster: per request it computes the prompt's block keys, "
+                      "looks them up in the directory at --redis (one round trip) and sends the request to a live "
+                      "node. 'prefix' (the default) sends it to the node holding the longest cached prefix among "
+                      "those within their share of the recent requests (share + slack, bounded-load style) and not "
+                      "overloaded; 'least_loaded' and 'round_robin' ignore the prefix. A failed node's request is "
+                      "retried on another.")
+
+DESCRIPTION = ("Run the pieces of a kvjax cluster by hand: 'redis' (a redis-server on loopback for the "
+               "directory), 'node' (an engine behind the OpenAI-compatible API, registered at --redis) and "
+               "'router' (the OpenAI-compatible front that routes by the directory). Each prints one JSON "
+               "line once it serves; Ctrl-C or SIGTERM stops it cleanly.")
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvjax.cluster", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvjax.cluster", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     redis_parser = commands.add_parser("redis", help="run a redis-server on loopback")
     redis_parser.add_argument("--port", type=int, default=6379)
@@ -60,22 +72,33 @@ def main(argv: list[str] | None = None) -> int:
                       help="misbehave when peers ask for blocks, and take POST /kv/fault to change how (fault "
                            "tests only)")
     node.set_defaults(func=_run_node)
-    router = commands.add_parser("router", help="route requests to the nodes")
+    router = commands.add_parser("router", help="route requests to the nodes", description=ROUTER_DESCRIPTION)
     _common(router, default_port=8000)
-    router.add_argument("--strategy", default="prefix", choices=STRATEGIES)
-    router.add_argument("--imbalance-abs", type=float, default=RouterConfig().imbalance_abs,
-                        help="load units (requests) a holder may be above the least loaded node")
-    router.add_argument("--imbalance-rel", type=float, default=RouterConfig().imbalance_rel,
-                        help="the same as a fraction of the mean load (the larger of the two applies)")
-    router.add_argument("--tokens-per-load-unit", type=int, default=None,
-                        help="uncached prefill tokens counted as one request of load (default: learned)")
-    router.add_argument("--fair-window", type=int, default=RouterConfig().fair_window,
-                        help="recent decisions that fair turns count")
-    router.add_argument("--remote-fetch-cost", type=float, default=None,
-                        help="seconds to fetch a block from another node over seconds to recompute it: the nodes "
-                             "a request may go to when its holders are overloaded are credited with what they can "
-                             "fetch (default: no credit)")
-    router.add_argument("--max-attempts", type=int, default=3, help="nodes to try per request")
+    router.add_argument("--strategy", default="prefix", choices=STRATEGIES, help="(default: %(default)s)")
+    defaults = RouterConfig()
+    router.add_argument("--share-slack-abs", type=float, default=defaults.share_slack_abs, metavar="N",
+                        help="requests a node may take over its share of the recent ones (default: %(default)g)")
+    router.add_argument("--share-slack-rel", type=float, default=defaults.share_slack_rel, metavar="F",
+                        help="the same as a fraction of the share; the larger of the two applies (default: "
+                             "%(default)g)")
+    router.add_argument("--imbalance-abs", type=float, default=defaults.imbalance_abs, metavar="N",
+                        help="load units a node may be above the mean load before the safety valve skips it "
+                             "(default: %(default)g)")
+    router.add_argument("--imbalance-rel", type=float, default=defaults.imbalance_rel, metavar="F",
+                        help="the same as a fraction of the mean load; the larger of the two applies (default: "
+                             "%(default)g)")
+    router.add_argument("--tokens-per-load-unit", type=int, default=None, metavar="TOKENS",
+                        help="uncached prefill tokens counted as one request of load (default: learned, the mean "
+                             "uncached prompt routed)")
+    router.add_argument("--fair-window", type=int, default=None, metavar="K",
+                        help=f"recent decisions that fair turns and the share bound count (default: "
+                             f"{RECENT_PER_NODE} per live node)")
+    router.add_argument("--remote-fetch-cost", type=float, default=None, metavar="F",
+                        help="seconds to fetch a block from another node over seconds to recompute it, if nodes "
+                             "fetch: when a request's longest holders are skipped, the others are ranked by loads "
+                             "crediting what they can fetch (default: no credit)")
+    router.add_argument("--max-attempts", type=int, default=3, metavar="N",
+                        help="nodes to try per request (default: %(default)s)")
     router.set_defaults(func=_run_router)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command == "redis" else logging.WARNING,
@@ -149,7 +172,8 @@ def _run_router(args) -> int:
     if directory is None:
         raise SystemExit("router: --redis URL is required (the directory it routes by)")
     try:
-        config = RouterConfig(args.strategy, imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
+        config = RouterConfig(args.strategy, share_slack_abs=args.share_slack_abs, share_slack_rel=args.share_slack_rel,
+                              imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
                               tokens_per_load_unit=args.tokens_per_load_unit, fair_window=args.fair_window,
                               remote_fetch_cost=args.remote_fetch_cost)
     except ValueError as error:

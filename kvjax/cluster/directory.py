@@ -24,10 +24,19 @@ key                            type    TTL             holds (written by)
 Reading rules: a node is live while its record exists (its heartbeat keeps the TTL); an entry
 counts only if its epoch equals the live record's epoch, so a restarted node's (or a dead
 node's) old entries are never used. A lookup of a request's block keys is one round trip: one
-server-side script reads the live records and walks the keys in order, stopping at the first
-block no live node still extends its run with, and returns per live node the length of its
-leading run and how many of those blocks are fastest on each tier. (A client-side pipeline of
-one HGETALL per block took 0.45 ms p50 for 64 keys here; the script 0.2 ms.)
+server-side script reads the live records and returns per live node the length of its leading
+run of the keys and how many of those blocks are fastest on each tier.
+
+The script does not read every key: it relies on what a node's cache guarantees and its
+publisher mirrors transaction by transaction, that a block is held only with its parent (the
+trie drops the pages after a page it drops), and a block on device only with its parent on
+device. So a node's run ends at the last block it holds, and its device blocks are the run's
+first ones: after block 1 (one HMGET for every node, which ends a cold lookup), binary
+searches find each holder's run and device boundary, and only the blocks of the run past
+that boundary (host or disk, not prefix-closed between them) are read one by one, which
+also finds any gap there. 256 keys held on device by 4 nodes: 0.49 -> 0.03 ms of Redis time
+against walking every key (``benchmarks/bench_router.py``). A gap among device entries, which
+no publisher writes, can make a run look longer than it is: a routing hint, never KV.
 
 Memory: each node writes one field per block it holds, and deletes it when its events say
 the block left its last tier (an empty hash disappears), so a live node leaves nothing behind.
@@ -37,7 +46,7 @@ key's TTL, which only a live holder's writes and periodic refreshes extend (see
 ``kvjax.cluster.publisher``). ``{prefix}:node:{id}:epoch`` stays, one small key per node id
 ever used, so epochs never repeat. Blocks are ~100 bytes of Redis memory per holder.
 
-Not for Redis Cluster: the scripts read node records they do not declare as keys.
+Not for Redis Cluster: the scripts read keys they do not declare (node records, block keys).
 """
 
 from __future__ import annotations
@@ -220,9 +229,7 @@ class Directory:
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[NodeView]:
         """Every live node with the leading run of ``keys`` (a request's chained block keys,
         in order, of ``namespace``) it holds; one round trip. Sorted by node id."""
-        head = f"{self.prefix}:b:{namespace.hex()}:"  # once: per-key formatting was 0.15 ms of 256 keys
-        names = [head + key.hex() for key in keys]
-        reply = self._lookup(names, [self.prefix])
+        reply = self._lookup([], [self.prefix, f"{self.prefix}:b:{namespace.hex()}:", b"".join(keys).hex()])
         views = []
         for row in reply:
             node_id, epoch, address, inflight, prefill, run, device, host, disk = row
@@ -302,53 +309,80 @@ redis.call('HINCRBY', KEYS[1], 'prefill_tokens', ARGV[2])
 return 1
 """
 
-# KEYS: the request's block keys in order. ARGV: prefix.
-# Returns per live node {id, epoch, address, inflight, prefill_tokens, run, device, host, disk}.
-# Per key it asks only for the fields of nodes whose run is still unbroken, and matches an
-# entry against that node's "{epoch}:{mask}" strings (a table lookup, no parsing).
+# ARGV: prefix, the block keys' name head ("{prefix}:b:{ns hex}:"), the request's block keys in
+# order as one hex string (32 digits each: one argument, not one per key, is 0.1 ms less
+# packing at 256 keys). Returns per live node {id, epoch, address, inflight, prefill_tokens,
+# run, device, host, disk}. Relies on each node's entries being prefix-closed, and its device
+# entries too (see the module docstring): block 1 for every node in one HMGET, then per node
+# that holds it the last block, a binary search for its run, one for its device boundary, and
+# one HGET per block of the run past it (host or disk, which are not prefix-closed).
 _LOOKUP = """
-local prefix = ARGV[1]
-local live, valid, run, tiers, extending = {}, {}, {}, {}, {}
+local prefix, head, packed = ARGV[1], ARGV[2], ARGV[3]
+local count = #packed / 32
+local names = {}
+local function name(i)
+  local n = names[i]
+  if not n then
+    n = head .. string.sub(packed, i * 32 - 31, i * 32)
+    names[i] = n
+  end
+  return n
+end
+local live, ids = {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', prefix .. ':nodes')) do
   local rec = redis.call('HMGET', prefix .. ':node:' .. id, 'epoch', 'address', 'inflight', 'prefill_tokens')
   if rec[1] then
     live[#live + 1] = {id, rec}
-    extending[#extending + 1] = id
-    local e = rec[1] .. ':'
-    -- entry -> its fastest tier: 1 device, 2 host, 3 disk
-    valid[id] = {[e .. '1'] = 1, [e .. '2'] = 2, [e .. '3'] = 1, [e .. '4'] = 3, [e .. '5'] = 1, [e .. '6'] = 2,
-                 [e .. '7'] = 1}
-    run[id] = 0
-    tiers[id] = {0, 0, 0}
+    ids[#ids + 1] = id
   end
 end
-for i, key in ipairs(KEYS) do
-  if #extending == 0 then break end
-  local entries = redis.call('HMGET', key, unpack(extending))
-  local broken = false
-  for j, id in ipairs(extending) do
-    local fastest = entries[j] and valid[id][entries[j]]
-    if fastest then
-      run[id] = i
-      local counts = tiers[id]
-      counts[fastest] = counts[fastest] + 1
-    else
-      broken = true
-    end
-  end
-  if broken then
-    local still = {}
-    for _, id in ipairs(extending) do
-      if run[id] == i then still[#still + 1] = id end
-    end
-    extending = still
-  end
-end
+local first = {}
+if count > 0 and #ids > 0 then first = redis.call('HMGET', name(1), unpack(ids)) end
 local out = {}
-for _, node in ipairs(live) do
+for j, node in ipairs(live) do
   local id, rec = node[1], node[2]
-  local t = tiers[id]
-  out[#out + 1] = {id, rec[1], rec[2], rec[3], rec[4], run[id], t[1], t[2], t[3]}
+  local e = rec[1] .. ':'
+  -- entry of this epoch -> its fastest tier: 1 device, 2 host, 3 disk
+  local valid = {[e .. '1'] = 1, [e .. '2'] = 2, [e .. '3'] = 1, [e .. '4'] = 3, [e .. '5'] = 1, [e .. '6'] = 2,
+                 [e .. '7'] = 1}
+  local seen = {}
+  local function tier(i)
+    local t = seen[i]
+    if t == nil then
+      t = valid[redis.call('HGET', name(i), id)] or false
+      seen[i] = t
+    end
+    return t
+  end
+  local function last(lo, hi, holds)  -- holds(lo) and not holds(hi): the last i with holds(i)
+    while hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      if holds(mid) then lo = mid else hi = mid end
+    end
+    return lo
+  end
+  local run, counts = 0, {0, 0, 0}
+  if count > 0 then seen[1] = valid[first[j]] or false end
+  if count > 0 and seen[1] then
+    run = count
+    if not tier(count) then run = last(1, count, tier) end
+    local device = 0
+    if tier(run) == 1 then
+      device = run
+    elseif tier(1) == 1 then
+      device = last(1, run, function(i) return tier(i) == 1 end)
+    end
+    counts[1] = device
+    for i = device + 1, run do
+      local t = tier(i)
+      if not t then
+        run = i - 1
+        break
+      end
+      counts[t] = counts[t] + 1
+    end
+  end
+  out[#out + 1] = {id, rec[1], rec[2], rec[3], rec[4], run, counts[1], counts[2], counts[3]}
 end
 return out
 """

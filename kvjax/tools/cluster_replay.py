@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from kvjax.cluster.node_view import NodeLoad, NodeView
-from kvjax.cluster.router import RouterConfig, RoutingPolicy
+from kvjax.cluster.router import RECENT_PER_NODE, RouterConfig, RoutingPolicy
 from kvjax.tiers.kv_cache import KVCache
 from kvjax.tools.replay import DEFAULT_POLICY, ReplayReport, matched_blocks, replay_cache, replay_trace, serve_request
 from kvjax.tools.replay_bounds import HitCounter, HitCounts, intern_block_paths, offline_replay, unlimited_replay
@@ -205,6 +205,8 @@ class ClusterReplayReport:
             **single_node_keys,
             "nodes": spec.nodes,
             "router": self.router.strategy,
+            "share_slack_abs": self.router.share_slack_abs,
+            "share_slack_rel": self.router.share_slack_rel,
             "imbalance_abs": self.router.imbalance_abs,
             "imbalance_rel": self.router.imbalance_rel,
             "tokens_per_load_unit": self.router.tokens_per_load_unit,
@@ -328,8 +330,10 @@ def format_cluster_report(trace: str, report: ClusterReplayReport) -> str:
         f"trace {trace}: {local.requests} requests, {local.blocks} blocks, {local.tokens} prompt tokens",
         (f"cluster: {spec.nodes} nodes x {spec.device_blocks} device blocks ({spec.host_blocks} host, "
          f"{spec.disk_blocks} disk; {write}), policy {spec.policy}"),
-        (f"router {router.strategy} (imbalance_abs={router.imbalance_abs:g}, imbalance_rel={router.imbalance_rel:g}, "
-         f"tokens_per_load_unit={router.tokens_per_load_unit or 'learned'}, fair_window={router.fair_window})"),
+        (f"router {router.strategy} (share_slack_abs={router.share_slack_abs:g}, "
+         f"share_slack_rel={router.share_slack_rel:g}, imbalance_abs={router.imbalance_abs:g}, "
+         f"imbalance_rel={router.imbalance_rel:g}, tokens_per_load_unit={router.tokens_per_load_unit or 'learned'}, "
+         f"fair_window={router.fair_window or f'{RECENT_PER_NODE} per node'})"),
         report.service.describe(),
         report.fetch.describe(report.service) if report.fetch is not None else "remote fetch: off",
         f"{'':<36}{'block hits':>12}{'token hits':>12}",

@@ -12,14 +12,15 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from kvjax.cluster.router import STRATEGIES, RouterConfig
+from kvjax.cluster.router import RECENT_PER_NODE, STRATEGIES, RouterConfig
 from kvjax.tools.cluster_replay import ClusterSpec, FetchModel, ServiceModel, cluster_replay, format_cluster_report
 from kvjax.tools.trace import TraceRequest
 
 __all__ = ["add_cluster_arguments", "cluster_options_without_nodes", "run_cluster_replay"]
 
 _DEFAULTS, _SERVICE, _FETCH = RouterConfig(), ServiceModel(), FetchModel()
-_ROUTER_OPTIONS = ("imbalance_abs", "imbalance_rel", "tokens_per_load_unit", "fair_window", "remote_fetch_cost")
+_ROUTER_OPTIONS = ("share_slack_abs", "share_slack_rel", "imbalance_abs", "imbalance_rel", "tokens_per_load_unit",
+                   "fair_window", "remote_fetch_cost")
 _SERVICE_OPTIONS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 _FETCH_OPTIONS = ("kv_bytes_per_token", "link_bytes_per_s")
 _CLUSTER_ONLY = ("router", *_ROUTER_OPTIONS, *_SERVICE_OPTIONS, *_FETCH_OPTIONS, "no_remote_fetch")
@@ -30,6 +31,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cluster (with --nodes; the capacities above are per node)")
     group.add_argument("--nodes", type=int, metavar="N", help="simulate N nodes behind the router")
     group.add_argument("--router", choices=STRATEGIES, help=f"routing strategy (default: {_DEFAULTS.strategy})")
+    group.add_argument("--share-slack-abs", type=float, metavar="X",
+                       help=f"requests a node may take over its share of the recent ones (default: "
+                            f"{_DEFAULTS.share_slack_abs:g})")
+    group.add_argument("--share-slack-rel", type=float, metavar="F",
+                       help=f"the same as a fraction of the share (default: {_DEFAULTS.share_slack_rel:g})")
     group.add_argument("--imbalance-abs", type=float, metavar="X",
                        help=f"load units a holder may exceed the mean load by (default: {_DEFAULTS.imbalance_abs:g})")
     group.add_argument("--imbalance-rel", type=float, metavar="F",
@@ -38,7 +44,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                        help="uncached prefill tokens counted as one request of load (default: learned, the "
                             "mean uncached prompt routed)")
     group.add_argument("--fair-window", type=int, metavar="K",
-                       help=f"recent decisions fair turns count (default: {_DEFAULTS.fair_window})")
+                       help=f"recent decisions fair turns and the share count (default: {RECENT_PER_NODE} per node)")
     group.add_argument("--prefill-tokens-per-s", type=float, metavar="R",
                        help=f"service model: a node's prefill rate (default: {_SERVICE.prefill_tokens_per_s:g})")
     group.add_argument("--decode-tokens-per-s", type=float, metavar="R",
