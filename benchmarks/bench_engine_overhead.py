@@ -96,7 +96,7 @@ def _big_pool(preset: str, num_blocks: int, overrides: dict) -> Engine:
     parts = build_engine_parts(preset, **overrides)
     old = parts["cache"].config
     pool = dataclasses.replace(old.pool, num_blocks=num_blocks)
-    parts["cache"] = KVCache(KVCacheConfig(pool=pool, vocab_size=old.vocab_size), metrics=parts["cache"].metrics)
+    parts["cache"] = KVCache(KVCacheConfig(pool=pool, vocab_size=old.vocab_size, policy=old.policy))
     return Engine(**parts)
 
 

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvjax.cache.block_keys import as_namespace, chained_block_keys
 from kvjax.cache.device_index import DeviceIndex  # noqa: E402
+from kvjax.text.tokens import token_bytes  # noqa: E402
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
 from kvjax.tiers.page_pool import PoolConfig  # noqa: E402
-from kvjax.text.tokens import token_bytes  # noqa: E402
 
 TRACE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
 TOKENS_PER_HASH_ID = 512

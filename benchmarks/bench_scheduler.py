@@ -33,6 +33,8 @@ from bench_host_path import python_speed_us  # noqa: E402
 from kvjax.cache.device_index import DeviceIndex  # noqa: E402
 from kvjax.serving.request import Request  # noqa: E402
 from kvjax.serving.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig  # noqa: E402
+from kvjax.tiers.page_pool import PoolConfig  # noqa: E402
 
 VOCAB = 32_000
 PAGE_SIZE = 16
@@ -76,7 +78,9 @@ def main() -> None:
 
 def make_scheduler(num_seqs: int, waiting: int, refresh: int) -> Scheduler:
     num_blocks = (num_seqs + 64) * (PROMPT_LEN + 1024) // PAGE_SIZE
-    cache = DeviceIndex(num_blocks, PAGE_SIZE, vocab_size=VOCAB)
+    pool = PoolConfig(num_blocks=num_blocks, num_layers=1, num_kv_heads=1, page_size=PAGE_SIZE, head_dim=1,
+                      dtype="float32")  # fmt: skip
+    cache = KVCache(KVCacheConfig(pool=pool, vocab_size=VOCAB), move_bytes=False)  # bookkeeping, no pool array
     config = SchedulerConfig(max_num_seqs=num_seqs, token_budget=max(2048, num_seqs), max_prefill_chunk=512,
                              rank_refresh_per_step=refresh, max_waiting=waiting + num_seqs + 1)  # fmt: skip
     return Scheduler(cache, config)

@@ -2,17 +2,18 @@
 # The prepared device check for a GPU machine (H200): kernel tests compiled for the GPU (the
 # attention kernel on float pools, then on quantized int8/fp8 pools), the quantized decode
 # comparison (issue 6's goal: >= 1.6x the bfloat16 decode throughput at ctx >= 4k), the other
-# kernels' tests, then the paged-attention benchmark. Runs from the repository root, installs
-# nothing, keeps going after a failing step and records every step's exit code and seconds in
-# $OUT/steps.tsv.
+# kernels' tests, then the paged-attention benchmark, then the host tier's moves (issue 11:
+# device->host and host->device of 64 blocks against one device_put to/from pinned_host, GB/s
+# each, and the one-block fetch p50/p99). Runs from the repository root, installs nothing, keeps
+# going after a failing step and records every step's exit code and seconds in $OUT/steps.tsv.
 #
 #   bash benchmarks/gpu_check.sh               # on the GPU machine; results in ${OUT:-./gpu_results}
 #   bash benchmarks/gpu_check.sh --cpu-smoke   # here: same steps, CPU-sized, to exercise the script
 #
-# Step time limits add up to 440 s (500 s with the kill grace), under 8.5 minutes; each
-# benchmark also stops starting new cases after its --budget-s. $OUT receives at most 8 files:
-# env.txt, tests.log, bench.log, bench_quant.json, bench_quant.md, bench.json, bench.md,
-# steps.tsv.
+# Step time limits add up to 480 s (550 s with the kill grace), under 9.5 minutes; each
+# paged-attention benchmark also stops starting new cases after its --budget-s. $OUT receives
+# at most 9 files: env.txt, tests.log, bench.log, bench_quant.json, bench_quant.md, bench.json,
+# bench.md, bench_tiers.log, steps.tsv.
 set -u
 
 MODE=gpu
@@ -27,7 +28,8 @@ if [[ "$MODE" == cpu-smoke ]]; then
   OTHER_TEST_ARGS=(-k "num_seqs_zero or rejects")
   QUANT_BENCH_ARGS=(--quick --rounds 2 --budget-s 30)
   BENCH_ARGS=(--quick --rounds 3 --budget-s 60)
-  LIMITS=(60 240 240 240 240 240)
+  TIERS_ARGS=(--host-only --quick)
+  LIMITS=(60 240 240 240 240 240 120)
 else
   OUT="${OUT:-./gpu_results}"
   PY="${PYTHON:-python3}"
@@ -36,8 +38,11 @@ else
   OTHER_TEST_ARGS=()
   QUANT_BENCH_ARGS=(--budget-s 50)
   BENCH_ARGS=(--budget-s 80 --sweep)
-  # env, float-pool kernel tests, quantized kernel tests, quantized bench, other kernels, bench
-  LIMITS=(15 115 60 85 55 110)
+  # 1 MiB blocks (16 layers, 8 KV heads, page 16, head_dim 128, bf16): 64 MiB per move
+  TIERS_ARGS=(--host-only --quick --repeats 10 --num-layers 16 --num-kv-heads 8)
+  # env, float-pool kernel tests, quantized kernel tests, quantized bench, other kernels, bench,
+  # host tier moves
+  LIMITS=(15 115 60 85 55 110 40)
 fi
 mkdir -p "$OUT"
 export PYTHONPATH=.
@@ -84,6 +89,8 @@ if [[ ${#other_tests[@]} -gt 0 ]]; then
 fi
 run_step bench_paged_attention "${LIMITS[5]}" "$OUT/bench.log" \
   "$PY" benchmarks/bench_paged_attention.py --out "$OUT/bench.json" "${BENCH_ARGS[@]}"
+run_step bench_tiers_host "${LIMITS[6]}" "$OUT/bench_tiers.log" \
+  "$PY" benchmarks/bench_tiers.py "${TIERS_ARGS[@]}"
 
 echo "--- steps (name, exit code, seconds) in $OUT/steps.tsv"
 cat "$OUT/steps.tsv"
@@ -92,4 +99,5 @@ grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 6
 for md in bench_quant bench; do
   if [[ -f "$OUT/$md.md" ]]; then echo "--- $md"; cat "$OUT/$md.md"; fi
 done
+if [[ -f "$OUT/bench_tiers.log" ]]; then echo "--- bench_tiers (host)"; cat "$OUT/bench_tiers.log"; fi
 exit $((FAILED > 0))

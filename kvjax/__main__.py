@@ -13,7 +13,7 @@ import sys
 from kvjax.tools.cli import ArgumentParser, run_command
 
 # Modules that contribute a subcommand, in the order `--help` lists them.
-COMMAND_MODULES = ("kvjax.tools.demo", "kvjax.tools.replay_cli")
+COMMAND_MODULES = ("kvjax.tools.demo", "kvjax.tools.replay_cli", "kvjax.tools.cluster_demo")
 
 DESCRIPTION = ("kvjax: reusable KV cache for JAX/Flax serving. 'demo' serves a built-in workload "
                "with and without the cache; 'replay' sizes a cache from a request trace.")

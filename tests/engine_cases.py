@@ -39,15 +39,16 @@ def model(seed: int = 0) -> Transformer:
 
 def make_engine(*, scheduler: SchedulerConfig = SCHEDULER, host_bytes: int = 0, disk_dir=None,
                 disk_bytes: int = 0, seed: int = 0, kv_quant: str | None = None, kv_scale: str = "token",
-                offload_quant: str | None = None, accept_lossy: bool = True, **engine_kwargs) -> Engine:  # fmt: skip
+                offload_quant: str | None = None, accept_lossy: bool = True, transfer_factory=None,
+                **engine_kwargs) -> Engine:  # fmt: skip
     """An engine over a KVCache (device only unless ``host_bytes``), on the shared shapes;
     ``kv_quant`` / ``kv_scale`` pick the pool's page format, ``offload_quant`` / ``accept_lossy``
-    lossy compression of offloaded pages."""
+    lossy compression of offloaded pages, ``transfer_factory`` the cache's transfer engine."""
     pool = pool_config(MODEL, PAGE, BLOCKS, kv_quant=kv_quant, kv_scale=kv_scale)
     config = KVCacheConfig(pool=pool, host_bytes=host_bytes, disk_dir=disk_dir, offload_quant=offload_quant,
                            accept_lossy=accept_lossy,
                            disk_bytes=disk_bytes, vocab_size=MODEL.vocab_size, cost_model=FETCH_ALWAYS)  # fmt: skip
-    cache = KVCache(config)
+    cache = KVCache(config, transfer_factory=transfer_factory)
     engine_config = engine_kwargs.pop("config", EngineConfig(max_model_len=MAX_LEN, token_buckets=BUCKETS))
     return Engine(model(seed), cache, scheduler, engine_config, **engine_kwargs)
 
@@ -79,13 +80,18 @@ def random_prompts(rng: np.random.Generator, shared: int, tails: list[int]) -> l
     return [np.concatenate([prefix, rng.integers(0, MODEL.vocab_size, n)]).astype(np.int32) for n in tails]
 
 
-def write_preset(path, *, num_blocks: int = BLOCKS, max_model_len: int = MAX_LEN) -> str:
+def write_preset(path, *, num_blocks: int = BLOCKS, max_model_len: int = MAX_LEN, host_blocks: int = 0) -> str:
     """Writes a preset of the shared shapes (so the step compiles once for every test that
-    uses it, unless ``num_blocks`` or ``max_model_len`` change) to ``path``; returns the path."""
+    uses it, unless ``num_blocks`` or ``max_model_len`` change) to ``path``, with a host tier
+    of ``host_blocks``; returns the path."""
     model_keys = "\n".join(f"{name} = {getattr(MODEL, name)!r}" for name in MODEL.__dataclass_fields__)
     scheduler = "\n".join(f"{name} = {getattr(SCHEDULER, name)!r}"
                           for name in ("max_num_seqs", "token_budget", "max_prefill_chunk"))
     path.write_text(f"[model]\n{model_keys}\n[cache]\npage_size = {PAGE}\nnum_blocks = {num_blocks}\n"
                     f"[scheduler]\n{scheduler}\n[engine]\nmax_model_len = {max_model_len}\n"
                     f"token_buckets = {list(BUCKETS)}\n".replace("'", '"'))
+    if host_blocks:
+        block_bytes = pool_config(MODEL, PAGE, num_blocks).bytes_per_block
+        with open(path, "a") as preset:
+            preset.write(f"[tiers]\nhost_bytes = {host_blocks * block_bytes}\n")
     return str(path)

@@ -66,7 +66,8 @@ class ManualTransfer:
     an offload's gather (and its copy) happens at submit, as the real engine gathers then.
     """
 
-    def __init__(self, host, disk=None, gather_blocks=pallas_kernels.gather_blocks, buckets=(), synchronous=False):
+    def __init__(self, host, disk=None, gather_blocks=pallas_kernels.gather_blocks, buckets=(), synchronous=False,
+                 direct_cpu_reads=False):
         self.host, self.disk = host, disk
         self.engine = TransferEngine(host, disk, gather_blocks=gather_blocks, buckets=buckets, synchronous=True)
         self.buckets = self.engine.buckets
@@ -81,7 +82,9 @@ class ManualTransfer:
         return self._queue(Link.HOST_TO_DEVICE, lambda: self.engine.fetch(slots, priority=priority).result(),
                            lambda: None)  # fmt: skip
 
-    def spill(self, keys, namespaces, slots, parents=None, *, priority):
+    def spill(self, keys, namespaces, slots, parents=None, *, priority, now=False):
+        if now:  # the caller needs the slots at once: not up to the test
+            return self.engine.spill(keys, namespaces, slots, parents, priority=priority)
         run = lambda: self.engine.spill(keys, namespaces, slots, parents, priority=priority).result()
         return self._queue(Link.HOST_TO_DISK, run, lambda: None)
 

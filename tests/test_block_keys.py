@@ -93,6 +93,14 @@ def test_chained_keys_reject_bad_arguments():
         chained_block_keys([1, 2], 2, None, parent=b"abc")
 
 
+def test_a_namespace_digest_names_the_same_keys_as_its_namespace():
+    namespace = Namespace(tenant="t", model="m", adapter="a", salt="s")
+    tokens = np.arange(20, dtype=np.int32)
+    assert chained_block_keys(tokens, 4, namespace.digest()) == chained_block_keys(tokens, 4, namespace)
+    with pytest.raises(ValueError, match=r"namespace digest has 3 bytes; expected 16"):
+        chained_block_keys(tokens, 4, b"abc")
+
+
 def test_validate_tokens_returns_little_endian_int32():
     out = validate_tokens([0, 5, 31999], 32000)
     assert out.dtype == np.dtype("<i4") and out.tolist() == [0, 5, 31999]

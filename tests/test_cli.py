@@ -50,7 +50,7 @@ def files(tmp_path):
     paths["good.jsonl"].write_text(GOOD_LINE + "\n")
     paths["dir"] = tmp_path
     paths["short.toml"] = Path(write_preset(tmp_path / "short.toml"))  # max_model_len 384
-    paths["four_blocks.toml"] = Path(write_preset(tmp_path / "four_blocks.toml", num_blocks=4, max_model_len=1024))
+    paths["four_blocks.toml"] = Path(write_preset(tmp_path / "four_blocks.toml", num_blocks=4, max_model_len=2048))
     return {name: str(path) for name, path in paths.items()}
 
 
@@ -71,7 +71,7 @@ BAD_INPUT = [
      r"kvjax demo: error: no request finished: all \d+ submitted requests were rejected "
      r"\(first, .*needs \d+ blocks.*has 4\); expected a preset whose pool holds"),
     (["demo", "--preset", "{short.toml}", "--no-plot"], 2,
-     r"kvjax demo: error: request 'sys0-q0/t0' needs 575 prompt \+ 32 new tokens; max_model_len=384"),
+     r"kvjax demo: error: request 'sys0-q0/t0' needs 1300 prompt \+ 32 new tokens; max_model_len=384"),
     (["replay", "{binary.jsonl}", "--device-blocks", "8"], 2,
      r"binary.jsonl:1: not UTF-8 text \(byte 0x89 at column 1\); expected JSON lines"),
     (["replay", "{latin1.jsonl}", "--device-blocks", "8"], 2, r"latin1.jsonl:2: not UTF-8 text"),
@@ -106,7 +106,7 @@ def test_bad_input_is_one_line_without_traceback(argv, status, message, tmp_path
 
 
 def test_a_tiny_pool_says_why_nothing_ran_and_claims_nothing(tmp_path, capsys):
-    preset = write_preset(tmp_path / "four.toml", num_blocks=4, max_model_len=1024)
+    preset = write_preset(tmp_path / "four.toml", num_blocks=4, max_model_len=2048)
     code, out, _ = run_cli(["demo", "--preset", preset, "--no-plot"], capsys)
     assert code == 1
     assert "same generated tokens with and without the cache: not checked" in out

@@ -193,3 +193,8 @@ def test_an_unknown_strategy_is_refused_at_start(capsys):
         cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--strategy", "fastest"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_a_bad_guard_setting_is_refused_at_start():
+    with pytest.raises(SystemExit, match=r"router: fair_window=0 must be an int >= 1 \(decisions\)"):
+        cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--fair-window", "0"])

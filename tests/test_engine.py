@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from engine_cases import (
     BUCKETS,
+    FETCH_ALWAYS,
     MAX_LEN,
     MODEL,
     PAGE,
@@ -17,6 +18,7 @@ from engine_cases import (
     random_prompts,
 )
 
+from kvjax.metrics.compilations import CompileCount
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_config import EngineConfig
@@ -133,18 +135,33 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
     assert finishes["top1"].output_token_ids.tolist() == dense_greedy(prompt, 12)
 
 
-def test_compilations_are_counted_once_per_bucket():
-    # A pool shape no other test uses, so these compilations are this test's own.
+def test_after_warmup_serving_builds_nothing_not_even_tier_moves_or_swaps():
+    """Warm-up builds the model step for every token bucket and every tier move and swap for
+    every transfer bucket; then host fetches of several sizes and swaps build nothing."""
+    # A pool shape no other test uses, so every executable here is this test's own.
     metrics = Metrics()
-    cache = KVCache(KVCacheConfig(pool=pool_config(MODEL, PAGE, 40), vocab_size=256))
+    pool = pool_config(MODEL, PAGE, 40)
+    cache = KVCache(KVCacheConfig(pool=pool, vocab_size=256, host_bytes=40 * pool.bytes_per_block,
+                                  cost_model=FETCH_ALWAYS, transfer_buckets=(2, 8)))  # fmt: skip
     config = EngineConfig(max_model_len=MAX_LEN, token_buckets=(64,))
-    with Engine(model(), cache, SCHEDULER, config, metrics=metrics) as engine:
-        assert engine.warmup() == 1
-        for i in range(3):
-            engine.add_request(f"r{i}", tokens=[i + 1] * (5 + 20 * i), max_new_tokens=3)
+    scheduler = dataclasses.replace(SCHEDULER, host_swap_blocks=8)
+    rng = np.random.default_rng(3)
+    with Engine(model(), cache, scheduler, config, metrics=metrics) as engine:
+        built = engine.warmup()
+        assert built >= 1 + 2 * 2 and engine.runner.compilations == 1  # step; 2 buckets x (out, in)
+        count = CompileCount()
+        prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (3 * PAGE + 1, 9 * PAGE + 2)]
+        for i, tokens in enumerate(prompts):
+            engine.add_request(f"first{i}", tokens=tokens, max_new_tokens=2)
         list(engine.run())
-        assert engine.runner.compilations == 1
-        assert metrics.to_json()["counters"]["compilations"] == 1
+        engine.cache.evict(40)  # their pages move to host
+        for i, tokens in enumerate(prompts):  # 3 pages (bucket 8), then 9 (8 + a bucket of 2)
+            engine.add_request(f"again{i}", tokens=tokens, max_new_tokens=2)
+            list(engine.run())
+        engine.swap_store.swap_in(list(zip(range(3), range(3))))  # 3 blocks: one bucket of 8
+        assert engine.cache.stats.fetched_host_blocks == 12
+        assert count.value == 0
+        assert metrics.to_json()["counters"]["compilations"] == built
 
 
 def test_canonicalization_reports_changes_and_turns_variants_into_hits():
@@ -241,7 +258,7 @@ def test_tiny_preset_wires_model_scheduler_and_tiers():
     parts["cache"].close()
     assert parts["model"].cfg.d_model == 128 and parts["config"].token_buckets == (32, 256)
     assert parts["scheduler_config"].max_num_seqs == 16
-    assert parts["cache"].config.host_bytes == 16 << 20 and parts["cache"].config.disk_dir is None
+    assert parts["cache"].config.host_bytes == 4 << 20 and parts["cache"].config.disk_dir is None
     assert (parts["cache"].pool.config.page_size, parts["cache"].pool.config.num_blocks) == (16, 256)
     assert build_engine_parts("tiny", tiers=False)["cache"].config.host_bytes == 0
 

@@ -6,6 +6,9 @@ float32 tolerance; hits come from device, host and disk; preempted sequences (sw
 recomputed) resume exactly.
 """
 
+import concurrent.futures
+import threading
+
 import numpy as np
 import pytest
 from engine_cases import (
@@ -20,6 +23,7 @@ from engine_cases import (
 
 from kvjax.serving.engine_events import FinishEvent, TokenEvent
 from kvjax.serving.scheduler_config import SchedulerConfig
+from kvjax.tiers.transfer import Priority, TransferEngine, TransferResult
 from kvjax.tools.workload import WorkloadSpec, build_workload, drive
 
 SPEC = WorkloadSpec(system_prompts=2, questions_per_system_prompt=3, conversations=2, turns_per_conversation=3,
@@ -101,6 +105,77 @@ def test_disk_tier_hits_are_exact(tmp_path):
         finish = _run(engine, [("again", again, 5, "t")])["again"]
     assert finish.hit_tokens_by_tier.get("disk", 0) > 0, finish.hit_tokens_by_tier
     assert finish.output_token_ids.tolist() == dense_greedy(again, 5)
+
+
+class GatedFetches(TransferEngine):
+    """The real transfer engine, except that host -> device fetches finish only once ``gate``
+    is set, and fail (nothing lands) when ``fail`` is."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate, self.fail, self.fetches = threading.Event(), False, 0
+
+    def fetch(self, slots, *, priority=Priority.DEMAND):
+        inner, gated = super().fetch(slots, priority=priority), concurrent.futures.Future()
+        self.fetches += 1
+
+        def finish():
+            self.gate.wait(60)
+            result = inner.result()
+            gated.set_result(TransferResult(result.link, 0, ok=False, error="injected") if self.fail else result)
+
+        threading.Thread(target=finish, daemon=True).start()
+        return gated
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["lands", "fails"])
+def test_a_fetch_in_flight_holds_back_only_its_own_request(fail):
+    """While one request's host hit is in flight, another runs its prefill and decodes; the
+    fetching one starts when its KV lands (or, if the fetch failed, recomputes) and both
+    generate what the dense forward does."""
+    rng = np.random.default_rng(5)
+    first, again = random_prompts(rng, 12 * PAGE, [3, 6])
+    other = rng.integers(0, 256, 5 * PAGE).astype(np.int32)
+    with make_engine(host_bytes=BLOCKS * 8 * 1024, transfer_factory=GatedFetches) as engine:
+        transfer = engine.cache.transfer
+        transfer.fail = fail
+        _run(engine, [("first", first, 3, "t")])
+        _evict_with_fillers(engine, rng, 12 * PAGE)
+        engine.add_request("again", tokens=again, max_new_tokens=5, namespace="t")
+        engine.add_request("other", tokens=other, max_new_tokens=6, namespace="o")
+        seen = []
+        for _ in range(4):  # the other request's prefill and three decodes
+            seen += engine.step()
+            engine.check_invariants()
+            assert list(engine.scheduler.fetching) == ["again"] and transfer.fetches == 1
+        assert {e.request_id for e in seen if isinstance(e, TokenEvent)} == {"other"}
+        assert sum(isinstance(e, TokenEvent) for e in seen) == 3
+        transfer.gate.set()
+        events = seen + list(engine.run(summary=False))
+        engine.check_invariants()
+    finished = {e.request_id: e for e in events if isinstance(e, FinishEvent)}
+    assert finished["again"].output_token_ids.tolist() == dense_greedy(again, 5)
+    assert finished["other"].output_token_ids.tolist() == dense_greedy(other, 6)
+    host_hits = finished["again"].hit_tokens_by_tier.get("host", 0)
+    assert (host_hits == 0) if fail else (host_hits >= 11 * PAGE), finished["again"].hit_tokens_by_tier
+
+
+def test_a_new_engine_tells_another_namespaces_disk_blocks_from_never_seen_ones(tmp_path):
+    """A restarted engine on the same disk directory has seen nothing in this process, yet its
+    misses on pages another tenant left on disk count as ``other_namespace``, not ``never_seen``."""
+    rng = np.random.default_rng(6)
+    [shared] = random_prompts(rng, 12 * PAGE, [5])
+    fresh = rng.integers(0, 256, 6 * PAGE + 3).astype(np.int32)
+    tiers = dict(host_bytes=BLOCKS * 8 * 1024, disk_dir=str(tmp_path), disk_bytes=1 << 26)
+    with make_engine(**tiers) as engine:
+        _run(engine, [("a", shared, 2, "tenant-a")])
+        engine.cache.evict(BLOCKS)
+        assert engine.cache.flush(timeout=30)  # on disk, for the next process
+    with make_engine(**tiers) as engine:  # the next process: a new cache and a new observer
+        finished = _run(engine, [("b", shared, 2, "tenant-b"), ("c", fresh, 2, "tenant-b")])
+    assert finished["b"].miss_tokens_by_cause == {"other_namespace": len(shared)}
+    assert finished["c"].miss_tokens_by_cause == {"never_seen": len(fresh)}
+    assert finished["b"].output_token_ids.tolist() == dense_greedy(shared, 2)
 
 
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])

@@ -1,14 +1,25 @@
-"""HostPool: slots of one preallocated host array, bit-exact both ways, padded batches, errors."""
+"""HostPool: slots of one preallocated host array, bit-exact both ways, padded batches, errors;
+staging buffers (wrapped by device_put on CPU, reused where it copies) under random call
+sequences and concurrent calls on disjoint slots."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tier_cases import DTYPES, random_blocks, same_bits
 
 from kvjax.tiers.host_pool import HostPool
 
 BLOCK_SHAPE = (2, 2, 1, 4, 8)
+NUM_SLOTS = 12
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -18,6 +29,19 @@ def test_device_host_device_round_trip_is_bit_exact(dtype):
     pool.write(np.array([6, 0, 3, 1, 7]), jax.device_put(blocks))
     assert same_bits(pool.to_device(np.array([0, 6, 7])), blocks[[1, 0, 4]])
     assert same_bits(pool.read(np.array([3, 1])), blocks[[2, 3]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_written_straight_from_a_source_keep_their_bits(dtype):
+    source = random_blocks(6, BLOCK_SHAPE, dtype, seed=4)
+    pool = HostPool(BLOCK_SHAPE, dtype, num_slots=8)
+    pool.write_rows(np.array([7, 0, 3]), source, np.array([5, 1, 5]))  # a row may go to two slots
+    assert same_bits(pool.read(np.array([0, 3, 7])), source[[1, 5, 5]])
+    with pytest.raises(ValueError, match=r"rows \[6\] must index the 6 rows of source"):
+        pool.write_rows(np.array([1]), source, np.array([6]))
+    with pytest.raises(ValueError, match=r"with one row per slot; got 1 rows for 2 slots"):
+        pool.write_rows(np.array([1, 2]), source, np.array([0]))
+    assert same_bits(pool.read(np.array([0, 3, 7])), source[[1, 5, 5]])  # nothing changed
 
 
 def test_writes_copy_into_the_pool_and_padding_rows_are_zero():
@@ -59,3 +83,141 @@ def test_bad_input_raises_and_changes_nothing():
     with pytest.raises(ValueError, match=r"block_shape=\(2, 0\) must be a non-empty shape of positive sizes"):
         HostPool((2, 0), "float32", num_slots=1)
     assert same_bits(pool.read(np.array([0, 1])), before)
+
+
+# ---- staging buffers -----------------------------------------------------------------------
+# The two properties below run in this process (CPU: device_put wraps each staging buffer, which
+# is then never reused) and in a child process with two CPU devices, where fetched blocks land
+# sharded over both, device_put copies, and staging buffers are reused
+# (test_staging_buffers_are_reused_where_device_put_copies).
+
+def _steps():
+    """Random writes and padded fetches; few distinct row counts, so row counts repeat."""
+    slots = st.lists(st.integers(0, NUM_SLOTS - 1), min_size=1, max_size=5, unique=True)
+    write = st.tuples(st.just("write"), slots, st.integers(0, 2**16))
+    fetch = st.tuples(st.just("fetch"), slots, st.sampled_from([0, 0, 1, 3]))  # padding rows
+    return st.lists(st.one_of(write, fetch), min_size=1, max_size=25)
+
+
+def check_fetches_keep_their_bits(steps, dtype, make_pool):
+    """Every fetched array, held until the end, keeps the slots' bits as of its fetch and zero
+    padding rows, whatever was written or fetched (with any row count) after it."""
+    pool = make_pool(dtype)
+    model = {slot: np.zeros(BLOCK_SHAPE, random_blocks(1, BLOCK_SHAPE, dtype).dtype) for slot in range(NUM_SLOTS)}
+    fetched = []
+    for kind, slots, arg in steps:
+        if kind == "write":
+            blocks = random_blocks(len(slots), BLOCK_SHAPE, dtype, seed=arg)
+            pool.write(np.array(slots), jax.device_put(blocks) if arg % 2 else blocks)
+            model.update(zip(slots, blocks))
+        else:
+            expected = np.zeros((len(slots) + arg, *BLOCK_SHAPE), model[0].dtype)
+            expected[: len(slots)] = [model[slot] for slot in slots]
+            fetched.append((pool.to_device(np.array(slots), len(slots) + arg), expected))
+    for device_rows, expected in fetched:
+        assert same_bits(device_rows, expected)
+    assert same_bits(pool.read(np.arange(NUM_SLOTS)), np.stack([model[s] for s in range(NUM_SLOTS)]))
+    return pool
+
+
+def check_concurrent_calls_on_disjoint_slots(num_threads, rounds, dtype, make_pool):
+    """Threads write, fetch (sharing row counts, so staging buffers) and read their own slots
+    at once; each sees exactly its own bits."""
+    pool = make_pool(dtype)
+    owned = np.array_split(np.random.default_rng(num_threads).permutation(NUM_SLOTS), num_threads)
+    barrier, errors = threading.Barrier(num_threads), []
+
+    def worker(index, slots):
+        try:
+            barrier.wait()
+            for round_ in range(rounds):
+                blocks = random_blocks(len(slots), BLOCK_SHAPE, dtype, seed=1000 * index + round_)
+                pool.write(slots, blocks)
+                padded = pool.to_device(slots, num_rows=NUM_SLOTS)
+                assert same_bits(np.asarray(padded)[: len(slots)], blocks)
+                assert not np.asarray(padded)[len(slots):].view(np.uint8).any()
+                assert same_bits(pool.read(slots), blocks)
+        except Exception as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i, slots)) for i, slots in enumerate(owned)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return pool
+
+
+def _unsharded(dtype):
+    return HostPool(BLOCK_SHAPE, dtype, NUM_SLOTS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=_steps(), dtype=st.sampled_from(DTYPES))
+def test_fetched_blocks_keep_their_bits_under_random_writes_and_fetches(steps, dtype):
+    check_fetches_keep_their_bits(steps, dtype, _unsharded)
+
+
+@settings(max_examples=15, deadline=None)
+@given(num_threads=st.integers(2, 4), rounds=st.integers(1, 8), dtype=st.sampled_from(DTYPES))
+def test_concurrent_calls_on_disjoint_slots_see_their_own_bits(num_threads, rounds, dtype):
+    check_concurrent_calls_on_disjoint_slots(num_threads, rounds, dtype, _unsharded)
+
+
+_SHARDED_SCRIPT = textwrap.dedent("""
+    import jax, numpy as np
+    from hypothesis import given, settings, strategies as st
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import test_host_pool as cases
+    from kvjax.tiers.host_pool import HostPool
+
+    assert len(jax.devices()) == 2, jax.devices()
+    # Sharded over the page axis of [rows, *BLOCK_SHAPE]: device_put copies each shard.
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P(None, None, None, None, "d"))
+    pools = []
+
+    def sharded(dtype):
+        pools.append(HostPool(cases.BLOCK_SHAPE, dtype, cases.NUM_SLOTS, sharding=sharding))
+        return pools[-1]
+
+    @settings(max_examples=40, deadline=None)
+    @given(steps=cases._steps(), dtype=st.sampled_from(cases.DTYPES))
+    def sequences(steps, dtype):
+        cases.check_fetches_keep_their_bits(steps, dtype, sharded)
+
+    @settings(max_examples=10, deadline=None)
+    @given(num_threads=st.integers(2, 4), rounds=st.integers(2, 8), dtype=st.sampled_from(cases.DTYPES))
+    def concurrent(num_threads, rounds, dtype):
+        cases.check_concurrent_calls_on_disjoint_slots(num_threads, rounds, dtype, sharded)
+
+    sequences()
+    concurrent()
+    assert any(pool._staging for pool in pools), "no staging buffer was ever kept for reuse"
+    print("ok")
+""")
+
+
+def test_staging_buffers_are_reused_where_device_put_copies():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    result = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_a_fetch_on_cpu_wraps_its_staging_buffer_and_compiles_nothing():
+    """On CPU the gather is the only copy: the result lies in the staging buffer (so it is
+    not kept for reuse), and no row count compiles anything."""
+    compilations = []
+    listener = lambda event, *_, **__: compilations.append(event) if "backend_compile" in event else None
+    pool = HostPool(BLOCK_SHAPE, "bfloat16", NUM_SLOTS)
+    pool.write(np.arange(3), jnp.ones((3, *BLOCK_SHAPE), jnp.bfloat16))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for rows in (3, 4, 7, 16):
+            pool.to_device(np.arange(3), rows).block_until_ready()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compilations == []
+    assert not pool._staging

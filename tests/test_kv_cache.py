@@ -143,6 +143,40 @@ def test_without_lower_tiers_eviction_drops_pages():
         assert cache.evict_host(4) == 0 and cache.flush() and cache.is_ready(cache.admit(tokens))
 
 
+def _complete_offloads(transfer):
+    """Finish the pending device -> host copies; spills stay pending (a writer behind)."""
+    for index in reversed(range(len(transfer.pending))):
+        if transfer.pending[index].link.value == "device_to_host":
+            transfer.complete(index)
+
+
+@pytest.mark.parametrize("disk", ["keeps up", "none", "refuses"])
+def test_host_evictions_lose_only_what_no_lower_tier_takes(disk):
+    """30 sequences of 3 pages stream through a 6-block host tier while the background spill
+    never finishes. With a disk tier every page leaves host only once on disk (written on the
+    spot, as back-pressure): all stay findable and none counts as lost. Without one, or with a
+    disk that stores nothing, ``lost_host_blocks`` counts exactly the pages no tier holds."""
+    disk_tier = {"keeps up": MemoryDisk(POOL.block_shape, POOL.dtype, 1000), "none": None,
+                 "refuses": MemoryDisk(POOL.block_shape, POOL.dtype, 0)}[disk]  # fmt: skip
+    sequences = [prompt(13, start=100 * i) for i in range(30)]
+    with make(host_blocks=6, disk_tier=disk_tier, transfer_factory=ManualTransfer) as cache:
+        for tokens in sequences:
+            compute(cache, tokens)
+            cache.evict(8)  # write-back: the pages' host copies are made now
+            _complete_offloads(cache.transfer)
+            cache.poll()  # may start a background spill, which never finishes here
+            cache.check_invariants()
+        findable = sum(cache.match(tokens).num_hit_blocks for tokens in sequences)
+        stats = cache.stats
+        assert stats.offloaded_blocks == 3 * len(sequences)
+        assert stats.lost_host_blocks == 3 * len(sequences) - findable
+        if disk == "keeps up":
+            assert findable == 3 * len(sequences) and stats.pressure_spilled_blocks > 60
+            assert len(disk_tier) + len(cache.tiers.undisked) == findable  # on disk, or still on host
+        else:
+            assert findable <= 6 and stats.pressure_spilled_blocks == 0
+
+
 # --- fetch or recompute ----------------------------------------------------------------------
 
 

@@ -417,11 +417,13 @@ def test_fetch_from_disk_survives_making_host_room_that_splits_the_pages_node():
         assert cache.match(tokens).tiers.tolist() == [Tier.DEVICE | Tier.DISK] + [Tier.DEVICE | Tier.HOST] * 2
         cache.evict(8)
         # Page 0 from disk needs a host slot. Host room is taken leaves first: page 2's copy
-        # (the node's last page) goes alone; page 1's would have dropped page 2 with it.
+        # (the node's last page) goes alone, page 1's would have dropped page 2 with it; and
+        # page 2 reaches disk before its host copy goes (no page leaves host unsaved for room).
         num_hit, kv, _ = hit_kv(cache, tokens[:5])
         assert num_hit == 1 and same_leaves(kv, blocks[:1])
-        assert cache.match(tokens).tiers.tolist() == [Tier.DEVICE | Tier.HOST | Tier.DISK, Tier.HOST]
+        assert cache.match(tokens).tiers.tolist() == [Tier.DEVICE | Tier.HOST | Tier.DISK, Tier.HOST, Tier.DISK]
+        assert cache.stats.pressure_spilled_blocks == 1 and cache.stats.lost_host_blocks == 0
         cache.check_invariants()
-        cache.evict_host(1)  # page 1, its node's last page now, is the older copy that goes alone
-        assert cache.match(tokens).num_hit_blocks == 1  # page 1 left with its last copy
+        cache.evict_host(1)  # page 0's copy goes alone (on device and disk); page 1's would drop page 2
+        assert cache.match(tokens).tiers.tolist() == [Tier.DEVICE | Tier.DISK, Tier.HOST, Tier.DISK]
         cache.check_invariants()

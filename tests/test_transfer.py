@@ -93,6 +93,26 @@ def test_moves_are_padded_to_their_bucket_with_zero_rows(tmp_path):
     assert same_bits(fetched[:2], pool[[7, 5]]) and not np.asarray(fetched[2:]).any()
 
 
+def test_an_offload_from_a_cpu_pool_reads_it_directly_when_allowed(tmp_path):
+    """``direct_cpu_reads``: no gather, the same host bits, and the pool may change right after."""
+    pool = random_pool(8, "float32", seed=5)
+    host, _ = tiers(tmp_path)
+    gathered = []
+
+    def counting_gather(kv_pages, block_ids):
+        gathered.append(block_ids.tolist())
+        return gather_blocks(kv_pages, block_ids)
+    for direct in (True, False):
+        kv_pages = jax.device_put(pool)
+        with TransferEngine(host, gather_blocks=counting_gather, buckets=(4,), direct_cpu_reads=direct) as engine:
+            future = engine.offload(kv_pages, [6, 1, 3], [2, 0, 1])
+            kv_pages = scatter_blocks(kv_pages, jnp.array([6, 1, 3], jnp.int32),
+                                      jnp.zeros((3, *pool.shape[1:]), pool.dtype))  # donated and overwritten
+            done(future)
+        assert same_bits(host.read(np.array([2, 0, 1])), pool[[6, 1, 3]])
+    assert gathered == [[6, 1, 3, -1]]  # only the engine without direct reads gathered
+
+
 def completion_order(futures):
     order, lock = [], threading.Lock()
     for name, future in futures:

@@ -62,10 +62,13 @@ def as_namespace(namespace: Namespace | str | None) -> Namespace:
 def chained_block_keys(
     tokens: Sequence[int] | np.ndarray,
     page_size: int,
-    namespace: Namespace | str | None,
+    namespace: Namespace | str | bytes | None,
     parent: bytes | None = None,
 ) -> list[bytes]:
     """Keys of the full pages of ``tokens`` (the partial last page gets none).
+
+    ``namespace`` as for ``as_namespace``, or the 16-byte digest of one (what a tier that
+    names blocks without their namespace's fields holds).
 
     ``parent`` is the key of the page just before ``tokens[0]`` (None at the start of a
     sequence), so keys can be extended incrementally as a sequence grows. 16 bytes each.
@@ -82,7 +85,12 @@ def chained_block_keys(
         raise ValueError(f"{page_size=} must be a positive number of tokens")
     if parent is not None and len(parent) != KEY_BYTES:
         raise ValueError(f"parent key has {len(parent)} bytes; expected {KEY_BYTES}")
-    ns_digest = as_namespace(namespace).digest()
+    if isinstance(namespace, bytes):
+        if len(namespace) != KEY_BYTES:
+            raise ValueError(f"namespace digest has {len(namespace)} bytes; expected {KEY_BYTES}")
+        ns_digest = namespace
+    else:
+        ns_digest = as_namespace(namespace).digest()
     buf = validate_tokens(tokens, None).tobytes()
     page_bytes = page_size * TOKEN_DTYPE.itemsize
     key = parent if parent is not None else bytes(KEY_BYTES)

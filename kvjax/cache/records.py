@@ -69,7 +69,8 @@ class KVCacheStats:
     recompute_chosen_blocks: int = 0  # lower-tier pages the cost model left to recompute
     fetch_failures: int = 0  # jobs that delivered fewer pages than planned
     disk_errors: int = 0  # write errors, corrupt blocks, unreadable segments
-    lost_host_blocks: int = 0  # evicted from host with no disk copy
+    lost_host_blocks: int = 0  # evicted from host with no disk copy (no disk tier, or the disk refused it)
+    pressure_spilled_blocks: int = 0  # host -> disk writes made on the spot: host room was needed first
     lossy_hit_blocks: int = 0  # hit pages whose KV went through a lossy offload codec
     refused_lossy_blocks: int = 0  # lossy pages an admission refused (recomputed instead)
     prefetches: int = 0  # prefetch calls that started a transfer

@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="load units (requests) a holder may be above the least loaded node")
     router.add_argument("--imbalance-rel", type=float, default=RouterConfig().imbalance_rel,
                         help="the same as a fraction of the mean load (the larger of the two applies)")
+    router.add_argument("--tokens-per-load-unit", type=int, default=None,
+                        help="uncached prefill tokens counted as one request of load (default: learned)")
+    router.add_argument("--fair-window", type=int, default=RouterConfig().fair_window,
+                        help="recent decisions that fair turns count")
     router.add_argument("--max-attempts", type=int, default=3, help="nodes to try per request")
     router.set_defaults(func=_run_router)
     args = parser.parse_args(argv)
@@ -102,7 +106,11 @@ def _run_router(args) -> int:
     directory = _directory(args)
     if directory is None:
         raise SystemExit("router: --redis URL is required (the directory it routes by)")
-    config = RouterConfig(args.strategy, imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel)
+    try:
+        config = RouterConfig(args.strategy, imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
+                              tokens_per_load_unit=args.tokens_per_load_unit, fair_window=args.fair_window)
+    except ValueError as error:
+        raise SystemExit(f"router: {error}") from None
     service = RouterService(directory, RoutingPolicy(config), max_attempts=args.max_attempts)
     sock = _listen(args.host, args.port)
     address = f"http://{args.host}:{sock.getsockname()[1]}"

@@ -48,6 +48,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import redis
 
+from kvjax.cluster.node_view import NodeLoad, NodeView
+
 __all__ = [
     "TIER_BITS",
     "ClusterInfo",
@@ -88,31 +90,6 @@ class ClusterInfo:
         if missing:
             raise ValueError(f"cluster record lacks {missing}; has {sorted(text)}")
         return cls(text["model"], int(text["page_size"]), text["tokenizer"], text["canonicalize"] == "1")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class NodeLoad:
-    """A node's load: requests accepted and not finished, and the prompt tokens of those not
-    yet started that its cache did not hold when they arrived."""
-
-    inflight: int = 0  # requests
-    prefill_tokens: int = 0  # uncached prompt tokens still to prefill
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class NodeView:
-    """One live node as a lookup saw it, for one request's block keys.
-
-    ``prefix_blocks``: the leading run of the request's blocks the node holds in any tier;
-    ``blocks_by_tier``: how many of those are fastest on each tier (device, then host, disk).
-    """
-
-    node_id: str
-    epoch: int
-    address: str  # base URL of its HTTP API
-    load: NodeLoad
-    prefix_blocks: int = 0
-    blocks_by_tier: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def block_key(prefix: str, namespace: bytes, key: bytes) -> str:
@@ -243,7 +220,8 @@ class Directory:
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[NodeView]:
         """Every live node with the leading run of ``keys`` (a request's chained block keys,
         in order, of ``namespace``) it holds; one round trip. Sorted by node id."""
-        names = [self.block_key(namespace, key) for key in keys]
+        head = f"{self.prefix}:b:{namespace.hex()}:"  # once: per-key formatting was 0.15 ms of 256 keys
+        names = [head + key.hex() for key in keys]
         reply = self._lookup(names, [self.prefix])
         views = []
         for row in reply:

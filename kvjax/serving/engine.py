@@ -3,8 +3,11 @@
 ``Engine.step()`` runs one step of the path::
 
     add_request: text --canonicalize (if on)--> tokens --Scheduler.add (match, queue)
-    step:  Scheduler.schedule()             admission (cache.admit: longest match, allocate),
-                                            prefill chunks + decodes under the token budget
+    step:  KVCache.poll()                   finished host/disk transfers take effect
+           Scheduler.schedule()             admission (cache.admit: longest match, allocate,
+                                            start host/disk fetches), prefill chunks + decodes
+                                            under the token budget; a request whose fetch is
+                                            in flight waits while the others run
            swap_out, then swap_in           preempted KV to host slots and back (SwapStore)
            ModelRunner.run                  one jitted step on the page pool, sampled tokens
            Scheduler.on_step_done           commit full pages to the trie, finish requests
@@ -28,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from flax import nnx
 
+from kvjax.metrics.compilations import compilations
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import Event, FinishEvent, RunSummary, TokenEvent
@@ -46,6 +50,8 @@ from kvjax.text.tokenizer import ByteTokenizer, as_tokenizer
 from kvjax.tiers.page_pool import PagePool
 
 __all__ = ["Engine"]
+
+_FETCH_WAIT_SECONDS = 1.0  # a step with nothing to run but fetches in flight waits this long at most
 
 
 class Engine:
@@ -85,8 +91,8 @@ class Engine:
                                   max_model_len=self.max_model_len,
                                   token_buckets=self.config.token_buckets, impl=self.config.impl)
         swap_slots = self.scheduler_config.host_swap_blocks
-        self.swap_store = SwapStore(self.pool, swap_slots) if swap_slots else None
-        self.observer = EngineObserver(self.metrics, page_size)
+        self.swap_store = SwapStore(self.pool, swap_slots, cache.config.transfer_buckets) if swap_slots else None
+        self.observer = EngineObserver(self.metrics, page_size, cache)
         self._records: dict[str, RequestRecord] = {}
         self._pending: list[Event] = []  # events produced between steps (cancellations)
         self._num_added = 0
@@ -168,6 +174,13 @@ class Engine:
 
     def step(self) -> list[Event]:
         """Run one step (see the module docstring); returns its events in order."""
+        before = compilations()
+        try:
+            return self._step()
+        finally:
+            self._count_compilations(before)
+
+    def _step(self) -> list[Event]:
         events, self._pending = self._pending, []
         if not self._records:
             return events
@@ -176,8 +189,10 @@ class Engine:
         events += [self._finish(rid, "rejected") for rid in plan.rejected if rid in self._records]
         self._move_blocks(plan)
         seqs = plan.sequences
+        if not seqs and self.scheduler.fetching:  # nothing runs until a fetch lands: wait for one
+            self.cache.wait_any(_FETCH_WAIT_SECONDS)
         records = [self._records[seq.request_id] for seq in seqs]
-        self._start_admitted(seqs, records)
+        self._note_admitted(seqs, records)
         for seq in plan.prefills:
             self._records[seq.request_id].num_computed_tokens += seq.num_tokens
         new_tokens, logits = self._run_model(seqs, records)
@@ -208,10 +223,16 @@ class Engine:
         return events[-1]
 
     def warmup(self) -> int:
-        """Compile the model step for every token bucket now; returns the compilations."""
-        compilations = self.runner.warmup()
-        self.metrics.inc("compilations", compilations)
-        return compilations
+        """Build every executable serving needs now: the model step for every token bucket,
+        tier moves and swaps for every transfer bucket. Returns how many were built (compiled,
+        or loaded from the persistent compilation cache); serving builds none after this
+        unless a batch outgrows the buckets (the ``compilations`` metric counts them)."""
+        before = compilations()
+        self.cache.warmup()
+        if self.swap_store is not None:
+            self.swap_store.warmup()
+        self.runner.warmup()
+        return self._count_compilations(before)
 
     def summary(self, wall_seconds: float, generated: int) -> RunSummary:
         """Snapshot the metrics, with the throughput of a run that generated ``generated``
@@ -246,10 +267,7 @@ class Engine:
         if not seqs:
             return {}, None
         sampling = [(record.sampling, record.seed, record.request.num_output_tokens) for record in records]
-        before = self.runner.compilations
         tokens, logits = self.runner.run(seqs, sampling, return_logits=self.record_logits)
-        if self.runner.compilations > before:
-            self.metrics.inc("compilations", self.runner.compilations - before)
         new_tokens = {seq.request_id: int(token) for seq, token in zip(seqs, tokens.tolist()) if seq.samples}
         self.num_generated_tokens += len(new_tokens)
         return new_tokens, logits
@@ -269,22 +287,19 @@ class Engine:
         if plan.evict_target and self.config.spill_ahead and self.cache.config.tiered:
             self.cache.evict(plan.evict_target)
 
-    def _start_admitted(self, seqs: list[ScheduledSeq], records: list[RequestRecord]) -> None:
-        """Wait for fetched KV; record first admissions (hits by tier, misses by cause).
-
-        A fetch that failed leaves fewer hit tokens than the scheduler planned with: the
-        sequence then recomputes from the last page that did arrive.
-        """
+    def _note_admitted(self, seqs: list[ScheduledSeq], records: list[RequestRecord]) -> None:
+        """Record first runs (hits by tier, misses by cause). The scheduler runs a request
+        only once its fetched KV has landed, so its hits are final here."""
         now = self.clock()
-        for seq, record in zip(seqs, records):
-            handle = record.request.handle
-            if not self.cache.is_ready(handle):
-                self.cache.wait_ready(handle)
-                if handle.num_hit_tokens < seq.start:
-                    seq.num_tokens += seq.start - handle.num_hit_tokens
-                    seq.start = record.request.num_computed_tokens = handle.num_hit_tokens
+        for record in records:
             if record.admitted is None:
-                self.observer.on_admitted(record, now, self.cache.admission_report(handle))
+                self.observer.on_admitted(record, now, self.cache.admission_report(record.request.handle))
+
+    def _count_compilations(self, before: int) -> int:
+        built = compilations() - before
+        if built:
+            self.metrics.inc("compilations", built)
+        return built
 
     def _finish(self, request_id: str, status: str) -> FinishEvent:
         record = self._records.pop(request_id)

@@ -27,6 +27,7 @@ and in pages (a partial page counts as one).
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import numpy as np
 
@@ -50,11 +51,15 @@ class MissAttributor:
         self._fingerprints: set[tuple[Namespace, str]] = set()
 
     def attribute(self, tokens: np.ndarray, namespace: Namespace | str | None, num_hit_tokens: int,
-                  fingerprint: str | None = None, refused_pages: int = 0) -> dict[str, tuple[int, int]]:  # fmt: skip
+                  fingerprint: str | None = None, refused_pages: int = 0,
+                  elsewhere: Callable[[int], np.ndarray] | None = None) -> dict[str, tuple[int, int]]:  # fmt: skip
         """``{cause: (tokens, pages)}`` for the prompt ``tokens`` past ``num_hit_tokens`` (a
         multiple of ``page_size``); read-only. ``fingerprint`` is the prompt's template
         fingerprint (None: not a text prompt, never ``different_template``);
-        ``refused_pages``: how many pages right after the hits were lossy and refused."""
+        ``refused_pages``: how many pages right after the hits were lossy and refused;
+        ``elsewhere(n)``: which of the first n pages a tier holds under another namespace
+        (``KVCache.pages_in_other_namespaces``: blocks this process never saw), asked only when
+        a page would otherwise count as never seen."""
         ns = as_namespace(namespace)
         page = self.page_size
         # Pages before the one holding the last token are mappable; the rest is the tail.
@@ -62,13 +67,15 @@ class MissAttributor:
         keys = chained_block_keys(tokens[: num_mappable * page], page, ns)
         keys_anywhere = chained_block_keys(tokens[: num_mappable * page], page, _ANY_NAMESPACE)
         template_seen = fingerprint is not None and (ns, fingerprint) in self._fingerprints
-        causes = {}
+        causes, held_elsewhere = {}, None
         for index in range(num_hit_pages, num_mappable):
             if index < num_hit_pages + refused_pages:
                 cause = "lossy_refused"
             elif keys[index] in self._seen:
                 cause = "evicted"
             elif keys_anywhere[index] in self._seen_anywhere:
+                cause = "other_namespace"
+            elif elsewhere is not None and (held_elsewhere := _once(held_elsewhere, elsewhere, num_mappable))[index]:
                 cause = "other_namespace"
             else:
                 cause = "different_template" if template_seen else "never_seen"
@@ -93,6 +100,10 @@ class MissAttributor:
                   self.max_pages)  # fmt: skip
         if fingerprint is not None:
             self._fingerprints.add((ns, fingerprint))
+
+
+def _once(held: np.ndarray | None, elsewhere: Callable[[int], np.ndarray], num_pages: int) -> np.ndarray:
+    return elsewhere(num_pages) if held is None else held
 
 
 def _remember(seen: collections.OrderedDict, keys: list[bytes], limit: int) -> None:

@@ -59,10 +59,11 @@ class RequestRecord:
 class EngineObserver:
     """Writes the engine's measurements into ``metrics``; see the module docstring."""
 
-    def __init__(self, metrics: Metrics, page_size: int):
+    def __init__(self, metrics: Metrics, page_size: int, cache: KVCache | None = None):
         self.metrics = metrics
         self.page_size = page_size
         self.attributor = MissAttributor(page_size)
+        self.cache = cache  # asked about other namespaces' blocks this process never saw
 
     def on_admitted(self, record: RequestRecord, now: float, report: AdmissionReport) -> None:
         """First admission: queue time, hits by tier (the cache's report), misses by cause."""
@@ -77,8 +78,10 @@ class EngineObserver:
                 metrics.record_hit(tier, tokens=tokens, blocks=tokens // self.page_size)
                 num_hit += tokens
         record.hit_tokens_by_tier = {tier: n for tier, n in hit_tokens_by_tier.items() if n}
+        elsewhere = None if self.cache is None else (
+            lambda num_pages: self.cache.pages_in_other_namespaces(prompt, request.namespace, num_pages))
         causes = self.attributor.attribute(prompt, request.namespace, num_hit, record.fingerprint,
-                                           refused_lossy_pages)  # fmt: skip
+                                           refused_lossy_pages, elsewhere)  # fmt: skip
         for cause, (tokens, blocks) in causes.items():
             metrics.record_miss(cause, tokens=tokens, blocks=blocks)
         record.miss_tokens_by_cause = {cause: tokens for cause, (tokens, _) in causes.items()}

@@ -8,7 +8,10 @@ Each ``schedule()`` fills one step under a token budget, in this order:
    is preempted (possibly the one growing), swapped to host or dropped for recompute as the
    cost model says (see ``preemption``), until the extension fits.
 2. prefill chunks of running requests still prefilling, in admission order, up to
-   ``max_prefill_chunk`` tokens each.
+   ``max_prefill_chunk`` tokens each. A request whose cached prefix is still being fetched
+   from host or disk is skipped until ``KVCache.is_ready`` says the KV has landed (the others
+   run meanwhile); if part of the fetch failed, it recomputes from the last page that
+   arrived.
 3. admissions (none in a step that preempted) from the waiting queue in hit-first-with-aging
    order (see ``scheduler_queue``): preempted requests first, then by cached-prefix rank and
    waiting time. Admission stops
@@ -72,6 +75,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # live: waiting, swapped or running
         self._running: dict[str, Request] = {}  # admission order; the last is the next victim
         self._prefilling: dict[str, Request] = {}  # running requests still prefilling, same order
+        self._fetching: dict[str, Request] = {}  # prefilling requests whose hit KV is in flight
         self._waiting = WaitQueue(self.config.aging_seconds)
         self._swap = SwapSpace(self.config.host_swap_blocks)
         self._refresh = collections.deque()  # waiting request ids, round robin for re-matching
@@ -140,6 +144,12 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def fetching(self) -> Mapping[str, Request]:
+        """Running requests waiting for their cached prefix to arrive from host or disk
+        (read-only by convention); no plan schedules them until it has."""
+        return self._fetching
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -152,6 +162,8 @@ class Scheduler:
         self._swap.flush()
         plan = StepPlan(self._step)
         plan.rejected, self._rejected = self._rejected, {}
+        if self._fetching:
+            self._land_fetches()
         self._schedule_decodes(plan)
         budget = self._schedule_prefills(plan, self.config.token_budget - len(plan.decodes))
         self._refresh_ranks()
@@ -231,8 +243,8 @@ class Scheduler:
     def _schedule_decodes(self, plan: StepPlan) -> None:
         prefilling, decodes, page_size = self._prefilling, plan.decodes, self.page_size
         for request_id, request in list(self._running.items()):
-            if request.status is not _RUNNING or request_id in prefilling:
-                continue  # preempted by an earlier decode of this loop, or still prefilling
+            if request.status is not _RUNNING or request_id in prefilling or request_id in self._fetching:
+                continue  # preempted by an earlier decode of this loop, still prefilling, or fetching
             handle, num_tokens = request.handle, request.num_tokens
             if num_tokens > handle.num_tokens:  # reserve to the end of the page: one call per page
                 missing = -(-num_tokens // page_size) * page_size - handle.num_tokens
@@ -265,8 +277,26 @@ class Scheduler:
         for request in self._prefilling.values():
             if budget <= 0:
                 break
-            budget -= self._schedule_chunk(request, plan, budget)
+            if request.request_id not in self._fetching:
+                budget -= self._schedule_chunk(request, plan, budget)
         return budget
+
+    def _land_fetches(self) -> None:
+        """Requests whose fetched prefix KV is in the pool run again; a fetch that fell short
+        moves the start back to the last page that arrived (a recompute of the rest)."""
+        short = False
+        for request_id, request in list(self._fetching.items()):
+            handle = request.handle
+            if not self.cache.is_ready(handle):
+                continue
+            del self._fetching[request_id]
+            lost = request.num_hit_tokens - handle.num_hit_tokens
+            if lost > 0:
+                request.num_hit_tokens = request.num_computed_tokens = handle.num_hit_tokens
+                self.stats.hit_tokens -= lost
+                short = True
+        if short:  # a request may be prefilling again: keep the set in admission order
+            self._prefilling = {rid: request for rid, request in self._running.items() if request.is_prefill}
 
     def _schedule_chunk(self, request: Request, plan: StepPlan, budget: int) -> int:
         start, num_tokens = request.num_computed_tokens, request.num_tokens
@@ -311,11 +341,12 @@ class Scheduler:
                     continue
                 break
             waiting.pop()
-            self._start(request, handle, plan)
-            budget -= self._schedule_chunk(request, plan, budget)
+            if self._start(request, handle, plan):
+                budget -= self._schedule_chunk(request, plan, budget)
 
-    def _start(self, request: Request, handle, plan: StepPlan) -> None:
-        """Bind an admitted request to its blocks; a swapped one gets its non-hit pages back."""
+    def _start(self, request: Request, handle, plan: StepPlan) -> bool:
+        """Bind an admitted request to its blocks; a swapped one gets its non-hit pages back.
+        False while its hit KV is still being fetched (it waits in ``_fetching``)."""
         request.handle, request.status = handle, _RUNNING
         hit_tokens = request.num_hit_tokens = handle.num_hit_tokens
         self._running[request.request_id] = request
@@ -333,6 +364,10 @@ class Scheduler:
         self._prefetch.forget(request.request_id)
         self.stats.admitted += 1
         self.stats.hit_tokens += hit_tokens
+        if self.cache.is_ready(handle):
+            return True
+        self._fetching[request.request_id] = request
+        return False
 
     # --- helpers: preemption, retirement ------------------------------------------------------
 
@@ -340,6 +375,8 @@ class Scheduler:
         cache = self.cache
         mode, reason = choose_preemption(self.config.preemption, cache.cost_model, cache.block_nbytes,
                                          victim.num_computed_tokens, self.page_size, self._swap.num_free)  # fmt: skip
+        if victim.request_id in self._fetching:  # its pages are not all in the pool yet: nothing to swap
+            mode, reason = "recompute", "preempted while its cached prefix was being fetched"
         if mode == "swap":
             num_pages = -(-victim.num_computed_tokens // self.page_size)
             victim.swap_slots = self._swap.allocate(num_pages)
@@ -363,6 +400,7 @@ class Scheduler:
         request.handle = None
         del self._running[request.request_id]
         self._prefilling.pop(request.request_id, None)
+        self._fetching.pop(request.request_id, None)
 
     def _reject(self, request: Request, reason: str, plan: StepPlan) -> None:
         self._retire(request, RequestStatus.REJECTED, reason)
@@ -458,6 +496,10 @@ def _check_scheduler(scheduler: Scheduler, requests: Mapping[str, Request], pref
                            f"{expected_prefilling}")  # fmt: skip
     plan = scheduler.in_flight
     scheduled = {} if plan is None else {seq.request_id: seq for seq in plan.decodes + plan.prefills}
+    fetching = scheduler.fetching
+    if not fetching.keys() <= running.keys() or fetching.keys() & scheduled.keys():
+        raise RuntimeError(f"fetching requests {sorted(fetching)} must be running and unscheduled "
+                           f"(running {sorted(running)}, scheduled {sorted(scheduled)})")  # fmt: skip
     for request_id, request in running.items():
         _check_running(scheduler, request, scheduled.get(request_id))
     for request in waiting:
@@ -480,7 +522,7 @@ def _check_running(scheduler: Scheduler, request: Request, seq: ScheduledSeq | N
         raise RuntimeError(f"running request {rid!r} needs room for {needed} tokens; its handle has "
                            f"{handle.num_tokens} in {len(handle.block_ids)} blocks")  # fmt: skip
     if seq is None:
-        if scheduler.in_flight is not None and not request.is_prefill:
+        if scheduler.in_flight is not None and not request.is_prefill and rid not in scheduler.fetching:
             raise RuntimeError(f"running decode {rid!r} was skipped by step {scheduler.in_flight.step}")
         return
     if seq.start != request.num_computed_tokens or list(seq.block_table) != handle.block_table:

@@ -71,6 +71,11 @@ class BlockCodec:
     def block_nbytes(self) -> int:
         return math.prod(self.block_shape) * self.dtype.itemsize
 
+    @property
+    def stores_as_is(self) -> bool:
+        """Whether a stored block is the pool's block itself (same shape, dtype and bits)."""
+        return False
+
     def encode(self, blocks):
         """Pool blocks ``[n, *pool block]`` (an array or QuantizedPages, on device) -> stored
         blocks ``[n, *block_shape]`` of ``dtype`` (device array)."""
@@ -96,6 +101,10 @@ class BlockCodec:
 @dataclasses.dataclass(frozen=True)
 class IdentityCodec(BlockCodec):
     """A float pool's blocks stored as they are."""
+
+    @property
+    def stores_as_is(self) -> bool:
+        return True
 
     def encode(self, blocks):
         return blocks

@@ -101,10 +101,20 @@ def make_checkpointer(use_ocdbt: bool, sync_data: bool = False) -> ocp.Checkpoin
     numpy_handler = _SegmentNumpyHandler(sync_data, **_accepted(
         ocp.type_handlers.NumpyHandler, deepcopy_host_arrays=False))
     registry = ocp.type_handlers.create_type_handler_registry((np.ndarray, numpy_handler))
-    handler = ocp.PyTreeCheckpointHandler(**_accepted(
-        ocp.PyTreeCheckpointHandler, use_ocdbt=use_ocdbt, use_zarr3=True, use_compression=False,
-        type_handler_registry=registry))
+    absl_log = logging.getLogger("absl")
+    absl_log.addFilter(_no_array_metadata_notice)  # segments hold numpy arrays only, by design
+    try:
+        handler = ocp.PyTreeCheckpointHandler(**_accepted(
+            ocp.PyTreeCheckpointHandler, use_ocdbt=use_ocdbt, use_zarr3=True, use_compression=False,
+            type_handler_registry=registry))
+    finally:
+        absl_log.removeFilter(_no_array_metadata_notice)
     return ocp.Checkpointer(handler)
+
+
+def _no_array_metadata_notice(record: logging.LogRecord) -> bool:
+    """Drops orbax's warning that a registry without jax.Array keeps no array metadata."""
+    return not record.getMessage().startswith("No jax.Array in TypeHandlerRegistry")
 
 
 def write_segment(checkpointer: ocp.Checkpointer, directory: str, manifest: SegmentManifest,

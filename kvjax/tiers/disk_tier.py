@@ -165,6 +165,7 @@ class DiskTier:
         self._write_lock = threading.Lock()  # one segment write at a time
         self._segments: collections.OrderedDict[str, _Segment] = collections.OrderedDict()
         self._blocks: dict[tuple[bytes, bytes], tuple[str, int]] = {}
+        self._per_namespace: collections.Counter[bytes] = collections.Counter()  # blocks held per digest
         self._locks: dict[tuple[bytes, bytes], list[str]] = {}  # segments pinned per lock
         self._stats = DiskTierStats(self.capacity_bytes, 0, 0, 0)
         self._next_seq = 0
@@ -206,6 +207,11 @@ class DiskTier:
         """Every (namespace, key) the tier holds now."""
         with self._lock:
             return list(self._blocks)
+
+    def namespaces(self) -> list[bytes]:
+        """Digests of the namespaces holding at least one block here, most blocks first."""
+        with self._lock:
+            return [namespace for namespace, _ in self._per_namespace.most_common()]
 
     def contains(self, key: bytes, namespace: bytes) -> bool:
         with self._lock:
@@ -362,6 +368,8 @@ class DiskTier:
             live = {(name, row) for name, s in self._segments.items() for row in s.live_rows}
             if live != set(self._blocks.values()):
                 raise RuntimeError("segment live rows and the block index disagree")
+            if self._per_namespace != collections.Counter(namespace for namespace, _ in self._blocks):
+                raise RuntimeError("blocks counted per namespace disagree with the block index")
             for name, segment in self._segments.items():
                 if segment.pins < 0 or (not segment.live_rows and not segment.pins):
                     raise RuntimeError(f"segment {name} {segment.pins=} with no live blocks")
@@ -507,6 +515,7 @@ class DiskTier:
                 self._drop_if_unused(old[0])
             else:
                 self._blocks[(ns, key)] = (manifest.name, row)
+                self._per_namespace[ns] += 1
                 self.events.record(ns, key, parent, "disk", "stored")
             live.add(row)
 
@@ -514,6 +523,9 @@ class DiskTier:
         """Forget a block (the caller fixes its segment's live rows); None if it was not held."""
         ref = self._blocks.pop((namespace, key), None)
         if ref is not None:
+            self._per_namespace[namespace] -= 1
+            if not self._per_namespace[namespace]:
+                del self._per_namespace[namespace]
             self.events.record(namespace, key, None, "disk", "removed")
         return ref
 

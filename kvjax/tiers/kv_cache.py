@@ -55,12 +55,14 @@ import functools
 import time
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
 from kvjax.cache.allocator import BlockAllocator
 from kvjax.cache.block_events import BlockIndex, EventLog, Subscription
-from kvjax.cache.block_keys import Namespace, as_namespace
+from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cache.cost_model import CostModel
 from kvjax.cache.device_index import DeviceIndex, NamespaceLike, TokensLike
 from kvjax.cache.records import KVCacheStats, MatchResult, SeqHandle
@@ -78,6 +80,8 @@ from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferEngine
 
 __all__ = ["AdmissionReport", "KVCache", "KVCacheConfig", "KVCacheStats", "Lookup", "TierReport"]
+
+_OTHER_NAMESPACES_CHECKED = 8  # a miss checks this many other namespaces' disk blocks at most
 
 _HOST = int(Tier.HOST)
 
@@ -276,20 +280,47 @@ class KVCache:
             self._copy_hot_path(handle)
         return handle
 
+    def pages_in_other_namespaces(self, tokens: TokensLike, namespace: NamespaceLike, num_pages: int) -> np.ndarray:
+        """Which of the first ``num_pages`` full pages of ``tokens`` the disk tier holds under
+        another namespace (the same tokens, another tenant, model, adapter or salt): a miss
+        isolation forced, even for blocks a previous process wrote. ``bool[num_pages]``; the
+        ``_OTHER_NAMESPACES_CHECKED`` namespaces holding most blocks are checked."""
+        held = np.zeros(num_pages, bool)
+        disk = self.disk_tier
+        if disk is None or num_pages <= 0:
+            return held
+        own = as_namespace(namespace).digest()
+        prefix = np.asarray(tokens)[: num_pages * self.page_size]
+        for digest in [d for d in disk.namespaces() if d != own][:_OTHER_NAMESPACES_CHECKED]:
+            keys = chained_block_keys(prefix, self.page_size, digest)
+            held[: len(keys)] |= [disk.contains(key, digest) for key in keys]
+        return held
+
     def admission_report(self, handle: SeqHandle) -> AdmissionReport:
         """Where ``handle``'s prompt pages came from (final once the handle is ready)."""
         return self._hit_sources.report(handle.seq_id, handle.num_hit_tokens)
 
     def is_ready(self, handle: SeqHandle) -> bool:
-        """Whether every fetch of ``handle`` finished (its hit KV is in the pool)."""
+        """Whether every fetch of ``handle`` finished (its hit KV is in the pool); transfers
+        that finished take effect first, so ``handle.num_hit_tokens`` is final once True."""
+        if handle.seq_id in self._mover.waiters:
+            self._apply_transfers()
         return handle.seq_id not in self._mover.waiters
+
+    def wait_any(self, timeout: float) -> bool:
+        """Block until some transfer finishes or ``timeout`` seconds pass, then apply what
+        finished; False when nothing was in flight (nothing to wait for)."""
+        if not self._mover.busy:
+            return False
+        self._mover.wait_any(timeout)
+        self._apply_transfers()
+        return True
 
     def wait_ready(self, handle: SeqHandle, timeout: float | None = None) -> bool:
         """Apply finished transfers until ``handle`` is ready; False if ``timeout`` seconds
         (wall clock) pass first. ``handle.num_hit_tokens`` is final once this returns True."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._apply_transfers()
             if self.is_ready(handle):
                 return True
             remaining = 60.0 if deadline is None else deadline - time.monotonic()
@@ -412,6 +443,18 @@ class KVCache:
                 self.index.release(hold)
         self._mover.unhold(held)
 
+    def warmup(self) -> None:
+        """Build the device side of every tier move now, once per transfer bucket: an
+        offload's gather (and encode), a fetch's copy up, decode and scatter, each run on no
+        block. Moves of any number of blocks then compile nothing while serving."""
+        if not self.config.tiered or not self.move_bytes:
+            return
+        no_slots = np.zeros(0, np.intp)
+        for rows in self.config.transfer_buckets:
+            no_blocks = np.full(rows, -1, np.int32)
+            jax.block_until_ready(self._gather(self.pool.kv_pages, jnp.asarray(no_blocks)))
+            self.pool.scatter(no_blocks, self.codec.decode(self.host_pool.to_device(no_slots, rows)))
+
     def flush(self, timeout: float = 30.0) -> bool:
         """Finish every copy in flight, then copy every host page without a disk copy to
         disk and wait for that too. True only when every host page that lacked a disk copy
@@ -485,6 +528,7 @@ class KVCache:
             fetched_host_blocks=counts["fetched_host"], fetched_disk_blocks=counts["fetched_disk"],
             recompute_chosen_blocks=counts["recompute_chosen"], fetch_failures=moved["fetch_failures"],
             disk_errors=moved["disk_errors"], lost_host_blocks=self.tiers.lost_blocks,
+            pressure_spilled_blocks=moved["pressure_spilled"],
             lossy_hit_blocks=counts["lossy_device_hits"] + counts["fetched_lossy"],
             refused_lossy_blocks=counts["refused_lossy"], prefetches=counts["prefetches"])  # fmt: skip
 
@@ -533,10 +577,10 @@ class KVCache:
         elif self.disk_tier is not None:
             codec.check_stored_by(self.disk_tier, "disk_tier")
             self.disk_tier.events = self.events
-        gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
+        self._gather = gather = codec.gather(functools.partial(pallas_kernels.gather_blocks, impl=impl))
         self.transfer = (transfer_factory or TransferEngine)(
             self.host_pool, self.disk_tier, gather_blocks=gather, buckets=config.transfer_buckets,
-            synchronous=not self.move_bytes)  # fmt: skip
+            synchronous=not self.move_bytes, direct_cpu_reads=codec.stores_as_is and impl is None)  # fmt: skip
 
     def _fresh_lookup(self, tokens: TokensLike | Lookup, namespace: NamespaceLike) -> Lookup:
         if not isinstance(tokens, Lookup):

@@ -8,7 +8,9 @@ Down (device -> host -> disk):
   its HOST bit from the start (a pending copy) so eviction keeps it indexed, and a fetch of
   it waits for the copy to finish.
 * ``spill_host()`` copies host pages without a disk copy to disk when host memory passes its
-  high watermark (and everything on ``flush``); they stay on host, now cheap to evict.
+  high watermark (and everything on ``flush``); they stay on host, now cheap to evict. When
+  host room is needed before the background spill reached a victim, ``make_host_room``
+  writes it to disk on the spot (back-pressure), so no page is lost for a slow writer.
 
 Up (disk -> host -> device): ``start_fetch`` builds ``FetchJob``s for a ``Waiter`` (see
 ``kv_cache_fetch``), joining jobs already in flight for the same pages.
@@ -38,7 +40,7 @@ from kvjax.tiers.block_codec import BlockCodec
 from kvjax.tiers.fetch_jobs import FetchJob, Waiter, resolved_future
 from kvjax.tiers.page_pool import PagePool
 from kvjax.tiers.tier_index import TierIndex
-from kvjax.tiers.transfer import Priority, TransferResult
+from kvjax.tiers.transfer import Priority, TransferResult, move_batches
 from pallas_kernels.kv_format import QuantizedPages
 
 __all__ = ["TierMover", "TierReport"]
@@ -77,7 +79,7 @@ class TierMover:
         self.copies: dict[bytes, concurrent.futures.Future] = {}  # pending host copies
         self.live_jobs: dict[int, FetchJob] = {}  # id -> every job not finished
         self.spills: dict[int, list[bytes]] = {}  # id -> host keys of a host -> disk copy in flight
-        self.counts = dict(offloaded=0, spilled=0, fetch_failures=0, disk_errors=0)
+        self.counts = dict(offloaded=0, spilled=0, pressure_spilled=0, fetch_failures=0, disk_errors=0)
         self.report = TierReport()
         self.finished: list[Waiter] = []  # waiters whose fetches all ended, for the cache
         self._callbacks: list[tuple[concurrent.futures.Future, Callable]] = []
@@ -146,7 +148,7 @@ class TierMover:
                 index.add_host(keys[i], entry.namespace, node, i, ready=entry.ready)
         if not todo:
             return 0
-        todo = todo[: index.make_host_room(len(todo), exclude=[keys[i] for i in todo])]
+        todo = todo[: self.make_host_room(len(todo), exclude=[keys[i] for i in todo])]
         if not todo:
             return 0
         namespace = self.trie.namespace_of(node).digest()
@@ -160,7 +162,7 @@ class TierMover:
         block)``), while their blocks still hold their KV. Pages host room cannot take (or
         that left the trie meanwhile) lose the bit again. ``exclude``: host copies to keep."""
         index, trie = self.index, self.trie
-        fit = index.make_host_room(len(kept), exclude=exclude)
+        fit = self.make_host_room(len(kept), exclude=exclude)
         by_namespace: dict[bytes, tuple[list[bytes], list[int]]] = {}
         for row, (key, block) in enumerate(kept):
             located = trie.locate(key)
@@ -179,7 +181,7 @@ class TierMover:
 
     def _copy_down(self, keys: list[bytes], blocks: np.ndarray, namespace: bytes) -> None:
         """Gather ``blocks`` from the pool now and copy them into the host slots of ``keys``."""
-        for start, size in self._batches(len(keys)):
+        for start, size in move_batches(len(keys), self.transfer.buckets):
             run_keys = keys[start : start + size]
             slots = [self.index.slot_of(key) for key in run_keys]
             future = self.transfer.offload(self.pool.kv_pages, blocks[start : start + size], slots,
@@ -187,11 +189,6 @@ class TierMover:
             for key in run_keys:
                 self.copies[key] = future
             self._on_done(future, lambda result, run_keys=run_keys: self._copied_down(run_keys, result))
-
-    def _batches(self, count: int) -> list[tuple[int, int]]:
-        """(start, size) batches of at most the largest transfer bucket, covering ``count``."""
-        step = self.transfer.buckets[-1] if self.transfer.buckets else max(count, 1)
-        return [(start, min(step, count - start)) for start in range(0, count, step)]
 
     def spill_host(self, everything: bool = False) -> None:
         """Copy host pages without a disk copy to disk, LRU first: above the high watermark,
@@ -216,7 +213,29 @@ class TierMover:
                                      [index.slot_of(key) for key in keys], parents,
                                      priority=Priority.SPILL)  # fmt: skip
         self.spills[id(keys)] = keys
-        self._on_done(future, lambda result: self._spilled(keys, result))
+        self._on_done(future, lambda result: self._spilled(self.spills.pop(id(keys)), result))
+
+    def make_host_room(self, num_blocks: int, exclude: list[bytes] = ()) -> int:
+        """``TierIndex.make_host_room``, but with a disk tier no page leaves host for lack of
+        room before it is on disk: victims without a disk copy the background spill has not
+        reached yet are written now, on this thread (back-pressure; counted as
+        ``pressure_spilled``). A page still leaves every tier when the disk refuses it."""
+        index = self.index
+        if index.disk is not None:
+            doomed = index.doomed_victims(num_blocks, exclude)
+            if doomed:
+                self._spill_now(doomed)
+        return index.make_host_room(num_blocks, exclude)
+
+    def _spill_now(self, keys: list[bytes]) -> None:
+        index, trie = self.index, self.trie
+        index.hold_host(keys)
+        parents = [trie.parent_key(*trie.locate(key)) for key in keys]
+        future = self.transfer.spill(keys, [index.host_entries[key].namespace for key in keys],
+                                     [index.slot_of(key) for key in keys], parents,
+                                     priority=Priority.DEMAND, now=True)  # fmt: skip
+        done = self._spilled(keys, future.result())
+        self.counts["pressure_spilled"] += done
 
     # --- up: disk -> host -> device --------------------------------------------------------
 
@@ -282,7 +301,7 @@ class TierMover:
                     break
                 disk_rows.append(len(keys))
             keys.append(key)
-        fit = index.make_host_room(len(disk_rows), exclude=keys) if disk_rows else 0
+        fit = self.make_host_room(len(disk_rows), exclude=keys) if disk_rows else 0
         # Making room may have split trie nodes (or dropped pages): locate the pages only now.
         disk_pages = [index.disk_page(namespace, keys[row]) for row in disk_rows[:fit]]
         fit = next((i for i, located in enumerate(disk_pages) if located is None), fit)
@@ -336,7 +355,7 @@ class TierMover:
         if not job.to_device or valid == 0:  # at the next poll: never inside the job's creator
             self._on_done(resolved_future(), lambda _: self._finish(job, 0 if job.to_device else valid))
             return
-        for start, size in self._batches(valid):
+        for start, size in move_batches(valid, self.transfer.buckets):
             slots = [self.index.slot_of(key) for key in job.keys[start : start + size]]
             future = self.transfer.fetch(slots, priority=job.priority)
             job.pending += 1
@@ -418,8 +437,8 @@ class TierMover:
                 self.index.forget_disk(key, namespace)
         self._count_disk_errors()
 
-    def _spilled(self, keys: list[bytes], result: TransferResult) -> None:
-        del self.spills[id(keys)]
+    def _spilled(self, keys: list[bytes], result: TransferResult) -> int:
+        """The pages of a finished spill that reached disk get their DISK bit; returns how many."""
         index = self.index
         done = set(result.done_keys)
         for key in keys:
@@ -433,6 +452,7 @@ class TierMover:
             self.report.add_spill("host_to_disk", len(done), len(done) * self.block_nbytes)
         index.reconcile_disk()
         self._count_disk_errors()
+        return len(done)
 
     def _count_disk_errors(self) -> None:
         stats = self.index.disk.stats()

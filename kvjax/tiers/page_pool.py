@@ -138,6 +138,10 @@ class PagePool:
         self.config = config
         self._kernel_options = dict(impl=impl, interpret=interpret)
         zeros = lambda: empty_pool(config.shape, config.kv_format, config.dtype)
+        # Committed to a device even without a sharding, as every later pool (a step's or a
+        # scatter's output) is: jit keys on commitment, so an uncommitted first pool would make
+        # each executable compile twice, the second time while serving.
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self._kv_pages = jax.jit(zeros, out_shardings=sharding)() if allocate else None
 
     @property

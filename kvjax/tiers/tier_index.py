@@ -74,7 +74,7 @@ class TierIndex:
         self.disk_entries: set[tuple[bytes, bytes]] = set()  # (namespace, key) the trie indexes
         # live host entries whose page has no disk copy, LRU first: what a spill writes
         self.undisked: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self.lost_blocks = 0  # host blocks evicted with no disk copy (their pages left)
+        self.lost_blocks = 0  # pages that left the trie when a host copy went (no copy of them or before them)
 
     # --- host ------------------------------------------------------------------------------
 
@@ -109,18 +109,42 @@ class TierIndex:
         """
         short = num_blocks - (self.host_capacity - self.host_used)
         if short > 0:
-            exclude = set(exclude)
-            candidates = [key for key, e in self.host_entries.items() if e.ready and not e.busy and key not in exclude]
-            alone = [key for key in candidates if self._evicts_alone(key)]
-            if len(alone) < short:
-                alone_set = set(alone)
-                alone += [key for key in candidates if key not in alone_set]
-            for key in alone:
+            for key in self._victims(short, exclude):
                 if num_blocks <= self.host_capacity - self.host_used:
                     break
                 if key in self.host_entries:  # an earlier eviction may have dropped it
                     self.evict_host(key)
         return max(0, min(num_blocks, self.host_capacity - self.host_used))
+
+    def doomed_victims(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> list[bytes]:
+        """The host entries ``make_host_room(num_blocks, exclude)`` would evict whose page
+        would then be in no tier (off device, no disk copy): what a disk write must save
+        first. Changes nothing."""
+        short = num_blocks - (self.host_capacity - self.host_used)
+        if short <= 0:
+            return []
+        entries = self.host_entries
+        return [key for key in self._victims(short, exclude)[:short]
+                if not entries[key].dropped and self._only_on_host(key)]  # fmt: skip
+
+    def _victims(self, short: int, exclude: Iterable[bytes]) -> list[bytes]:
+        """Evictable entries in eviction order (see ``make_host_room``), at least ``short`` of
+        them when there are that many."""
+        exclude = set(exclude)
+        candidates = [key for key, e in self.host_entries.items() if e.ready and not e.busy and key not in exclude]
+        alone = [key for key in candidates if self._evicts_alone(key)]
+        if len(alone) < short:
+            alone_set = set(alone)
+            alone += [key for key in candidates if key not in alone_set]
+        return alone
+
+    def _only_on_host(self, key: bytes) -> bool:
+        """Whether ``key``'s page is indexed with neither a device block nor a disk copy."""
+        located = self.trie.locate(key)
+        if located is None:
+            return False
+        node, index = located
+        return not node.on_device and not int(node.tiers[index]) & _DISK
 
     def _take_slot(self, key: bytes) -> int:
         if self._free_slots:
@@ -154,10 +178,9 @@ class TierIndex:
         self._host_event(key, entry.namespace, "removed")
         located = self.trie.locate(key)
         if located is not None:
-            node, index = located
-            if not node.on_device and not int(node.tiers[index]) & _DISK:
-                self.lost_blocks += 1
-            self.forget_dropped(self.trie.clear_tier(node, index, Tier.HOST))
+            before = self.trie.dropped_pages  # the page and the pages after it may leave the trie
+            self.forget_dropped(self.trie.clear_tier(*located, Tier.HOST))
+            self.lost_blocks += self.trie.dropped_pages - before
 
     def add_host(self, key: bytes, namespace: bytes, node: Node, index: int, *, ready: bool) -> None:
         """Record a host copy of page ``index`` of ``node`` (pending until ``host_done``); a

@@ -51,7 +51,7 @@ from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.token_bucket import TokenBucket
 
-__all__ = ["Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult", "bucket_rows"]
+__all__ = ["Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult", "bucket_rows", "move_batches"]
 
 _log = logging.getLogger(__name__)
 _POLL_S = 0.05  # longest a waiting worker sleeps before re-reading the (injectable) clock
@@ -96,6 +96,13 @@ def bucket_rows(num_blocks: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{num_blocks} blocks exceed the largest transfer bucket {buckets[-1]}; split the move")
 
 
+def move_batches(num_blocks: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, size)`` runs of at most the largest bucket covering ``num_blocks`` blocks
+    (one run of all of them without buckets)."""
+    step = buckets[-1] if buckets else max(num_blocks, 1)
+    return [(start, min(step, num_blocks - start)) for start in range(0, num_blocks, step)]
+
+
 @dataclasses.dataclass(slots=True)
 class _Job:
     link: Link
@@ -126,7 +133,7 @@ class TransferEngine:
     def __init__(self, host: HostPool, disk_tier: DiskTier | None = None, *,
                  gather_blocks: Callable | None = None, budgets: Mapping[Link, LinkBudget] = (),
                  clock: Callable[[], float] = time.monotonic, buckets: Sequence[int] = (),
-                 synchronous: bool = False, paused: bool = False):  # fmt: skip
+                 synchronous: bool = False, paused: bool = False, direct_cpu_reads: bool = False):  # fmt: skip
         """Args:
         gather_blocks: ``(kv_pages, block_ids) -> [n, *block_shape]``, bit-exact, zero rows
           for negative ids; default ``pallas_kernels.gather_blocks``.
@@ -135,12 +142,17 @@ class TransferEngine:
         buckets: ascending batch sizes offloads and fetches are padded to (empty: no padding).
         synchronous: run each job at submit on the caller's thread (no workers, no budgets).
         paused: workers take no job until ``resume()`` (queue work up first, then start).
+        direct_cpu_reads: blocks are stored as the pool holds them (no codec) and
+          ``gather_blocks`` is a plain gather: an offload from a pool on one CPU device (whose
+          memory is host memory) then copies each block straight into its slot on the
+          caller's thread, one copy where a gather and a copy would be two.
         """
         self.host = host
         self.disk_tier = disk_tier
         self.buckets = tuple(buckets)
         self.synchronous = synchronous
         self._gather = gather_blocks or pallas_kernels.gather_blocks
+        self._direct_cpu_reads = direct_cpu_reads
         self._buckets = {link: TokenBucket(b.rate_bytes_per_s, b.burst_bytes, clock)
                          for link, b in dict(budgets).items()}  # fmt: skip
         self._cond = threading.Condition()
@@ -174,14 +186,33 @@ class TransferEngine:
         if len(block_ids) != len(slots):
             raise ValueError(f"{len(block_ids)=} must equal {len(slots)=}")
         job = self._job(Link.DEVICE_TO_HOST, priority, slots)
-        if kv_pages is not None and len(slots):
+        pool_memory = self._cpu_pool_memory(kv_pages) if len(slots) else None
+        if pool_memory is not None:  # the pool is host memory: read it now, before it is donated
+            self.host.write_rows(slots, pool_memory, np.asarray(block_ids, np.intp))
+        elif kv_pages is not None and len(slots):
             ids = np.full(self.rows_for(len(slots)), -1, np.int32)
             ids[: len(slots)] = block_ids
             try:
                 job.blocks = self._gather(kv_pages, jnp.asarray(ids))
+                if isinstance(job.blocks, jax.Array):
+                    # The copy down starts now, behind the gather, not when the worker asks
+                    # for the bytes (on CPU the array is host memory already: nothing to do).
+                    job.blocks.copy_to_host_async()
             except Exception as err:  # noqa: BLE001 - resolve, never raise into the request
                 return self._reject(job, f"gather failed: {err!r}")
         return self._submit(job)
+
+    def _cpu_pool_memory(self, kv_pages) -> np.ndarray | None:
+        """The pool's own memory as a read-only numpy view (no copy), when offloads may read
+        it directly (``direct_cpu_reads``, a plain array on one CPU device stored as is)."""
+        if not self._direct_cpu_reads or not isinstance(kv_pages, jax.Array) or not self.host.store_bytes:
+            return None
+        devices = kv_pages.devices()
+        if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+            return None
+        if kv_pages.dtype != self.host.dtype or tuple(kv_pages.shape[1:]) != self.host.block_shape:
+            return None
+        return np.asarray(kv_pages)  # waits for the step that wrote it
 
     def fetch(self, slots: Sequence[int], *, priority: Priority = Priority.DEMAND) -> concurrent.futures.Future:
         """Copies host ``slots`` to the device (host_to_device), padded to the batch's bucket."""
@@ -190,10 +221,11 @@ class TransferEngine:
         return self._submit(job)
 
     def spill(self, keys: Sequence[bytes], namespaces: Sequence[bytes], slots: Sequence[int],
-              parents: Sequence[bytes | None] | None = None, *,
-              priority: Priority = Priority.SPILL) -> concurrent.futures.Future:  # fmt: skip
+              parents: Sequence[bytes | None] | None = None, *, priority: Priority = Priority.SPILL,
+              now: bool = False) -> concurrent.futures.Future:  # fmt: skip
         """Writes host ``slots`` to disk under ``keys`` (host_to_disk); ``done_keys`` says
-        which the disk holds after it (a failed or rejected write leaves some out)."""
+        which the disk holds after it (a failed or rejected write leaves some out). ``now``:
+        on the caller's thread, done when this returns (the slots are needed at once)."""
         job = self._job(Link.HOST_TO_DISK, priority, np.asarray(slots, np.intp))
         if self.disk_tier is None:
             return self._reject(job, "no disk tier")
@@ -201,7 +233,7 @@ class TransferEngine:
         job.parents = tuple(parents) if parents is not None else (None,) * len(job.keys)
         if not len(job.keys) == len(job.namespaces) == len(job.parents) == len(job.slots):
             raise ValueError(f"spill of {len(job.slots)} slots needs as many keys, namespaces and parents")
-        return self._submit(job)
+        return self._run_now(job) if now else self._submit(job)
 
     def restore(self, keys: Sequence[bytes], namespace: bytes, slots: Sequence[int], *,
                 priority: Priority = Priority.PREFETCH) -> concurrent.futures.Future:  # fmt: skip
@@ -356,6 +388,13 @@ class TransferEngine:
 
     # ---- job lifetime --------------------------------------------------------------------
 
+    def _run_now(self, job: _Job) -> concurrent.futures.Future:
+        if self._closed:
+            self._finish(job, self._failure(job, "engine closed"))
+        else:
+            self._run(job.link, [job])
+        return job.future
+
     def _job(self, link: Link, priority: Priority, slots: np.ndarray) -> _Job:
         if not isinstance(priority, Priority):
             raise ValueError(f"{priority=} must be a Priority ({list(Priority)})")
@@ -365,11 +404,7 @@ class TransferEngine:
 
     def _submit(self, job: _Job) -> concurrent.futures.Future:
         if self.synchronous:
-            if self._closed:
-                self._finish(job, self._failure(job, "engine closed"))
-            else:
-                self._run(job.link, [job])
-            return job.future
+            return self._run_now(job)
         with self._cond:
             if not self._closed:
                 heapq.heappush(self._queues[job.link], (job.priority, next(self._seq), job))

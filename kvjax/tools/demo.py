@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import jax
 import numpy as np
 
 from kvjax.config.presets import load_preset
+from kvjax.metrics.compilations import CompileCount
 from kvjax.serving.engine import Engine
 from kvjax.serving.preset import RANDOM_WEIGHTS
 from kvjax.tools.cli import CommandError
@@ -41,7 +43,12 @@ __all__ = ["DEMO_SPEC", "DemoResult", "add_subcommand", "run_demo"]
 
 DEFAULT_PLOT = "kvjax_demo_ttft.png"
 # The built-in workload with replies long enough to read (32 bytes; few-shot labels 16).
-DEMO_SPEC = WorkloadSpec(max_new_tokens=32)
+# The built-in workload with replies long enough to read (32 bytes; few-shot labels 16), and
+# more system prompts than the device pool holds, each visited in turn: later questions find
+# their prompt's KV on host or disk.
+DEMO_SPEC = WorkloadSpec(max_new_tokens=32, system_prompts=8, questions_per_system_prompt=4,
+                         system_prompt_chars=1200, rotate_prompts=True)
+DEMO_DISK_BYTES = 64 << 20
 
 
 class DemoResult:
@@ -92,45 +99,70 @@ class DemoResult:
 
 def run_demo(out=None, *, preset: str = "tiny", spec: WorkloadSpec | None = None,
              plot_path: str | None = DEFAULT_PLOT, progress=None, with_kernel_checks: bool = False,
-             tiers: bool = False, **engine_overrides) -> DemoResult:  # fmt: skip
+             tiers: bool = True, **engine_overrides) -> DemoResult:  # fmt: skip
     """Runs the demo (see the module docstring), prints to ``out``, returns both runs.
 
     ``out`` defaults to ``sys.stdout``; ``spec`` sizes the workload; ``plot_path`` None skips
-    the plot; ``progress``: a stream for a progress line (None: none); ``tiers`` keeps the
-    preset's host/disk tiers (off by default: today every new number of blocks moved between
-    tiers costs an XLA compilation, seconds on CPU, which would swamp the comparison);
-    ``engine_overrides`` go to ``Engine.from_preset`` (e.g. ``weights="random"``). A bad
-    preset or plot path raises ValueError before anything runs.
+    the plot; ``progress``: a stream for a progress line (None: none); ``tiers``: the cached
+    run keeps the preset's host tier and adds a disk tier in a temporary directory (when the
+    preset has a host tier); ``engine_overrides`` go to ``Engine.from_preset`` (e.g.
+    ``weights="random"``). A bad preset or plot path raises ValueError before anything runs.
     """
     out = out or sys.stdout  # looked up now: tests swap it
     if plot_path is not None:
         check_plot_path(plot_path)
-    engines = {name: Engine.from_preset(preset, tiers=tiers, **engine_overrides) for name in ("cached", "uncached")}
-    print(f"kvjax demo on {jax.default_backend()}: preset {preset!r}, "
-          f"{_weights_label(preset, engine_overrides.get('weights'))}", file=out)
+    with tempfile.TemporaryDirectory(prefix="kvjax-demo-disk-") as disk_dir:
+        cached = (_tier_options(preset, engine_overrides, disk_dir) if tiers else None) or {
+            **engine_overrides, "tiers": False}
+        engines = {"cached": Engine.from_preset(preset, **cached),
+                   "uncached": Engine.from_preset(preset, **{**engine_overrides, "tiers": False})}  # fmt: skip
+        try:
+            return _run(out, preset, engines, spec or DEMO_SPEC, plot_path, progress, with_kernel_checks,
+                        engine_overrides.get("weights"))  # fmt: skip
+        finally:
+            for engine in engines.values():
+                engine.close()
+
+
+def _tier_options(preset: str, engine_overrides: dict, disk_dir: str) -> dict | None:
+    """``from_preset`` options of a cached run with the preset's host tier and a disk tier in
+    ``disk_dir``; None when the preset (or ``cache_options``) has no host tier."""
+    options = dict(engine_overrides.get("cache_options") or {})
+    host_bytes = options.get("host_bytes", load_preset(preset).get("tiers", {}).get("host_bytes", 0))
+    if not host_bytes:
+        return None
+    options = {"disk_dir": disk_dir, "disk_bytes": DEMO_DISK_BYTES, **options}
+    return {**engine_overrides, "cache_options": options}
+
+
+def _run(out, preset, engines, spec, plot_path, progress, with_kernel_checks, weights) -> DemoResult:
+    print(f"kvjax demo on {jax.default_backend()}: preset {preset!r}, {_weights_label(preset, weights)}", file=out)
     if with_kernel_checks:
         failed = kernel_checks(out)
         if failed:
             print(f"{failed} kernel check(s) failed", file=out)
-    sessions = build_workload(spec or DEMO_SPEC)
+    sessions = build_workload(spec)
     start = time.perf_counter()
-    compiled = sum(engine.runner.warmup() for engine in engines.values())
-    pool_cfg = engines["cached"].pool.config
+    compiled = sum(engine.warmup() for engine in engines.values())
+    cached = engines["cached"]
+    pool_cfg = cached.pool.config
     print(f"page pool: {pool_cfg.num_blocks} blocks of {pool_cfg.page_size} tokens, pages stored as "
           f"{pool_cfg.kv_format.name() if pool_cfg.kv_quant else pool_cfg.dtype}, "
           f"{pool_cfg.bytes_per_block} bytes per block", file=out)  # fmt: skip
-    print(f"warm-up: {compiled} compilations of the model step (token buckets "
-          f"{engines['cached'].runner.token_buckets}) in {time.perf_counter() - start:.1f}s", file=out)
+    print(f"tiers of the cached run: {_tiers_line(cached.cache)}", file=out)
+    print(f"warm-up: {compiled} compilations (model step for token buckets {cached.runner.token_buckets}, "
+          f"tier moves and swaps for transfer buckets {cached.cache.config.transfer_buckets}) "
+          f"in {time.perf_counter() - start:.1f}s", file=out)  # fmt: skip
     num_requests = sum(len(s.turns) for s in sessions)
     print(f"workload: {len(sessions)} sessions, {num_requests} requests "
           f"(system prompts, multi-turn, few-shot; tenants {sorted({s.namespace for s in sessions})})", file=out)
-    results = {}
+    results, after_warmup = {}, {}
     for name, engine in engines.items():
         with ProgressLine(progress, name, num_requests) as bar:
-            start = time.perf_counter()
+            count, start = CompileCount(), time.perf_counter()
             results[name] = drive(engine, sessions, isolate=name == "uncached", on_event=bar.update)
             engine.summary(time.perf_counter() - start, engine.num_generated_tokens)
-        engine.close()
+            after_warmup[name] = count.value
     result = DemoResult(engines, results, sessions)
     replies = sample_replies(result)
     if replies:
@@ -139,9 +171,20 @@ def run_demo(out=None, *, preset: str = "tiny", spec: WorkloadSpec | None = None
     metrics = {name: engine.metrics for name, engine in engines.items()}
     print("\n" + metrics["cached"].summary_table(metrics["uncached"], labels=("cached", "uncached")), file=out)
     print("\n" + headline(result), file=out)
+    print(f"compilations after warm-up: {after_warmup['cached']} cached, {after_warmup['uncached']} uncached",
+          file=out)  # fmt: skip
     if plot_path is not None and result.compared:
         print(plot_ttft(result, plot_path), file=out)
     return result
+
+
+def _tiers_line(cache) -> str:
+    config = cache.config
+    if not config.tiered:
+        return "device only"
+    block = config.pool.bytes_per_block
+    disk = f", disk {config.disk_bytes >> 20} MiB in a temporary directory" if config.disk_dir else ""
+    return f"device {config.pool.num_blocks} blocks, host {config.host_bytes // block} blocks{disk}"
 
 
 def add_subcommand(subparsers) -> None:
@@ -156,8 +199,9 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--no-plot", action="store_true", help="skip the plot")
     parser.add_argument("--kernel-checks", action="store_true",
                         help="first check the kernels against their references (adds ~10-20s on CPU)")
-    parser.add_argument("--tiers", action="store_true",
-                        help="keep the preset's host/disk tiers below the device pool")
+    parser.add_argument("--no-tiers", action="store_true",
+                        help="the cached run without host and disk tiers (default: the preset's host "
+                             "tier and a disk tier in a temporary directory)")
     parser.add_argument("--kv-quant", default=None, choices=["none", *FORMATS],
                         help="store pages quantized in both runs (default: the preset's [cache] kv_quant)")
     parser.add_argument("--kv-scale", default=None, choices=list(GRANULARITIES),
@@ -174,7 +218,7 @@ def _main(args: argparse.Namespace) -> int:
                      if value is not None}  # fmt: skip
     # The progress line redraws with \r: only on a terminal, so logs and pipes get none.
     result = run_demo(preset=args.preset, plot_path=None if args.no_plot else args.plot,
-                      with_kernel_checks=args.kernel_checks, tiers=args.tiers,
+                      with_kernel_checks=args.kernel_checks, tiers=not args.no_tiers,
                       cache_options=cache_options or None,
                       weights=RANDOM_WEIGHTS if args.random_weights else None,
                       progress=sys.stderr if sys.stderr.isatty() else None)  # fmt: skip

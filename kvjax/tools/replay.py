@@ -49,7 +49,8 @@ from kvjax.tiers.page_pool import PoolConfig
 from kvjax.tools.replay_bounds import HitCounter, HitCounts, intern_block_paths, offline_replay, unlimited_replay
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["DEFAULT_POLICY", "ReplayReport", "replay_report", "replay_trace"]
+__all__ = ["DEFAULT_POLICY", "ReplayReport", "matched_blocks", "replay_cache", "replay_report", "replay_trace",
+           "serve_request"]
 
 _NAMESPACE = Namespace(tenant="trace-replay")
 _SENTINEL = 0  # token admitted after the hash ids; never matched (admit stops before it)
@@ -125,7 +126,7 @@ def replay_trace(
     with cache:
         for index, (request, path) in enumerate(zip(requests, paths)):
             now[0] = request.timestamp_ms / 1000.0
-            counts.add(request, *_serve(cache, path[:device_blocks]))
+            counts.add(request, *serve_request(cache, path[:device_blocks]))
             if check_every and (index + 1) % check_every == 0:
                 cache.check_invariants()
     return counts.result(evicted_blocks=cache.stats.prefix.evicted_blocks)
@@ -183,8 +184,15 @@ def replay_report(
     )
 
 
-def _serve(cache: KVCache, blocks: list[int]) -> tuple[int, list[Tier]]:
-    """Admit, commit and release one request; (hit blocks, the tier of each lower-tier hit)."""
+def matched_blocks(cache: KVCache, blocks: list[int]) -> int:
+    """How many leading blocks of a request (its interned block ids) ``cache`` holds, any
+    tier, without changing anything: what a node would tell the cluster's directory."""
+    return cache.match(blocks, _NAMESPACE).num_hit_blocks
+
+
+def serve_request(cache: KVCache, blocks: list[int]) -> tuple[int, list[Tier]]:
+    """Admit, commit and release one request (its interned block ids, at most the device
+    capacity); (hit blocks, the tier of each lower-tier hit)."""
     handle = cache.admit([*blocks, _SENTINEL], _NAMESPACE)
     if handle is None:  # nothing else is running, so the pool (device_blocks + 1) must fit it
         raise RuntimeError(f"admission of {len(blocks)} blocks failed in a sequential replay")

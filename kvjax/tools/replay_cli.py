@@ -1,5 +1,6 @@
 """``python -m kvjax replay TRACE --device-blocks N [--host-blocks M] [--disk-blocks K]
-[--write-through] [--policy NAME] [--json]``.
+[--write-through] [--policy NAME] [--json]``; with ``--nodes N`` a cluster of N such nodes
+behind the router (``kvjax.tools.cluster_replay_cli``).
 
 Replays a Mooncake-format trace through the real KVCache (no model, no bytes), above optional
 host and disk tiers (see ``kvjax.tools.replay``), and prints block and token hit rates, per tier and in all,
@@ -16,6 +17,7 @@ import json
 import sys
 
 from kvjax.cache.policies import POLICIES
+from kvjax.tools.cluster_replay_cli import add_cluster_arguments, cluster_options_without_nodes, run_cluster_replay
 from kvjax.tools.replay import DEFAULT_POLICY, ReplayReport, replay_report
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, load_trace
 
@@ -46,6 +48,7 @@ def add_subcommand(subparsers) -> None:
                         metavar="T", help="tokens per hash id (default: %(default)s)")  # fmt: skip
     replay.add_argument("--json", action="store_true",
                         help="end the output with one JSON line of the results")  # fmt: skip
+    add_cluster_arguments(replay)
     replay.set_defaults(func=run_replay)
 
 
@@ -53,6 +56,10 @@ def run_replay(args: argparse.Namespace, out=None, err=None) -> int:
     """Runs the parsed ``replay`` command; 0 on success, 2 for a bad or unreadable trace or a
     capacity out of range, 1 (with a warning) for a trace without requests."""
     out, err = out or sys.stdout, err or sys.stderr  # looked up now: tests swap them
+    if cluster_options_without_nodes(args):
+        print(f"kvjax replay: error: {', '.join(cluster_options_without_nodes(args))}: cluster options; add --nodes N",
+              file=err)  # fmt: skip
+        return 2
     try:
         requests = load_trace(args.trace, block_tokens=args.block_tokens)
     except (OSError, ValueError) as error:
@@ -63,6 +70,8 @@ def run_replay(args: argparse.Namespace, out=None, err=None) -> int:
               "expected JSON lines, one request each; nothing replayed", file=err)
         return 1
     try:
+        if args.nodes is not None:
+            return run_cluster_replay(args, requests, out)
         report = replay_report(requests, args.device_blocks, policy=args.policy,
                                block_tokens=args.block_tokens, host_blocks=args.host_blocks,
                                disk_blocks=args.disk_blocks, write_through=args.write_through)  # fmt: skip

@@ -3,7 +3,8 @@
 Three kinds of sessions, all generated from a seed (deterministic, nothing downloaded):
 
 * ``system_prompt``: single questions behind one of a few long system prompts (the common
-  case of a chat product: the system prompt is the shared prefix);
+  case of a chat product: the system prompt is the shared prefix), all of one prompt's
+  questions together or, with ``rotate_prompts``, one prompt after another in turn;
 * ``multi_turn``: conversations whose every turn resends the whole history (previous prompt +
   the model's reply + a new user message), so each turn's prefix is the previous turn;
 * ``few_shot``: queries behind one of a few few-shot templates (instructions + worked examples).
@@ -70,6 +71,10 @@ class WorkloadSpec:
     system_prompt_chars: int = 480
     max_new_tokens: int = 16
     arrival_every: int = 2  # engine steps between two sessions' arrivals
+    # Questions come to each system prompt in turn (p0 q0, p1 q0, ..., p0 q1, ...) instead of
+    # all of one prompt's at once: with more prompts than the device pool holds, a prompt's
+    # next question finds its prefix moved down to host or disk.
+    rotate_prompts: bool = False
     tenants: tuple[str, ...] = ("tenant-a", "tenant-b")
     seed: int = 0
 
@@ -166,6 +171,9 @@ def _system_prompt_sessions(spec: WorkloadSpec, rng: random.Random) -> list[Sess
             question = f"Question {q}: " + _sentence(rng, rng.randint(5, 9))
             sessions.append(Session(f"sys{p}-q{q}", "system_prompt", tenant, prefix, (question,), 0,
                                     spec.max_new_tokens))  # fmt: skip
+    if spec.rotate_prompts:
+        per_prompt = spec.questions_per_system_prompt
+        sessions = [sessions[p * per_prompt + q] for q in range(per_prompt) for p in range(spec.system_prompts)]
     return sessions
 
 

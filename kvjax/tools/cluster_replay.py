@@ -1,0 +1,288 @@
+"""Replay a request trace through a simulated cluster: the real router, real per-node caches.
+
+``python -m kvjax replay TRACE --nodes N --device-blocks C [--host-blocks M]
+[--router prefix|least_loaded|round_robin] --json``: capacity planning for a cluster of N
+nodes of C device blocks each (and M host, K disk blocks each).
+
+Model of the replay, request by request in timestamp order:
+
+1. Every node's cache says how many leading blocks of the request it holds, any tier
+   (``KVCache.match``; what the node would have published to the directory).
+2. The router's own policy (``kvjax.cluster.router.RoutingPolicy``, the code the HTTP router
+   runs) chooses a node from those prefixes and each node's load at the arrival time.
+3. The chosen node's cache serves the request as the single-node replay does
+   (``kvjax.tools.replay.serve_request``: admit, commit, release; ``move_bytes=False``).
+
+Load comes from a service-time model (``ServiceModel``, printed with the results): a node
+prefills one request at a time, in arrival order, at ``prefill_tokens_per_s`` uncached prompt
+tokens a second; a request then decodes its ``output_length`` tokens at
+``decode_tokens_per_s`` (batched decoding: requests do not slow each other). At an arrival,
+a node's load is what its HTTP server would report: requests whose modelled finish is later
+(in flight), and the uncached prompt tokens of those whose modelled prefill ends later.
+
+Figures (``ClusterReplayReport.as_dict``; rates are fractions of all prompt blocks):
+``block_hit_rate`` served locally; ``remote_block_hit_rate`` blocks past the chosen node's
+hits that another node held (what fetching from a peer could add);
+``single_cache_block_hit_rate`` one cache of N x C device blocks (N x M host, N x K disk),
+same policy; ``max_mean_requests`` the busiest node's requests over the mean;
+``p95_window_max_mean_requests`` the same over every window of 50 x N consecutive arrivals,
+95th percentile. The offline and unlimited yardsticks are at N x C blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvjax.cluster.node_view import NodeLoad, NodeView
+from kvjax.cluster.router import RouterConfig, RoutingPolicy
+from kvjax.tiers.kv_cache import KVCache
+from kvjax.tools.replay import DEFAULT_POLICY, ReplayReport, matched_blocks, replay_cache, replay_trace, serve_request
+from kvjax.tools.replay_bounds import HitCounter, HitCounts, intern_block_paths, offline_replay, unlimited_replay
+from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
+
+__all__ = [
+    "WINDOW_REQUESTS_PER_NODE",
+    "ClusterReplayReport",
+    "ClusterSpec",
+    "ServiceModel",
+    "cluster_replay",
+    "format_cluster_report",
+    "simulate_cluster",
+    "window_max_mean",
+    "yardsticks",
+]
+
+WINDOW_REQUESTS_PER_NODE = 50
+"""Arrivals per node in a window of ``p95_window_max_mean_requests``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServiceModel:
+    """How long a request keeps a node busy (see the module docstring).
+
+    The defaults are of the order of an 8B model in bf16 on one current accelerator: prefill
+    20,000 tokens/s, decode 50 tokens/s per request.
+    """
+
+    prefill_tokens_per_s: float = 20_000.0  # uncached prompt tokens a node prefills per second
+    decode_tokens_per_s: float = 50.0  # output tokens per second of one request
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r} must be a number > 0 (tokens per second)")
+
+    def describe(self) -> str:
+        return (f"service-time model: a node prefills one request at a time at {self.prefill_tokens_per_s:,.0f} "
+                f"uncached prompt tokens/s, then the request decodes at {self.decode_tokens_per_s:,.0f} "
+                "tokens/s (batched: no contention); load at an arrival = requests in flight + uncached "
+                "prompt tokens not yet prefilled")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """The simulated cluster: ``nodes`` nodes of ``device_blocks`` / ``host_blocks`` /
+    ``disk_blocks`` blocks each (write-through or write-back to the host), every cache with
+    eviction ``policy``; ``block_tokens`` tokens per trace block."""
+
+    nodes: int
+    device_blocks: int
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    write_through: bool = False
+    policy: str = DEFAULT_POLICY
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes!r} must be an int >= 1")
+
+    def cache(self) -> tuple[KVCache, list[float]]:
+        """One node's cache and its clock (``replay_cache``; ValueError for a bad capacity)."""
+        return replay_cache(self.device_blocks, policy=self.policy, host_blocks=self.host_blocks,
+                            disk_blocks=self.disk_blocks, write_through=self.write_through)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterReplayReport:
+    """A cluster replay next to one cache of the cluster's whole capacity."""
+
+    spec: ClusterSpec
+    router: RouterConfig
+    service: ServiceModel
+    local: HitCounts  # served by the chosen node's cache
+    remote_blocks: int  # blocks past the local hits that another node held
+    requests_per_node: tuple[int, ...]
+    p95_window_max_mean: float
+    reasons: dict[str, int]  # routing decisions by ``Decision.reason``
+    single_cache: HitCounts | None = None  # one cache of nodes x the capacities, same policy
+    offline: HitCounts | None = None  # farthest-next-use at nodes x device_blocks
+    unlimited: HitCounts | None = None
+
+    @property
+    def max_mean_requests(self) -> float:
+        counts = self.requests_per_node
+        return max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0
+
+    @property
+    def remote_block_hit_rate(self) -> float:
+        return self.remote_blocks / self.local.blocks if self.local.blocks else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The single-node replay's keys (``ReplayReport.as_dict``: the local hits, capacities
+        per node, offline at the cluster's capacity) plus the cluster's; rates are fractions."""
+        spec = self.spec
+        single_node_keys = ReplayReport(spec.policy, spec.device_blocks, self.local, self.offline, self.unlimited,
+                                        spec.host_blocks, spec.disk_blocks, spec.write_through).as_dict()  # fmt: skip
+        return {
+            **single_node_keys,
+            "nodes": spec.nodes,
+            "router": self.router.strategy,
+            "imbalance_abs": self.router.imbalance_abs,
+            "imbalance_rel": self.router.imbalance_rel,
+            "tokens_per_load_unit": self.router.tokens_per_load_unit,
+            "fair_window": self.router.fair_window,
+            "prefill_tokens_per_s": self.service.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.service.decode_tokens_per_s,
+            "remote_block_hit_rate": self.remote_block_hit_rate,
+            "single_cache_block_hit_rate": self.single_cache.block_hit_rate,
+            "single_cache_token_hit_rate": self.single_cache.token_hit_rate,
+            "requests_per_node": list(self.requests_per_node),
+            "max_mean_requests": self.max_mean_requests,
+            "p95_window_max_mean_requests": self.p95_window_max_mean,
+            "route_reasons": dict(self.reasons),
+        }
+
+
+def cluster_replay(requests: Sequence[TraceRequest], spec: ClusterSpec, *, router: RouterConfig | None = None,
+                   service: ServiceModel | None = None) -> ClusterReplayReport:  # fmt: skip
+    """Replays ``requests`` (in the given order) through the cluster of ``spec``, routed by
+    ``router`` (default ``RouterConfig()``) with load from ``service`` (default
+    ``ServiceModel()``), next to the yardsticks at the cluster's whole capacity; see the
+    module docstring. ValueError naming the value, before replaying anything, for a
+    capacity out of range or an unknown policy."""
+    run = simulate_cluster(requests, spec, router=router, service=service)
+    return dataclasses.replace(run, **yardsticks(requests, spec))
+
+
+def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, router: RouterConfig | None = None,
+                     service: ServiceModel | None = None) -> ClusterReplayReport:  # fmt: skip
+    """The cluster part of ``cluster_replay``, without the yardsticks (left None): a
+    benchmark comparing strategies computes those once."""
+    router, service = router or RouterConfig(), service or ServiceModel()
+    caches = [spec.cache() for _ in range(spec.nodes)]
+    node_ids = [f"n{index:0{len(str(spec.nodes - 1))}d}" for index in range(spec.nodes)]  # sort as the indices
+    loads = _LoadModel(spec.nodes, service)
+    routing = RoutingPolicy(router)
+    paths, _ = intern_block_paths(requests)
+    counter = HitCounter(spec.block_tokens)
+    chosen = np.zeros(len(requests), np.int64)
+    remote_blocks = 0
+    reasons: collections.Counter[str] = collections.Counter()
+    for index, (request, path) in enumerate(zip(requests, paths)):
+        now = request.timestamp_ms / 1000.0
+        blocks = path[: spec.device_blocks]
+        held = []
+        for cache, clock in caches:
+            clock[0] = now
+            held.append(matched_blocks(cache, blocks))
+        views = [NodeView(node_id, 1, "", loads.at(node, now), held[node]) for node, node_id in enumerate(node_ids)]
+        decision = routing.choose(views, request.input_length, spec.block_tokens)
+        node = node_ids.index(decision.node_id)
+        hit_blocks, lower_tiers = serve_request(caches[node][0], blocks)
+        counter.add(request, hit_blocks, lower_tiers)
+        remote_blocks += max([0, *(held[other] - hit_blocks for other in range(spec.nodes) if other != node)])
+        loads.add(node, now, sum(request.block_tokens(spec.block_tokens)[hit_blocks:]), request.output_length)
+        chosen[index] = node
+        reasons[decision.reason] += 1
+    evicted = sum(cache.stats.prefix.evicted_blocks for cache, _ in caches)
+    for cache, _ in caches:
+        cache.close()
+    return ClusterReplayReport(
+        spec=spec, router=router, service=service, local=counter.result(evicted_blocks=evicted),
+        remote_blocks=remote_blocks,
+        requests_per_node=tuple(int(count) for count in np.bincount(chosen, minlength=spec.nodes)),
+        p95_window_max_mean=window_max_mean(chosen, spec.nodes, WINDOW_REQUESTS_PER_NODE * spec.nodes),
+        reasons=dict(sorted(reasons.items())),
+    )  # fmt: skip
+
+
+def yardsticks(requests: Sequence[TraceRequest], spec: ClusterSpec) -> dict[str, HitCounts]:
+    """``single_cache``, ``offline`` and ``unlimited`` at the capacity of the whole cluster,
+    as ``ClusterReplayReport`` fields."""
+    total = spec.nodes * spec.device_blocks
+    return {
+        "single_cache": replay_trace(requests, total, policy=spec.policy, block_tokens=spec.block_tokens,
+                                     host_blocks=spec.nodes * spec.host_blocks,
+                                     disk_blocks=spec.nodes * spec.disk_blocks, write_through=spec.write_through),
+        "offline": offline_replay(requests, total, block_tokens=spec.block_tokens),
+        "unlimited": unlimited_replay(requests, block_tokens=spec.block_tokens),
+    }  # fmt: skip
+
+
+def window_max_mean(chosen: np.ndarray, nodes: int, window: int, quantile: float = 95.0) -> float:
+    """The ``quantile`` of max/mean requests per node over every ``window`` consecutive
+    requests (sliding by one; the whole run if it is shorter). ``chosen``: node per request."""
+    if len(chosen) == 0:
+        return 0.0
+    window = min(window, len(chosen))
+    one_hot = np.zeros((len(chosen) + 1, nodes), np.int64)
+    one_hot[np.arange(1, len(chosen) + 1), chosen] = 1
+    running = one_hot.cumsum(axis=0)
+    counts = running[window:] - running[:-window]  # [num_windows, nodes]
+    return float(np.percentile(counts.max(axis=1) / (window / nodes), quantile))
+
+
+def format_cluster_report(trace: str, report: ClusterReplayReport) -> str:
+    """Human-readable summary: the configuration, the service model, hit rates next to one
+    cache of the same total capacity, and how evenly the requests spread."""
+    local, router, spec = report.local, report.router, report.spec
+    total = spec.nodes * spec.device_blocks
+    write = "write-through" if spec.write_through else "write-back"
+    rates = [("served locally", local), (f"one cache of {total} device blocks", report.single_cache),
+             (f"offline at {total} blocks", report.offline), ("unlimited capacity", report.unlimited)]  # fmt: skip
+    lines = [
+        f"trace {trace}: {local.requests} requests, {local.blocks} blocks, {local.tokens} prompt tokens",
+        (f"cluster: {spec.nodes} nodes x {spec.device_blocks} device blocks ({spec.host_blocks} host, "
+         f"{spec.disk_blocks} disk; {write}), policy {spec.policy}"),
+        (f"router {router.strategy} (imbalance_abs={router.imbalance_abs:g}, imbalance_rel={router.imbalance_rel:g}, "
+         f"tokens_per_load_unit={router.tokens_per_load_unit or 'learned'}, fair_window={router.fair_window})"),
+        report.service.describe(),
+        f"{'':<36}{'block hits':>12}{'token hits':>12}",
+    ]  # fmt: skip
+    for label, counts in rates:
+        if counts is not None:
+            lines.append(f"{label:<36}{counts.block_hit_rate:>12.2%}{counts.token_hit_rate:>12.2%}")
+        if counts is local:
+            lines.append(f"{'  another node held more':<36}{report.remote_block_hit_rate:>12.2%}")
+    lines.append(f"requests per node: {', '.join(map(str, report.requests_per_node))}; max/mean "
+                 f"{report.max_mean_requests:.3f}; windows of {WINDOW_REQUESTS_PER_NODE * spec.nodes} arrivals: "
+                 f"p95 max/mean {report.p95_window_max_mean:.3f}")  # fmt: skip
+    lines.append("routing reasons: " + ", ".join(f"{reason} {count}" for reason, count in report.reasons.items()))
+    return "\n".join(lines)
+
+
+class _LoadModel:
+    """Modelled finish times of the requests each node was given (see ``ServiceModel``)."""
+
+    def __init__(self, nodes: int, service: ServiceModel):
+        self.service = service
+        self.prefill_free = [0.0] * nodes  # when each node's prefill queue empties
+        # per node: [prefill end, finish, uncached tokens] of requests not yet finished
+        self.running: list[list[tuple[float, float, int]]] = [[] for _ in range(nodes)]
+
+    def at(self, node: int, now: float) -> NodeLoad:
+        running = self.running[node] = [entry for entry in self.running[node] if entry[1] > now]
+        return NodeLoad(len(running), sum(tokens for prefilled, _, tokens in running if prefilled > now))
+
+    def add(self, node: int, now: float, uncached_tokens: int, output_tokens: int) -> None:
+        prefilled = max(now, self.prefill_free[node]) + uncached_tokens / self.service.prefill_tokens_per_s
+        self.prefill_free[node] = prefilled
+        self.running[node].append((prefilled, prefilled + output_tokens / self.service.decode_tokens_per_s,
+                                   uncached_tokens))  # fmt: skip

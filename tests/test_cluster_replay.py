@@ -1,0 +1,159 @@
+"""Cluster replay: hand-computed routing and hits on tiny traces, the service model's load,
+the balance figures, one node equal to the single-node replay, and the CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvjax.__main__ import main
+from kvjax.cluster.router import RouterConfig
+from kvjax.tools.cluster_replay import ClusterSpec, ServiceModel, cluster_replay, simulate_cluster, window_max_mean
+from kvjax.tools.replay import replay_trace
+from kvjax.tools.trace import TraceRequest
+
+BLOCK = 4  # tokens per hash id
+
+
+def conversation(first_id, turns):
+    """Prompts of one conversation: each turn resends the previous one plus a block."""
+    return [tuple(range(first_id, first_id + 2 + turn)) for turn in range(turns)]
+
+
+def trace(paths, *, every_s=1.0, outputs=None):
+    """One request every ``every_s`` seconds, whole blocks, one output token by default."""
+    outputs = outputs or [1] * len(paths)
+    return [TraceRequest(1000.0 * every_s * i, BLOCK * len(path), output, tuple(path))
+            for i, (path, output) in enumerate(zip(paths, outputs))]  # fmt: skip
+
+
+# Conversation X (blocks 1, 2, then 3, then 4) then conversation Y (5, 6, 7, 8), three turns
+# each, one after the other: 18 blocks, and one cache with room for all hits 2 + 3 per turn
+# after the first of each: 10.
+TWO_CONVERSATIONS = trace(conversation(1, 3) + conversation(5, 3))
+
+
+def run(requests, strategy, nodes=2, device_blocks=10, **options):
+    spec = ClusterSpec(nodes, device_blocks, block_tokens=BLOCK, **options)
+    return cluster_replay(requests, spec, router=RouterConfig(strategy))
+
+
+def test_prefix_keeps_each_conversation_on_one_node_and_hits_like_one_cache():
+    report = run(TWO_CONVERSATIONS, "prefix")
+    assert report.single_cache.hit_blocks == 10 and report.local.hit_blocks == 10
+    assert report.remote_blocks == 0 and report.requests_per_node == (3, 3)
+    assert report.reasons == {"affinity": 4, "no_prefix": 2}
+
+
+def test_round_robin_splits_the_conversations_and_another_node_holds_the_rest():
+    report = run(TWO_CONVERSATIONS, "round_robin")
+    # X1 n0, X2 n1 (n0 held 2), X3 n0 (hits 2; n1 held 3), and Y the same way
+    assert report.local.hit_blocks == 4 and report.remote_blocks == 6
+    assert report.as_dict()["remote_block_hit_rate"] == pytest.approx(6 / 18)
+    assert report.requests_per_node == (3, 3) and report.max_mean_requests == 1.0
+
+
+def test_least_loaded_sees_the_requests_the_service_model_keeps_in_flight():
+    # one long request (100 tokens at 10 tokens/s: 10 s) then three short ones, a second apart
+    requests = trace([(1,), (2,), (3,), (4,)], outputs=[100, 1, 1, 1])
+    service = ServiceModel(prefill_tokens_per_s=1000.0, decode_tokens_per_s=10.0)
+    spec = ClusterSpec(2, 10, block_tokens=BLOCK)
+    least = simulate_cluster(requests, spec, router=RouterConfig("least_loaded"), service=service)
+    assert least.requests_per_node == (1, 3)  # n0 is busy with the long one the whole time
+    rr = simulate_cluster(requests, spec, router=RouterConfig("round_robin"), service=service)
+    assert rr.requests_per_node == (2, 2)
+
+
+def test_a_node_prefills_one_request_at_a_time():
+    # 8 uncached tokens at 4 tokens/s: each prefill takes 2 s, so the second request, 1 s
+    # later, still sees the first's tokens pending on n0 and goes to n1; the third (at 2 s)
+    # sees n1's pending and n0 free again
+    requests = trace([(1, 2), (3, 4), (5, 6)])
+    service = ServiceModel(prefill_tokens_per_s=4.0, decode_tokens_per_s=1000.0)
+    report = simulate_cluster(requests, ClusterSpec(2, 10, block_tokens=BLOCK),
+                              router=RouterConfig("least_loaded", tokens_per_load_unit=8), service=service)
+    assert report.requests_per_node == (2, 1)
+
+
+def test_window_balance_is_a_sliding_percentile_of_max_over_mean():
+    chosen = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    # windows of 4: max/mean 2, 1.5, 1, 1.5, 2
+    assert window_max_mean(chosen, 2, 4) == 2.0
+    assert window_max_mean(chosen, 2, 4, quantile=50) == 1.5
+    assert window_max_mean(chosen, 2, 100) == 1.0  # longer than the run: the whole run
+    assert window_max_mean(np.array([], np.int64), 2, 4) == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["prefix", "least_loaded", "round_robin"])
+def test_one_node_is_the_single_node_replay(strategy):
+    requests = trace([(1,), (2,), (3,), (1,), (2,), (3,), (1, 4)])
+    report = run(requests, strategy, nodes=1, device_blocks=2, host_blocks=3)
+    single = replay_trace(requests, 2, host_blocks=3, block_tokens=BLOCK)
+    assert report.local == single == report.single_cache
+    assert report.local.host_hit_blocks > 0  # the host tier per node is there
+
+
+def test_bad_settings_are_refused_before_replaying():
+    with pytest.raises(ValueError, match="nodes=0 must be an int >= 1"):
+        ClusterSpec(0, 10)
+    with pytest.raises(ValueError, match="device_blocks=0 must be an int in"):
+        cluster_replay(TWO_CONVERSATIONS, ClusterSpec(2, 0))
+    with pytest.raises(ValueError, match=r"prefill_tokens_per_s=0 must be a number > 0 \(tokens per second\)"):
+        ServiceModel(prefill_tokens_per_s=0)
+
+
+# --- the CLI -------------------------------------------------------------------------------
+
+
+def write_trace(tmp_path, requests):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                        "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
+                            for r in requests))  # fmt: skip
+    return str(path)
+
+
+def test_cli_cluster_replay_ends_with_the_cluster_fields(tmp_path, capsys):
+    argv = ["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--nodes", "2", "--device-blocks", "10",
+            "--block-tokens", str(BLOCK), "--router", "round_robin", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("service-time model:") for line in out)
+    summary = json.loads(out[-1])
+    assert (summary["nodes"], summary["router"], summary["requests"]) == (2, "round_robin", 6)
+    assert summary["block_hit_rate"] == pytest.approx(4 / 18)
+    assert summary["remote_block_hit_rate"] == pytest.approx(6 / 18)
+    assert summary["single_cache_block_hit_rate"] == pytest.approx(10 / 18)
+    assert summary["max_mean_requests"] == 1.0 and summary["p95_window_max_mean_requests"] == 1.0
+    assert "unlimited_block_hit_rate" in summary and "offline_block_hit_rate" in summary
+
+
+def test_cli_without_nodes_is_the_single_node_replay(tmp_path, capsys):
+    assert main(["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--device-blocks", "10", "--block-tokens",
+                 str(BLOCK), "--json"]) == 0  # fmt: skip
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert "nodes" not in summary and summary["block_hit_rate"] == pytest.approx(10 / 18)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--router", "prefix"], "kvjax replay: error: --router: cluster options; add --nodes N"),
+        (["--nodes", "0"], "kvjax replay: error: nodes=0 must be an int >= 1"),
+        (["--nodes", "2", "--decode-tokens-per-s", "-1"], "decode_tokens_per_s=-1.0 must be a number > 0"),
+        (["--nodes", "2", "--imbalance-abs", "-1"], "imbalance_abs=-1.0 and imbalance_rel=0.25 must be >= 0"),
+    ],
+)
+def test_cli_refuses_bad_cluster_options_with_one_line(tmp_path, capsys, extra, message):
+    argv = ["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--device-blocks", "10", "--block-tokens", str(BLOCK),
+            *extra]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_refuses_an_unknown_router(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--device-blocks", "10", "--nodes", "2",
+              "--router", "fastest"])  # fmt: skip
+    assert exit_info.value.code == 2 and "invalid choice: 'fastest'" in capsys.readouterr().err
