@@ -20,11 +20,22 @@ policy hits at least as much as LRU at every capacity, and, on conversation-like
 shapes (and on trace files), at least as much as strict ``segmented``; a summary ends the run.
 ``--quick`` replays only those three policies (same traces and capacities): about a minute on
 two shared cores; the full table about two.
+
+``--tiered`` instead replays the real tiers: at each device capacity C (the same fractions) the
+default policy on C device blocks above a host tier of M = ``--host-ratio`` x C blocks
+(write-back, ``replay_trace(..., host_blocks=M)``), against one flat cache of C + M device
+blocks with LRU and with the default policy, all three on the same prompts: each cut to its
+first C blocks, as the tiered replay must (a prompt longer than the device cannot be computed;
+only the agent shape at 1% has such prompts). Cells read ``hit%``; the verdict line says
+whether the tiered cache hits at least as much as the flat LRU cache at every capacity.
+
+    .venv/bin/python benchmarks/bench_policies.py --tiered [--host-ratio 4] [...as above]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
@@ -40,7 +51,7 @@ from kvjax.tools.replay_bounds import (  # noqa: E402
     reuse_oracle_lru_replay,
     unlimited_replay,
 )
-from kvjax.tools.trace import load_trace  # noqa: E402
+from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_trace  # noqa: E402
 from kvjax.tools.trace_family import CONVERSATION_LIKE, SHAPES, generate  # noqa: E402
 
 _SHARED = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
@@ -51,6 +62,8 @@ def main() -> None:
     args = _parse_args()
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     print(f"default policy: {DEFAULT_POLICY}; cells: block hit rate (share of offline)\n")
+    if args.tiered:
+        return _main_tiered(args)
     summary = {policy: [] for policy in args.policies}  # per policy: share of offline per cell
     verdicts = []
     for name, vs_segmented, requests in _traces(args):
@@ -84,6 +97,9 @@ def _parse_args() -> argparse.Namespace:
                         help="capacities as fractions of each trace's distinct blocks")  # fmt: skip
     parser.add_argument("--capacities", type=int, nargs="+", default=None, help="absolute capacities (blocks)")
     parser.add_argument("--policies", nargs="+", default=None, choices=sorted(POLICIES))
+    parser.add_argument("--tiered", action="store_true",
+                        help="device + host tiers against one flat cache of their total blocks")  # fmt: skip
+    parser.add_argument("--host-ratio", type=int, default=4, help="with --tiered: host blocks per device block")
     args = parser.parse_args()
     if args.policies is None:
         args.policies = [] if args.quick else sorted(POLICIES)
@@ -125,6 +141,40 @@ def _table(name: str, requests, distinct: int, capacities: list[int], policies: 
     lines.append(f"{'s/replay':>8} {'':>8} {'':>15} | "
                  + " ".join(f"{seconds[p] / len(capacities):>15.2f}" for p in policies))  # fmt: skip
     return rates, offline_rates, "\n".join(lines)
+
+
+def _main_tiered(args: argparse.Namespace) -> None:
+    """The tiered table of every trace, a verdict under each and a summary."""
+    ratio, failed, count = args.host_ratio, [], 0
+    print(f"tiered: {DEFAULT_POLICY} on C device blocks above a host tier of {ratio} x C (write-back); "
+          f"flat: one cache of C + M device blocks\n")  # fmt: skip
+    for name, _, requests in _traces(args):
+        distinct = len(intern_block_paths(requests)[1])
+        capacities = args.capacities or sorted({max(1, round(distinct * f)) for f in args.fractions})
+        print(f"{name}: {len(requests)} requests, {distinct:,} distinct blocks")
+        print(f"{'C':>8} {'M':>8} {'tiered':>8} {'flat lru':>9} {'flat ' + DEFAULT_POLICY:>11} {'vs lru':>7}")
+        margins = []
+        for capacity in capacities:
+            host, clipped = ratio * capacity, _clip(requests, capacity)
+            tiered = replay_trace(clipped, capacity, host_blocks=host).block_hit_rate
+            flat_lru = replay_trace(clipped, capacity + host, policy="lru").block_hit_rate
+            flat = replay_trace(clipped, capacity + host).block_hit_rate
+            margins.append(tiered / flat_lru - 1.0 if flat_lru else 0.0)
+            print(f"{capacity:>8} {host:>8} {tiered:>8.2%} {flat_lru:>9.2%} {flat:>11.2%} {margins[-1]:>+7.1%}")
+        met = min(margins) >= 0.0
+        count += 1
+        failed += [] if met else [name]
+        print(f"verdict: tiered >= flat lru: {'yes' if met else 'NO'} "
+              f"(worst {min(margins):+.2%}, best {max(margins):+.2%})\n")  # fmt: skip
+    print(f"tiered {DEFAULT_POLICY}: at or above flat LRU on {count - len(failed)} of {count} traces"
+          + (f"; not on: {', '.join(failed)}" if failed else ""))  # fmt: skip
+
+
+def _clip(requests: list[TraceRequest], num_blocks: int) -> list[TraceRequest]:
+    """Each request cut to its first ``num_blocks`` blocks (whole blocks of 512 tokens)."""
+    return [request if len(request.hash_ids) <= num_blocks else dataclasses.replace(
+        request, input_length=num_blocks * MOONCAKE_BLOCK_TOKENS, hash_ids=request.hash_ids[:num_blocks])
+        for request in requests]  # fmt: skip
 
 
 def _cell(rate: float, offline: float) -> str:

@@ -31,15 +31,20 @@ def _bound(policy):
     return policy
 
 
+PRIOR_TRIALS, PRIOR_FRESH, PRIOR_SEEN = 4.0, 0.1, 0.9  # the policy's prior, per kind
+
+
 def _trained(horizon_s=10.0):
-    """A policy that saw 128 one-off root nodes and 64 deeper nodes each hit 1 s after insertion:
-    exactly 256 one-page trials, so its offsets were recomputed once, with H = 10 s."""
+    """A policy that saw 128 one-off root nodes (t = 0..127 s), then 64 deeper nodes each hit
+    1 s after insertion (t = 200..264 s): 256 one-page trials. Offsets recomputed at the end."""
     policy = _bound(ReusePolicy(initial_horizon_s=horizon_s))
     for i in range(128):
         policy.priority(FakeNode(b"one-off %d" % i, last_access=float(i)), float(i))
     for i in range(64):
-        policy.priority(FakeNode(b"turn %d" % i, first_page=1, last_access=float(i)), float(i))
-        policy.priority(FakeNode(b"turn %d" % i, first_page=1, hits=1, last_access=i + 1.0), i + 1.0)
+        policy.priority(FakeNode(b"turn %d" % i, first_page=1, last_access=200.0 + i), 200.0 + i)
+        policy.priority(FakeNode(b"turn %d" % i, first_page=1, hits=1, last_access=201.0 + i), 201.0 + i)
+    policy.priority(FakeNode(b"later", first_page=1, hits=5, last_access=1000.0), 1000.0)  # closes the rest
+    policy._refresh()
     return policy
 
 
@@ -48,40 +53,62 @@ def test_reuse_is_the_default_and_built_by_name():
     assert isinstance(make_policy("reuse", history_nodes=8), ReusePolicy)
 
 
-def test_before_it_learns_anything_it_ranks_like_lru():
+def test_before_it_learns_anything_it_ranks_like_a_softened_segmented_lru():
+    """The prior: a page used once (fresh) is 9x less likely to be used again than one seen
+    before, so it goes H ln 9 (22 s at H = 10 s) earlier; LRU inside each kind."""
     policy = _bound(ReusePolicy())
-    assert policy.offsets() == [0.0] * 8
-    for hits, first_page in ((0, 0), (0, 3), (1, 0), (5, 2)):
-        node = FakeNode(b"k%d%d" % (hits, first_page), first_page=first_page, hits=hits, last_access=7.5)
-        assert policy.priority(node, 100.0) == 7.5
+    fresh, seen = 10.0 * math.log(PRIOR_FRESH), 10.0 * math.log(PRIOR_SEEN)
+    assert policy.offsets() == pytest.approx([fresh, seen, seen, seen] * 2)
+    assert policy.priority(FakeNode(b"new", last_access=50.0), 50.0) == pytest.approx(50.0 + fresh)
+    assert policy.priority(FakeNode(b"hot", first_page=3, hits=2, last_access=30.0), 50.0) == pytest.approx(30.0 + seen)
+    assert 30.0 + seen > 50.0 + fresh  # the page hit twice outlives the newer page used once
 
 
 def test_learned_offsets_are_horizon_times_log_reuse_rate():
     policy = _trained()
     assert policy.horizon == 10.0  # every hit came 1 s < H after its use: no boundary event
+    assert policy.open_trials() == 1  # only the last node's
     rates = policy.reuse_rates()
-    # Prior: one trial, half reused. One-offs: 128 trials, none reused.
-    assert rates[ROOT_FRESH] == pytest.approx(0.5 / 129)
-    assert rates[DEEP_FRESH] == pytest.approx(64.5 / 65)  # each reused 1 s later, within H
-    assert rates[DEEP_HIT_ONCE] == pytest.approx(0.5 / 65)  # not (yet) used a third time
-    assert rates[ROOT_RETURNED] == 0.5  # kinds never seen keep the prior
+    prior_fresh, prior_seen = PRIOR_TRIALS * PRIOR_FRESH, PRIOR_TRIALS * PRIOR_SEEN
+    assert rates[ROOT_FRESH] == pytest.approx(prior_fresh / (PRIOR_TRIALS + 128))  # one-offs: never reused
+    assert rates[DEEP_FRESH] == pytest.approx((prior_fresh + 64) / (PRIOR_TRIALS + 64))  # reused 1 s later
+    assert rates[DEEP_HIT_ONCE] == pytest.approx(prior_seen / (PRIOR_TRIALS + 64))  # no third use within H
+    assert rates[ROOT_RETURNED] == PRIOR_SEEN  # kinds never seen keep the prior
     offsets = policy.offsets()
-    assert offsets[ROOT_FRESH] == pytest.approx(10.0 * math.log(0.5 / 129))  # -55.6 s
-    assert offsets[DEEP_FRESH] == pytest.approx(10.0 * math.log(64.5 / 65))  # -0.08 s
-    assert offsets[ROOT_HIT_MORE] == pytest.approx(10.0 * math.log(0.5))
+    assert offsets[ROOT_FRESH] == pytest.approx(10.0 * math.log(prior_fresh / 132))  # -34.9 s
+    assert offsets[DEEP_FRESH] == pytest.approx(10.0 * math.log(64.4 / 68))  # -0.5 s
+    assert offsets[ROOT_HIT_MORE] == pytest.approx(10.0 * math.log(PRIOR_SEEN))
+
+
+def test_a_trial_counts_once_when_reused_within_the_horizon_or_when_it_passes():
+    """Censoring: a node seen a moment ago has not had its chance yet, so it is not counted
+    as unused until H has passed; a reuse within H counts it as reused at once."""
+    policy = _bound(ReusePolicy(initial_horizon_s=10.0))
+    policy.priority(FakeNode(b"a", last_access=0.0), 0.0)
+    policy.priority(FakeNode(b"b", last_access=6.0), 6.0)
+    assert policy.open_trials() == 2 and policy.reuse_rates()[ROOT_FRESH] == PRIOR_FRESH
+    policy.priority(FakeNode(b"b", hits=1, last_access=8.0), 8.0)  # b reused 2 s later
+    assert policy.reuse_rates()[ROOT_FRESH] == pytest.approx((0.4 + 1) / (4 + 1))
+    policy.priority(FakeNode(b"c", last_access=10.5), 10.5)  # a is 10.5 s old: counted, unused
+    assert policy.reuse_rates()[ROOT_FRESH] == pytest.approx((0.4 + 1) / (4 + 2))
+    assert policy.open_trials() == 2  # b's hit-once trial and c's
+    policy.priority(FakeNode(b"a", hits=1, last_access=25.0), 25.0)  # too late: counted already
+    assert policy.reuse_rates()[ROOT_FRESH] == pytest.approx((0.4 + 1) / (4 + 2))
+    assert policy.horizon == pytest.approx(10.0 * math.e)  # but a hit 25 s > H after: H grows
+    assert policy.open_trials() == 3  # so c (14.5 s old) is still open, with b's and a's new ones
 
 
 def test_priority_is_last_access_plus_the_offset_of_the_kind():
     policy = _trained()
     offsets = policy.offsets()
     cases = [
-        (FakeNode(b"new root", last_access=500.0), ROOT_FRESH),
-        (FakeNode(b"new turn", first_page=4, last_access=500.0), DEEP_FRESH),
-        (FakeNode(b"hot root", hits=1, last_access=500.0), ROOT_HIT_ONCE),
-        (FakeNode(b"hot deep", first_page=2, hits=9, last_access=500.0), DEEP_HIT_MORE),
+        (FakeNode(b"new root", last_access=1500.0), ROOT_FRESH),
+        (FakeNode(b"new turn", first_page=4, last_access=1500.0), DEEP_FRESH),
+        (FakeNode(b"hot root", hits=1, last_access=1500.0), ROOT_HIT_ONCE),
+        (FakeNode(b"hot deep", first_page=2, hits=9, last_access=1500.0), DEEP_HIT_MORE),
     ]
     for node, kind in cases:
-        assert policy.priority(node, 600.0) == 500.0 + offsets[kind]
+        assert policy.priority(node, 1600.0) == 1500.0 + offsets[kind]
 
 
 def test_a_node_that_comes_back_after_eviction_is_returned_not_fresh():
@@ -89,11 +116,20 @@ def test_a_node_that_comes_back_after_eviction_is_returned_not_fresh():
     policy.priority(FakeNode(b"doc", last_access=1.0), 1.0)
     # Evicted, then inserted again by a later request: a new node, hits 0, newer access.
     policy.priority(FakeNode(b"doc", last_access=50.0), 50.0)
-    assert policy.reuse_rates()[ROOT_FRESH] == pytest.approx(0.5 / 2)  # used again, but 49 s > H
+    assert policy.reuse_rates()[ROOT_FRESH] == pytest.approx(0.4 / 5)  # used again, but 49 s > H
     assert policy.horizon == 10.0  # a miss older than H says nothing about H
     policy.priority(FakeNode(b"doc", last_access=52.0), 52.0)  # evicted and back again, 2 s later
-    assert policy.reuse_rates()[ROOT_RETURNED] == pytest.approx(1.5 / 3)  # two trials, one reused
-    assert policy.horizon == pytest.approx(10.0 * math.exp(-0.02))  # a miss 2 s < H: H shrinks
+    assert policy.reuse_rates()[ROOT_RETURNED] == pytest.approx((3.6 + 1) / 5)
+    assert policy.horizon == pytest.approx(10.0 * math.exp(-1.0))  # a miss 2 s < H: H shrinks
+
+
+def test_the_horizon_takes_large_steps_first_then_horizon_step():
+    policy = _bound(ReusePolicy(initial_horizon_s=10.0, horizon_step=0.02))
+    policy.priority(FakeNode(b"a", last_access=0.0), 0.0)
+    policy.priority(FakeNode(b"a", hits=1, last_access=30.0), 30.0)  # kept 30 s > H and hit
+    assert policy.horizon == pytest.approx(10.0 * math.e)  # first step: e
+    policy.priority(FakeNode(b"a", hits=2, last_access=90.0), 90.0)  # 60 s > 27 s: up again
+    assert policy.horizon == pytest.approx(10.0 * math.exp(1.0 + 1.0 / math.sqrt(2.0)))
 
 
 def test_pushing_a_node_again_unchanged_counts_nothing():
@@ -104,13 +140,6 @@ def test_pushing_a_node_again_unchanged_counts_nothing():
     node.num_pages = 5  # its tail was evicted: pushed again with the same last access
     assert policy.priority(node, 9.0) == first
     assert (policy.reuse_rates(), policy.horizon) == before
-
-
-def test_a_hit_older_than_the_horizon_raises_it():
-    policy = _bound(ReusePolicy(initial_horizon_s=10.0))
-    policy.priority(FakeNode(b"a", last_access=0.0), 0.0)
-    policy.priority(FakeNode(b"a", hits=1, last_access=30.0), 30.0)  # kept 30 s > H and hit
-    assert policy.horizon == pytest.approx(10.0 * math.exp(0.02))
 
 
 def test_the_path_of_a_request_is_observed_up_to_the_first_node_already_seen():
@@ -124,9 +153,9 @@ def test_the_path_of_a_request_is_observed_up_to_the_first_node_already_seen():
     reply = FakeNode(b"turn 2", first_page=6, last_access=5.0, parent=turn)
     policy.priority(reply, 5.0)
     rates = policy.reuse_rates()
-    assert rates[ROOT_FRESH] == pytest.approx((0.5 + 2.0) / (1 + 2.0))  # system: weight sqrt(4)
-    assert rates[DEEP_FRESH] == pytest.approx((0.5 + 1) / (1 + 2))  # turn 1 reused; turn 2 not yet
-    assert rates[ROOT_HIT_ONCE] == pytest.approx(0.5 / (1 + 2.0))
+    assert rates[ROOT_FRESH] == pytest.approx((0.4 + 2.0) / (4 + 2.0))  # system: weight sqrt(4)
+    assert rates[DEEP_FRESH] == pytest.approx((0.4 + 1) / (4 + 1))  # turn 1 reused; turn 2 still open
+    assert rates[ROOT_HIT_ONCE] == PRIOR_SEEN  # the system prompt's second trial is open
     other = FakeNode(b"turn 2b", first_page=6, last_access=5.0, parent=turn)
     policy.priority(other, 5.0)  # a sibling at the same time: the walk stops at turn 1
     assert policy.reuse_rates()[ROOT_HIT_ONCE] == rates[ROOT_HIT_ONCE]
@@ -144,15 +173,37 @@ def test_victim_order_in_a_cache_follows_the_learned_kinds():
         cache.release(handle)
         return handle.block_ids.tolist()
 
-    chat = run([1, 2], 990.0)  # a root sequence...
-    turn = run([1, 2, 3], 995.0)  # ...extended 5 s later: [1, 2] hit once, [3] deeper and fresh
-    one_off = run([7, 8], 1000.0)  # a root sequence used once, the newest of all
-    # LRU would take [3] (last used at 995) before [7, 8] (1000). The learned kinds say a fresh
-    # root page is 250x less likely to be used again: [7, 8] goes first, its tail page first.
+    chat = run([1, 2], 1990.0)  # a root sequence...
+    turn = run([1, 2, 3], 1995.0)  # ...extended 5 s later: [1, 2] hit once, [3] deeper and fresh
+    one_off = run([7, 8], 2000.0)  # a root sequence used once, the newest of all
+    # LRU would take [3] (last used at 1995) before [7, 8] (2000). The learned kinds say a fresh
+    # root page is 300x less likely to be used again: [7, 8] goes first, its tail page first.
     assert cache.evict(1) == [one_off[1]]
     assert cache.evict(1) == [one_off[0]]
     assert cache.evict(1) == [turn[2]]
     assert cache.evict(2) == chat
+    cache.check_invariants()
+
+
+def test_with_little_evidence_a_page_used_once_goes_before_one_used_again():
+    now = [0.0]
+    cache = DeviceIndex(5, 1, policy=ReusePolicy(), clock=lambda: now[0])
+
+    def run(tokens, at):
+        now[0] = at
+        handle = cache.admit(tokens)
+        cache.commit(handle, tokens)
+        cache.release(handle)
+        return handle.block_ids.tolist()
+
+    run([1, 2], 0.0)
+    hot = run([1, 2, 3], 1.0)  # [1, 2] hit once, extended in place by [3]: one node, hit once
+    one_off = run([7, 8], 5.0)  # a root sequence used once, the newest of all
+    # LRU would take [1, 2, 3] (last used at 1 s) before [7, 8] (5 s). Three trials in, the
+    # prior (and one reuse of a fresh root node) still rules: a fresh root page goes 9.9 s
+    # earlier than a page hit once, so [7, 8] goes first (evicted from its tail, returned in order).
+    assert cache.evict(2) == one_off
+    assert cache.evict(3) == hot
     cache.check_invariants()
 
 
@@ -214,6 +265,28 @@ def test_any_sequence_of_observations_keeps_the_invariants(observations, history
         assert clock + min(policy.offsets()) - 1e-9 <= priority <= clock
         assert policy.priority(node, clock + 1e6) == priority
         policy.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@given(_observations, st.floats(0.0, 30.0))
+def test_every_trial_is_counted_exactly_once_or_still_open(observations, wait):
+    """Censoring keeps the books: with no halving, the counted trials plus the open ones are
+    the prior plus every trial opened, reuses are at most trials per kind, and once the
+    clock passes every trial's horizon none is open any more."""
+    policy = _bound(ReusePolicy(history_nodes=1000, memory=10**9))
+    seen, opened, clock = {}, 0.0, 0.0
+    for key, first_page, hits, num_pages, step in observations:
+        clock += step
+        if seen.get((first_page, b"%d" % key), -1.0) < clock:  # a new observation: one trial
+            seen[(first_page, b"%d" % key)] = clock
+            opened += math.sqrt(num_pages) if num_pages > 1 else 1.0
+        node = FakeNode(b"%d" % key, first_page=first_page, hits=hits, last_access=clock, num_pages=num_pages)
+        policy.priority(node, clock)
+        open_weight = sum(trial.weight for trial in policy._open if trial.open)
+        assert sum(policy._trials) + open_weight == pytest.approx(8 * PRIOR_TRIALS + opened)
+        assert all(0.0 <= rate <= 1.0 for rate in policy.reuse_rates())
+    policy.priority(FakeNode(b"probe", first_page=9, last_access=clock), clock + policy.horizon * 1e3 + wait)
+    assert policy.open_trials() == 0
 
 
 class ReuseCacheMachine(AdaptiveCacheMachine):

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax.__main__ import main
-from kvjax.tools.replay import replay_cache, replay_trace
+from kvjax.cache.trie_node import Tier
+from kvjax.tools.replay import replay_cache, replay_trace, serve_request
 from kvjax.tools.replay_bounds import intern_block_paths, unlimited_replay
 from kvjax.tools.trace import TraceRequest
 
@@ -152,3 +153,31 @@ def test_cli_rejects_bad_tier_sizes_in_one_line(tmp_path, capsys):
     assert main(["replay", str(path), "--device-blocks", "2", "--disk-blocks", "3", "--block-tokens", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "disk_blocks=3 needs host_blocks > 0" in err
+
+
+@settings(max_examples=40, deadline=None)
+@given(paths=_paths, device=st.integers(1, 6), host=st.integers(1, 8), disk=st.integers(0, 8))
+def test_host_victims_go_redundant_first_then_by_last_use_leaves_first(paths, device, host, disk):
+    # The lazy victim heaps against the order computed from scratch, after every request (LRU,
+    # so a page's rank is its node's last use): every evictable host copy is listed once,
+    # copies whose page is also on device or on disk first, then by last use, deeper first.
+    requests = _trace(*paths)
+    cache, now = replay_cache(device, policy="lru", host_blocks=host, disk_blocks=disk)
+    index = cache.tiers
+    with cache:
+        for request, path in zip(requests, intern_block_paths(requests)[0]):
+            now[0] = request.timestamp_ms / 1000.0
+            serve_request(cache, path[:device])
+            live = {key for key, entry in index.host_entries.items() if entry.ready and not entry.busy
+                    and not entry.dropped}  # fmt: skip
+            before = dict(index.host_entries)
+            victims = index._victims(len(live) + 1, ())
+            assert index.host_entries == before  # listing evicts nothing
+            assert len(victims) == len(set(victims)) and set(victims) == live
+            order = []
+            for key in victims:
+                node, page = index.trie.locate(key)
+                redundant = node.on_device or bool(int(node.tiers[page]) & int(Tier.DISK))
+                order.append((not redundant, node.last_access, -(node.first_page + page)))
+            assert order == sorted(order), order
+            cache.check_invariants()

@@ -26,17 +26,30 @@ goes ``H ln 10`` seconds earlier. A reuse seen after a node's pages were evicted
 much as one seen while cached, so a kind the cache keeps too briefly to be hit is not
 condemned by its own evictions. ``H`` is the age that separates hits from misses in what the
 policy sees: a hit older than ``H`` raises it, a return younger than ``H`` lowers it (a
-stochastic boundary estimate, steps of ``horizon_step`` in log space), so it follows the
+stochastic boundary estimate in log space whose steps shrink as ``1/sqrt(events)`` from a
+factor of e to ``horizon_step``: fast while nothing is known, steady after), so it follows the
 cache's capacity and the workload without knowing either. Counts are halved every
 ``memory`` trials so the estimates follow a changing workload.
+
+Learning from the first request on, without the first requests misleading it:
+- a trial is counted once its outcome is known (censoring): as reused when its node is used
+  again within ``H``, as not reused once ``H`` has passed without that. A trial still open
+  counts neither way, so a kind whose nodes are young (at the start, or one growing) does not
+  look unused merely because its reuses have not had time to come;
+- the counts start from a prior of a few pseudo-trials per kind: a fresh node is reused with
+  probability 0.1, one seen before (returned or hit) with 0.9. Before any evidence that is a
+  softened segmented LRU (a page used once goes ``H ln 9`` seconds before a page used again);
+  a kind's own trials outweigh it after a few dozen;
+- ``W`` is recomputed after 1, 2, 4, ... trials, then every 256.
 
 What ``reuse`` observes, O(1) per node: the node it is asked about and, walking up, each
 ancestor whose access is newer than what the history holds for it (the request's path; the
 walk stops at the first one already up to date). The history maps ``(first_page, key)`` (the
-node's depth and the token bytes of its first page, ``node.key``) to the node's last access,
-kind and weight (``sqrt(num_pages)``: a long run counts more than a one-page node, less than
+node's depth and the token bytes of its first page, ``node.key``) to its latest trial: last
+access, kind and weight (``sqrt(num_pages)``: a long run counts more than a one-page node, less than
 per page, so one hot system prompt does not stand for every page of its kind); it holds
-``history_nodes`` entries, oldest dropped first. A node evicted in part and inserted again
+``history_nodes`` entries, oldest dropped first, and at most as many trials are open (beyond
+that the oldest is counted as not reused). A node evicted in part and inserted again
 from the cut is seen as fresh (a miss of the history; costs a worse estimate, never wrong KV).
 
 Scan resistance (``segmented``, ``adaptive``): probation and protected segments, a ghost
@@ -69,7 +82,7 @@ Priorities are stamped when a node becomes evictable (``time_invariant``); a lat
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -301,20 +314,35 @@ class AdaptiveSegmentedPolicy(SegmentedPolicy):
             self.omega = max(0.0, self.omega - self.step * weight)
 
 
-
-
 _ROOT_FRESH, _ROOT_RETURNED, _ROOT_HIT_ONCE, _ROOT_HIT_MORE = range(4)
 _DEEPER = 4  # added to the kind of a node below the root's children
 _NUM_KINDS = 8
 _MIN_RATE = 1e-3  # floor of p: W >= H ln(1e-3) ~ -6.9 H, finite for kinds never reused
-_REFRESH = 256  # trials between recomputations of W (O(kinds) each)
+_REFRESH = 256  # trials between recomputations of W (O(kinds) each); sooner at the start
+# The prior, as pseudo-trials of each kind: a page used once is rarely used again, one used
+# again often is (segmented LRU's assumption, softened); real trials outweigh it after a few.
+_PRIOR_TRIALS = 4.0
+_PRIOR_FRESH_RATE, _PRIOR_SEEN_RATE = 0.1, 0.9
+
+
+class _Trial:
+    """An observation of a node: one trial of its kind, open until it is reused or H passes."""
+
+    __slots__ = ("last_access", "kind", "weight", "open")
+
+    def __init__(self, last_access: float, kind: int, weight: float):
+        self.last_access = last_access  # seconds
+        self.kind = kind
+        self.weight = weight
+        self.open = True  # not in the counts yet
 
 
 class ReusePolicy(EvictionPolicy):
     """Predicted reuse: ``last_access + H * ln p[kind]``, learned online (the default).
 
-    ``history_nodes``: entries of the node history; ``horizon_step``: log-space step of the
-    horizon estimate per boundary event; ``memory``: trials between halvings of the counts;
+    ``history_nodes``: entries of the node history (and most trials open at once);
+    ``horizon_step``: the smallest log-space step of the horizon estimate per boundary event
+    (the first ones are larger); ``memory``: trials between halvings of the counts;
     ``initial_horizon_s``: the horizon before any reuse is seen (seconds). See the module
     docstring for the model.
     """
@@ -335,37 +363,48 @@ class ReusePolicy(EvictionPolicy):
         self.horizon_step = horizon_step
         self.memory = memory
         self.horizon = initial_horizon_s  # H, seconds
-        # (first_page, key) -> (last_access s, kind, weight, halvings then); oldest first
-        self._history: OrderedDict[tuple[int, bytes], tuple[float, int, float, int]] = OrderedDict()
-        self._trials = [1.0] * _NUM_KINDS  # prior: one trial, half of it reused (p = 0.5 each)
-        self._reused = [0.5] * _NUM_KINDS
-        self._offsets = [0.0] * _NUM_KINDS  # W, seconds
+        self._boundary_events = 0  # steps of H so far
+        # (first_page, key) -> the node's latest trial; oldest first
+        self._history: OrderedDict[tuple[int, bytes], _Trial] = OrderedDict()
+        self._open: deque[_Trial] = deque()  # trials not counted yet, oldest first
+        self._trials = [_PRIOR_TRIALS] * _NUM_KINDS
+        self._reused = [_PRIOR_TRIALS * (_PRIOR_FRESH_RATE if kind % 4 == _ROOT_FRESH else _PRIOR_SEEN_RATE)
+                        for kind in range(_NUM_KINDS)]  # fmt: skip
         self._num_trials = 0
-        self._halvings = 0  # times the counts were halved
+        self._refresh()
 
     def priority(self, node: Any, now: float) -> float:
         kind = self._observe(node)
         ancestor = node.parent
         while ancestor is not None and ancestor.parent is not None:
             seen = self._history.get((ancestor.first_page, ancestor.key))
-            if seen is not None and seen[0] >= ancestor.last_access:
+            if seen is not None and seen.last_access >= ancestor.last_access:
                 break  # up to date, and so is every node above it
             self._observe(ancestor)
             ancestor = ancestor.parent
+        self._close_expired(now)
         return node.last_access + self._offsets[kind]
 
     def reuse_rates(self) -> list[float]:
-        """``p[kind]``: share of each kind's trials reused within the horizon (0.0 to 1.0)."""
+        """``p[kind]``: share of each kind's closed trials reused within the horizon (0 to 1),
+        the prior included."""
         return [reused / trials for reused, trials in zip(self._reused, self._trials)]
 
     def offsets(self) -> list[float]:
         """``W[kind]`` (seconds, <= 0) added to ``last_access`` by ``priority`` now."""
         return list(self._offsets)
 
+    def open_trials(self) -> int:
+        """Trials observed but not counted yet (neither reused nor older than ``H``)."""
+        return sum(trial.open for trial in self._open)
+
     def check_invariants(self) -> None:
-        """History within its bound, counts consistent, horizon and offsets finite."""
+        """History and open trials within their bound, counts consistent, horizon and offsets
+        finite."""
         if len(self._history) > self.history_nodes:
             raise RuntimeError(f"history holds {len(self._history)} nodes > {self.history_nodes=}")
+        if len(self._open) > self.history_nodes:
+            raise RuntimeError(f"{len(self._open)} trials queued as open > {self.history_nodes=}")
         for kind, (reused, trials) in enumerate(zip(self._reused, self._trials)):
             if not 0.0 <= reused <= trials:
                 raise RuntimeError(f"kind {kind}: reused={reused} outside [0, trials={trials}]")
@@ -374,54 +413,70 @@ class ReusePolicy(EvictionPolicy):
         for kind, offset in enumerate(self._offsets):
             if not -math.inf < offset <= 0.0:
                 raise RuntimeError(f"kind {kind}: offset={offset} must be finite and <= 0")
-        for _, kind, weight, halvings in self._history.values():
-            if not 0 <= kind < _NUM_KINDS or not weight >= 1.0 or not 0 <= halvings <= self._halvings:
-                raise RuntimeError(f"history entry ({kind=}, {weight=}, {halvings=}) is malformed")
+        for trial in self._history.values():
+            if not 0 <= trial.kind < _NUM_KINDS or not trial.weight >= 1.0:
+                raise RuntimeError(f"history entry (kind={trial.kind}, weight={trial.weight}) is malformed")
 
     # --- learning ----------------------------------------------------------------------------
 
     def _observe(self, node: Any) -> int:
-        """The node's kind; counts its trial, and the reuse of what the history held for it."""
+        """The node's kind; opens its trial, and closes the one the history held for it as
+        reused (when within the horizon)."""
         key = (node.first_page, node.key)
         history = self._history
         seen = history.get(key)
         last_access, hits = node.last_access, node.hits
         deeper = _DEEPER if node.first_page else 0
         if seen is not None:
-            seen_access, seen_kind, seen_weight, seen_halvings = seen
-            if last_access <= seen_access:
-                return seen_kind  # pushed again unchanged: a split's head, a cut tail, a tier bit
-            # The trial counted then has been halved since as often as the counts were.
-            credit = math.ldexp(seen_weight, seen_halvings - self._halvings)
-            self._reused_after(seen_kind, credit, last_access - seen_access, cached=hits > 0)
+            if last_access <= seen.last_access:
+                return seen.kind  # pushed again unchanged: a split's head, a cut tail, a tier bit
+            self._reused_after(seen, last_access - seen.last_access, cached=hits > 0)
             history.move_to_end(key)
             kind = deeper + (_ROOT_RETURNED if hits == 0 else _ROOT_HIT_ONCE if hits == 1 else _ROOT_HIT_MORE)
         else:
             kind = deeper + (_ROOT_FRESH if hits == 0 else _ROOT_HIT_ONCE if hits == 1 else _ROOT_HIT_MORE)
-        weight = math.sqrt(node.num_pages) if node.num_pages > 1 else 1.0
-        history[key] = (last_access, kind, weight, self._halvings)
+        trial = history[key] = _Trial(last_access, kind, math.sqrt(node.num_pages) if node.num_pages > 1 else 1.0)
         if len(history) > self.history_nodes:
             history.popitem(last=False)
-        self._trials[kind] += weight
+        self._open.append(trial)
+        if len(self._open) > self.history_nodes:  # bounded: the oldest counts as not reused
+            self._close(self._open.popleft(), reused=False)
         self._num_trials += 1
-        if self._num_trials % _REFRESH == 0:
-            self._refresh()
-        if self._num_trials % self.memory == 0:  # forget: halve every count
+        count = self._num_trials
+        if count % _REFRESH == 0 or (count < _REFRESH and count & (count - 1) == 0):
+            self._refresh()  # every _REFRESH trials, and after 1, 2, 4, ... at the start
+        if count % self.memory == 0:  # forget: halve every count
             self._trials = [trials / 2 for trials in self._trials]
             self._reused = [reused / 2 for reused in self._reused]
-            self._halvings += 1
         return kind
 
-    def _reused_after(self, kind: int, credit: float, gap: float, *, cached: bool) -> None:
-        """A node of ``kind`` was used again ``gap`` seconds after it was seen; ``cached``: it
-        was still on device (a hit), else it had been evicted and came back (a miss). ``credit``
-        is what its trial weighs in the counts now (min: float rounding never lifts p over 1)."""
+    def _close(self, trial: _Trial, *, reused: bool) -> None:
+        """Count ``trial`` (once): a trial of its kind, and a reuse if ``reused``."""
+        if trial.open:
+            trial.open = False
+            self._trials[trial.kind] += trial.weight
+            if reused:
+                self._reused[trial.kind] += trial.weight
+
+    def _close_expired(self, now: float) -> None:
+        """Open trials older than the horizon were not reused within it: count them so."""
+        queue, horizon = self._open, self.horizon
+        while queue and (not queue[0].open or now - queue[0].last_access > horizon):
+            self._close(queue.popleft(), reused=False)
+
+    def _reused_after(self, trial: _Trial, gap: float, *, cached: bool) -> None:
+        """``trial``'s node was used again ``gap`` seconds after it was seen; ``cached``: it
+        was still on device (a hit), else it had been evicted and came back (a miss)."""
         if gap <= self.horizon:
-            self._reused[kind] = min(self._reused[kind] + credit, self._trials[kind])
+            self._close(trial, reused=True)
+        # Robbins-Monro steps in log space: large while little is known, then horizon_step.
+        step = max(self.horizon_step, 1.0 / math.sqrt(1.0 + self._boundary_events))
         if cached and gap > self.horizon:
-            self.horizon *= math.exp(self.horizon_step)
+            self.horizon *= math.exp(step)
+            self._boundary_events += 1
         elif not cached and gap < self.horizon:
-            self.horizon *= math.exp(-self.horizon_step)
+            self.horizon *= math.exp(-step)
+            self._boundary_events += 1
 
     def _refresh(self) -> None:
         horizon = self.horizon
@@ -431,8 +486,7 @@ class ReusePolicy(EvictionPolicy):
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     policy.name: policy
-    for policy in (LRUPolicy, LFUPolicy, CostAwarePolicy, SegmentedPolicy, AdaptiveSegmentedPolicy,
-                   ReusePolicy)
+    for policy in (LRUPolicy, LFUPolicy, CostAwarePolicy, SegmentedPolicy, AdaptiveSegmentedPolicy, ReusePolicy)
 }
 
 DEFAULT_POLICY = "reuse"

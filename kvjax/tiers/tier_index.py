@@ -17,8 +17,8 @@ Rules it keeps:
 * ``undisked`` lists, LRU first, the host entries whose page has no disk copy: what a
   spill to disk writes;
 * every new entry is preceded by ``make_host_room``, which evicts unheld, ready host entries
-  in LRU order (freeing their slots and clearing their HOST bits, so a page left without
-  copies leaves the trie);
+  by their page's last use (freeing their slots and clearing their HOST bits, so a page left
+  without copies leaves the trie);
 * a page that leaves the trie (``forget_dropped``, fed the trie's ``DroppedNode`` records)
   drops its host copy (at the end of the transfer using it, if one does) and keeps its disk
   copy unindexed: a later lookup finds it again by key (``probe_disk``), as it finds what a
@@ -30,6 +30,7 @@ Every host block that becomes live or stops being live is a block event (``event
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 from collections.abc import Iterable
 
@@ -75,6 +76,13 @@ class TierIndex:
         # live host entries whose page has no disk copy, LRU first: what a spill writes
         self.undisked: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.lost_blocks = 0  # pages that left the trie when a host copy went (no copy of them or before them)
+        # The victim order (see make_host_room), kept lazily: items (policy rank, -page depth,
+        # filing order, key, entry, last use when filed), re-filed when popped if their page was
+        # used since, dropped when popped if their copy is gone. Every live copy is in the first heap; a copy whose page
+        # is on device or on disk too is also in the redundant heap, which goes first.
+        self._by_use: list[tuple[float, int, int, bytes, HostEntry, float]] = []
+        self._redundant: list[tuple[float, int, int, bytes, HostEntry, float]] = []
+        self._filed = itertools.count()
 
     # --- host ------------------------------------------------------------------------------
 
@@ -101,11 +109,15 @@ class TierIndex:
         """Evict ready, unheld host blocks (none in ``exclude``) until ``num_blocks`` more fit;
         return how many fit (<= num_blocks).
 
-        Victims in LRU order, but leaves first: dropping the host copy of an off-device page
-        without a disk copy drops the page from the trie, and with it every page after it
-        (later pages of its node, its subtree), since a page is found only through its prefix.
-        So pages whose copy goes alone (on device, on disk, or a last page with nothing below)
-        go first, LRU among them; the others only when those run out.
+        Victims: first host copies whose page stays indexed without them (on device or on
+        disk too), least recently used first; then the others, least recently used first and
+        deepest first among pages last used together. "Used" is the page's last use (its trie
+        node's ``last_access``), not when its host copy was made or read: a page hot on device
+        for an hour and then evicted is as young on host, so device and host together keep
+        the most recently used pages, as one LRU cache of their total size would. A page is
+        never older than the pages after it (a use of them is a use of it), so leaves go before
+        the pages they hang from: dropping the copy of an off-device page without a disk copy
+        drops every page after it too, since a page is found only through its prefix.
         """
         short = num_blocks - (self.host_capacity - self.host_used)
         if short > 0:
@@ -119,32 +131,65 @@ class TierIndex:
     def doomed_victims(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> list[bytes]:
         """The host entries ``make_host_room(num_blocks, exclude)`` would evict whose page
         would then be in no tier (off device, no disk copy): what a disk write must save
-        first. Changes nothing."""
+        first. Evicts nothing."""
         short = num_blocks - (self.host_capacity - self.host_used)
         if short <= 0:
             return []
-        entries = self.host_entries
-        return [key for key in self._victims(short, exclude)[:short]
-                if not entries[key].dropped and self._only_on_host(key)]  # fmt: skip
+        return [key for key in self._victims(short, exclude) if self._only_on_host(key)]
 
     def _victims(self, short: int, exclude: Iterable[bytes]) -> list[bytes]:
-        """Evictable entries in eviction order (see ``make_host_room``), at least ``short`` of
-        them when there are that many."""
+        """Up to ``short`` evictable entries (ready, unheld, live, not in ``exclude``) in
+        eviction order (see ``make_host_room``). Evicts nothing: the heaps only lose stale
+        items and re-file those used since they were filed."""
         exclude = set(exclude)
-        candidates = [key for key, e in self.host_entries.items() if e.ready and not e.busy and key not in exclude]
-        alone = [key for key in candidates if self._evicts_alone(key)]
-        if len(alone) < short:
-            alone_set = set(alone)
-            alone += [key for key in candidates if key not in alone_set]
-        return alone
+        chosen: dict[bytes, None] = {}
+        for heap in (self._redundant, self._by_use):
+            aside = []
+            while len(chosen) < short and heap:
+                item = heapq.heappop(heap)
+                _, depth, _, key, entry, stamp = item
+                if self.host_entries.get(key) is not entry or entry.dropped:
+                    continue  # stale: that copy is gone
+                if not entry.ready or entry.busy or key in exclude:
+                    aside.append(item)
+                    continue
+                located = self.trie.locate(key)
+                if located is not None:
+                    node, index = located
+                    redundant = self._redundant_copy(node, index)
+                    if node.last_access > stamp:  # used since it was filed: file it anew
+                        self._file(key, entry, node, index, redundant=heap is self._redundant)
+                        if redundant and heap is self._by_use:  # on device again (recomputed)
+                            self._file(key, entry, node, index, redundant=True)
+                        continue
+                    if heap is self._redundant and not redundant:
+                        continue  # its page lost its other copy: the other heap has it
+                aside.append(item)
+                chosen.setdefault(key)
+            for item in aside:
+                heapq.heappush(heap, item)
+        return list(chosen)
+
+    @staticmethod
+    def _redundant_copy(node: Node, index: int) -> bool:
+        """Whether page ``index`` of ``node`` stays indexed without its host copy."""
+        return node.on_device or bool(int(node.tiers[index]) & _DISK)
+
+    def _file(self, key: bytes, entry: HostEntry, node: Node, index: int, *, redundant: bool = False) -> None:
+        """File ``key``'s host copy in the victim order (``redundant``: in the first heap)."""
+        rank = self.trie.queue.policy.priority(node, self.trie.clock())
+        item = (rank, -(node.first_page + index), next(self._filed), key, entry, node.last_access)
+        heapq.heappush(self._redundant if redundant else self._by_use, item)
+        if len(self._by_use) + len(self._redundant) > 4 * len(self.host_entries) + 1024:
+            live = self.host_entries
+            for heap in (self._by_use, self._redundant):  # drop stale items: memory stays O(entries)
+                heap[:] = [it for it in heap if live.get(it[3]) is it[4] and not it[4].dropped]
+                heapq.heapify(heap)
 
     def _only_on_host(self, key: bytes) -> bool:
         """Whether ``key``'s page is indexed with neither a device block nor a disk copy."""
         located = self.trie.locate(key)
-        if located is None:
-            return False
-        node, index = located
-        return not node.on_device and not int(node.tiers[index]) & _DISK
+        return located is not None and not self._redundant_copy(*located)
 
     def _take_slot(self, key: bytes) -> int:
         if self._free_slots:
@@ -153,16 +198,6 @@ class TierIndex:
             raise RuntimeError(f"no free host slot for {key.hex()[:8]}: make_host_room must come first")
         self._fresh_slots += 1
         return self._fresh_slots - 1
-
-    def _evicts_alone(self, key: bytes) -> bool:
-        """Whether dropping ``key``'s host copy leaves every other page indexed."""
-        located = self.trie.locate(key)
-        if located is None:
-            return True
-        node, index = located
-        if node.on_device or int(node.tiers[index]) & _DISK:
-            return True  # the page stays indexed by its other copy
-        return index == node.num_pages - 1 and not node.children
 
     def slot_of(self, key: bytes) -> int:
         """The host slot of ``key``'s entry."""
@@ -192,6 +227,9 @@ class TierIndex:
             self.host_entries[key] = entry = HostEntry(namespace, self._take_slot(key), ready)
         else:
             return  # live already
+        self._file(key, entry, node, index)
+        if self._redundant_copy(node, index):
+            self._file(key, entry, node, index, redundant=True)
         self.trie.set_tier(node, index, Tier.HOST)
         if not int(node.tiers[index]) & _DISK:
             self.undisked[key] = None
@@ -222,7 +260,9 @@ class TierIndex:
         for key in keys:
             entry = self.host_entries[key]
             entry.busy += 1
-            self.host_entries.move_to_end(key)  # a use: most recently used
+            located = self.trie.locate(key)
+            if located is not None:  # a fetch or a spill: a device or disk copy once it is done
+                self._file(key, entry, *located, redundant=True)
             if key in self.undisked:
                 self.undisked.move_to_end(key)
 
@@ -243,6 +283,9 @@ class TierIndex:
         self.disk_entries.add((namespace, key))
         self.trie.set_tier(node, index, Tier.DISK)
         self.undisked.pop(key, None)
+        entry = self.host_state(key)
+        if entry is not None:
+            self._file(key, entry, node, index, redundant=True)
 
     def forget_disk(self, key: bytes, namespace: bytes) -> None:
         """The disk tier no longer holds ``key``: clear its page's DISK bit."""
