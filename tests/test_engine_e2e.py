@@ -141,6 +141,8 @@ def test_a_fetch_in_flight_holds_back_only_its_own_request(fail):
         transfer.fail = fail
         _run(engine, [("first", first, 3, "t")])
         _evict_with_fillers(engine, rng, 12 * PAGE)
+        while engine.cache.wait_any(5):  # host copies ready: the fetch is issued at admission,
+            pass  # not after an offload still in flight (a loaded machine made that late)
         engine.add_request("again", tokens=again, max_new_tokens=5, namespace="t")
         engine.add_request("other", tokens=other, max_new_tokens=6, namespace="o")
         seen = []
