@@ -23,20 +23,23 @@ generated trace of ``kvjax.tools.trace_family`` instead of the shared one.
         [--device-blocks 2000 8000] [--no-remote-fetch] [--policy NAME]
         [--share-slack-rel 0.05 0.1 0.15 0.2 0.3 inf]
 
-Measured here (``PYTHONPATH=. .venv/bin/python benchmarks/bench_cluster_replay.py``, 28 s;
-router defaults: share slack 0.15, guard 16 units / 50%), ``prefix`` rows on the shared trace:
+Measured here (``PYTHONPATH=. .venv/bin/python benchmarks/bench_cluster_replay.py``, 54 s on a
+loaded machine; router defaults: share slack 0.10, 1.5x that for long prefixes, guard 16 units
+/ 50%), ``prefix`` rows on the shared trace with the default eviction policy (reuse):
 
 | nodes | blocks/node | local hits | fetched | one cache | gap local | gap served | max/mean | window p95 |
 |---:|---:|---:|---:|---:|---:|---:|---:|---:|
-| 4 | 2,000 | 37.76% | 0.26% | 39.06% | +1.30 | +1.03 | 1.013 | 1.100 |
-| 4 | 8,000 | 62.36% | 0.45% | 60.37% | -1.99 | -2.44 | 1.005 | 1.100 |
-| 8 | 2,000 | 51.93% | 1.09% | 54.15% | +2.22 | +1.12 | 1.028 | 1.140 |
-| 8 | 8,000 | 62.77% | 1.19% | 63.96% | +1.19 | +0.00 | 1.010 | 1.140 |
+| 4 | 2,000 | 36.58% | 0.12% | 40.28% | +3.70 | +3.57 | 1.004 | 1.060 |
+| 4 | 8,000 | 61.74% | 0.55% | 63.11% | +1.37 | +0.81 | 1.004 | 1.100 |
+| 8 | 2,000 | 49.89% | 0.29% | 55.44% | +5.55 | +5.25 | 1.018 | 1.120 |
+| 8 | 8,000 | 63.18% | 0.79% | 63.96% | +0.79 | +0.00 | 1.008 | 1.120 |
 
-least_loaded / round_robin: local 9.6-29.9%, window p95 1.24-1.26 / 1.00. System-prompt
-trace, ``prefix``: max/mean 1.000 at 4 and 8 nodes (least_loaded 1.013 / 1.059). With
-``--policy lru`` the local gaps are +1.08, +0.60, +1.08, +1.19 and served +0.59, +0.06,
-+0.39, +0.00. The frontier and the other trace shapes: ``kvjax.cluster.router``'s docstring.
+With ``--policy lru``: local 36.31 / 62.43 / 52.00 / 63.18%, gaps +1.02, +0.38, +0.99, +0.79,
+served +0.67, +0.06, +0.38, +0.00, window p95 1.08-1.12. The 2,000-block gaps under reuse are
+the policy's (it learns from one node's share of the traffic), not the router's.
+least_loaded / round_robin: local 9.2-27.2%, window p95 1.22-1.30 / 1.00. System-prompt trace,
+``prefix``: max/mean 1.000 at 4 and 8 nodes (least_loaded 1.013 / 1.059). The frontier and
+the other trace shapes: ``kvjax.cluster.router``'s docstring.
 """
 
 from __future__ import annotations

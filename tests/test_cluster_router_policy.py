@@ -31,7 +31,7 @@ def test_unknown_strategy_and_bad_guard_settings_are_refused():
         RouterConfig(tokens_per_load_unit=0)
     with pytest.raises(ValueError, match=r"fair_window=0 must be an int >= 1 \(decisions\), or None \(50 per live"):
         RouterConfig(fair_window=0)
-    with pytest.raises(ValueError, match=r"share_slack_abs=0.5 must be >= 1 \(requests\) and share_slack_rel=0.15"):
+    with pytest.raises(ValueError, match=r"share_slack_abs=0.5 must be >= 1 \(requests\) and share_slack_rel=0.1 >= 0"):
         RouterConfig(share_slack_abs=0.5)
     with pytest.raises(ValueError, match=r"share_slack_rel=-0.1 >= 0"):
         RouterConfig(share_slack_rel=-0.1)
@@ -162,10 +162,10 @@ def test_a_shared_prefix_reaches_every_node_through_the_share_bound():
 
 def window_counts_within_bound(chosen, valve, window, num_nodes, config):
     """Every run of ``window`` consecutive decisions (and every shorter run at the start)
-    gives a node at most share + max(abs, rel x share) of them, plus the safety-valve
+    gives a node at most share + long_prefix_slack x max(abs, rel x share) of them, plus the safety-valve
     decisions ("overloaded") it took in that run."""
     share = window / num_nodes
-    bound = share + max(config.share_slack_abs, config.share_slack_rel * share)
+    bound = share + config.long_prefix_slack * max(config.share_slack_abs, config.share_slack_rel * share)
     for end in range(1, len(chosen) + 1):
         run = range(max(end - window, 0), end)
         counts = collections.Counter(chosen[i] for i in run)
@@ -191,6 +191,8 @@ def test_every_run_of_fair_window_decisions_stays_within_the_share_bound(data, n
     safety valve sent it; with the guard out of play (``guard`` False) the valve never
     fires and the bound is exact."""
     config = RouterConfig(share_slack_abs=abs_, share_slack_rel=rel, fair_window=window,
+                          long_prefix_slack=data.draw(st.sampled_from([1.0, 1.5, 3.0])),
+                          long_prefix_units=data.draw(st.sampled_from([0.0, 0.5, 4.0])),
                           imbalance_abs=2.0 if guard else 1e9, imbalance_rel=0.25 if guard else 0.0)  # fmt: skip
     policy = RoutingPolicy(config)
     ids = "abcdef"[:num_nodes]
@@ -317,3 +319,25 @@ def test_when_the_holder_is_overloaded_the_blocks_others_can_fetch_count_at_thei
     assert fetching.choose(within, 100, PAGE).node_id == "a"
     with pytest.raises(ValueError, match=r"remote_fetch_cost=1.5 must be a number in \[0, 1\]"):
         RouterConfig(remote_fetch_cost=1.5)
+
+
+def test_a_holder_over_the_plain_slack_keeps_a_request_only_when_moving_it_would_recompute_a_long_prefix():
+    """Plain slack 2 requests over the share, wide slack 2 x that: a holder over share + 2
+    keeps a request whose prefix is worth more than ``long_prefix_units`` typical prompts
+    (here 1 unit = 100 tokens = 6.25 pages of 16) while within share + 4, and loses one whose
+    prefix is short."""
+    config = RouterConfig(share_slack_abs=2, share_slack_rel=0, fair_window=40, long_prefix_slack=2,
+                          long_prefix_units=1, tokens_per_load_unit=100)  # fmt: skip
+
+    def after_ten_short_ones():
+        policy = RoutingPolicy(config)
+        ids = [policy.choose([node("a", 3), node("b")], 100, PAGE).node_id for _ in range(10)]
+        assert ids.count("a") == 7  # a takes each while its count + 1 <= (n + 1) / 2 + 2
+        return policy  # next: share 5.5, a at 7 + 1 = 8 > 7.5 but <= 9.5
+
+    short = after_ten_short_ones().choose([node("a", 3), node("b")], 100, PAGE)
+    assert (short.node_id, short.reason) == ("b", "over_share")  # 3 pages = 48 tokens: cheap to move
+    long = after_ten_short_ones().choose([node("a", 9), node("b")], 100, PAGE)
+    assert (long.node_id, long.reason) == ("a", "affinity")  # 9 pages = 144 tokens > 100
+    with pytest.raises(ValueError, match=r"long_prefix_slack=0.5 must be >= 1"):
+        RouterConfig(long_prefix_slack=0.5)

@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     router.add_argument("--share-slack-rel", type=float, default=defaults.share_slack_rel, metavar="F",
                         help="the same as a fraction of the share; the larger of the two applies (default: "
                              "%(default)g)")
+    router.add_argument("--long-prefix-slack", type=float, default=defaults.long_prefix_slack, metavar="M",
+                        help="the slack, as a multiple, for a request whose longest holders would save more than "
+                             "--long-prefix-units typical prompts of prefill (default: %(default)g)")
+    router.add_argument("--long-prefix-units", type=float, default=defaults.long_prefix_units, metavar="U",
+                        help="(default: %(default)g)")
     router.add_argument("--imbalance-abs", type=float, default=defaults.imbalance_abs, metavar="N",
                         help="load units a node may be above the mean load before the safety valve skips it "
                              "(default: %(default)g)")
@@ -173,6 +178,7 @@ def _run_router(args) -> int:
         raise SystemExit("router: --redis URL is required (the directory it routes by)")
     try:
         config = RouterConfig(args.strategy, share_slack_abs=args.share_slack_abs, share_slack_rel=args.share_slack_rel,
+                              long_prefix_slack=args.long_prefix_slack, long_prefix_units=args.long_prefix_units,
                               imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
                               tokens_per_load_unit=args.tokens_per_load_unit, fair_window=args.fair_window,
                               remote_fetch_cost=args.remote_fetch_cost)

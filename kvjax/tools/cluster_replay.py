@@ -207,6 +207,8 @@ class ClusterReplayReport:
             "router": self.router.strategy,
             "share_slack_abs": self.router.share_slack_abs,
             "share_slack_rel": self.router.share_slack_rel,
+            "long_prefix_slack": self.router.long_prefix_slack,
+            "long_prefix_units": self.router.long_prefix_units,
             "imbalance_abs": self.router.imbalance_abs,
             "imbalance_rel": self.router.imbalance_rel,
             "tokens_per_load_unit": self.router.tokens_per_load_unit,
@@ -331,7 +333,8 @@ def format_cluster_report(trace: str, report: ClusterReplayReport) -> str:
         (f"cluster: {spec.nodes} nodes x {spec.device_blocks} device blocks ({spec.host_blocks} host, "
          f"{spec.disk_blocks} disk; {write}), policy {spec.policy}"),
         (f"router {router.strategy} (share_slack_abs={router.share_slack_abs:g}, "
-         f"share_slack_rel={router.share_slack_rel:g}, imbalance_abs={router.imbalance_abs:g}, "
+         f"share_slack_rel={router.share_slack_rel:g}, long_prefix_slack={router.long_prefix_slack:g}, "
+         f"long_prefix_units={router.long_prefix_units:g}, imbalance_abs={router.imbalance_abs:g}, "
          f"imbalance_rel={router.imbalance_rel:g}, tokens_per_load_unit={router.tokens_per_load_unit or 'learned'}, "
          f"fair_window={router.fair_window or f'{RECENT_PER_NODE} per node'})"),
         report.service.describe(),

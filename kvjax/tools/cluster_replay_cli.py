@@ -19,8 +19,8 @@ from kvjax.tools.trace import TraceRequest
 __all__ = ["add_cluster_arguments", "cluster_options_without_nodes", "run_cluster_replay"]
 
 _DEFAULTS, _SERVICE, _FETCH = RouterConfig(), ServiceModel(), FetchModel()
-_ROUTER_OPTIONS = ("share_slack_abs", "share_slack_rel", "imbalance_abs", "imbalance_rel", "tokens_per_load_unit",
-                   "fair_window", "remote_fetch_cost")
+_ROUTER_OPTIONS = ("share_slack_abs", "share_slack_rel", "long_prefix_slack", "long_prefix_units", "imbalance_abs",
+                   "imbalance_rel", "tokens_per_load_unit", "fair_window", "remote_fetch_cost")
 _SERVICE_OPTIONS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 _FETCH_OPTIONS = ("kv_bytes_per_token", "link_bytes_per_s")
 _CLUSTER_ONLY = ("router", *_ROUTER_OPTIONS, *_SERVICE_OPTIONS, *_FETCH_OPTIONS, "no_remote_fetch")
@@ -36,6 +36,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                             f"{_DEFAULTS.share_slack_abs:g})")
     group.add_argument("--share-slack-rel", type=float, metavar="F",
                        help=f"the same as a fraction of the share (default: {_DEFAULTS.share_slack_rel:g})")
+    group.add_argument("--long-prefix-slack", type=float, metavar="M",
+                       help=f"the slack for a request whose holders would save a long prefix, as a multiple "
+                            f"(default: {_DEFAULTS.long_prefix_slack:g})")
+    group.add_argument("--long-prefix-units", type=float, metavar="U",
+                       help=f"how long: more than U typical prompts of prefill (default: "
+                            f"{_DEFAULTS.long_prefix_units:g})")
     group.add_argument("--imbalance-abs", type=float, metavar="X",
                        help=f"load units a holder may exceed the mean load by (default: {_DEFAULTS.imbalance_abs:g})")
     group.add_argument("--imbalance-rel", type=float, metavar="F",
