@@ -73,12 +73,14 @@ class BlockAllocator:
         if num_blocks > self.num_free:
             return None
         from_fresh = min(num_blocks, self.num_blocks - self._fresh)
-        blocks = np.arange(self._fresh, self._fresh + from_fresh, dtype=BLOCK_DTYPE)
-        if from_fresh:
+        if from_fresh == 0:  # the steady state: every id was handed out once, reuse the queue
+            blocks = self._pop(num_blocks)
+        else:
+            blocks = np.arange(self._fresh, self._fresh + from_fresh, dtype=BLOCK_DTYPE)
             self._grow(self._fresh + from_fresh)
             self._fresh += from_fresh
-        if num_blocks > from_fresh:
-            blocks = np.concatenate((blocks, self._pop(num_blocks - from_fresh)))
+            if num_blocks > from_fresh:
+                blocks = np.concatenate((blocks, self._pop(num_blocks - from_fresh)))
         self._refcount[blocks] = 1
         return blocks
 
