@@ -239,3 +239,20 @@ def test_time_dependent_policies_are_reranked_at_each_eviction():
     assert cache.evict(1) == [oldest]
     clock.now = 200
     assert cache.evict(1) == [newest]
+
+
+def test_short_write_back_budget_keeps_the_pages_nearest_the_root():
+    """A budget too small for every leaving page goes to the shared prefix, not to the leaves
+    evicted first: a leaf kept while its parent leaves would be unreachable (wasted copy)."""
+    cache, clock = make_cache("lru")
+    prefix = [1, 2, 3, 4]
+    run(cache, clock, prefix + [5, 6, 7, 8], at=1.0)
+    run(cache, clock, prefix + [9, 10, 11, 12], at=2.0)
+    eviction = cache.reclaim(6, keep_without_copy=2)
+    assert len(eviction.blocks) == 6
+    assert len(eviction.kept) == 2
+    for key, _ in eviction.kept:
+        assert cache.trie.locate(key) is not None  # every kept page is still reachable
+    assert cache.match(prefix + [5, 6, 7, 8]).num_hit_blocks == 2  # the prefix, off device
+    assert all(cache.trie.locate(key) is not None for key in eviction.offloaded_keys)
+    cache.check_invariants()

@@ -301,6 +301,10 @@ class DeviceIndex:
         num_blocks = min(num_blocks, self.trie.num_evictable)
         self.trie.prepare_eviction(now)
         runs, kept, offloaded, listening = [_NO_BLOCKS], [], [], self.events.active
+        # A short budget goes to the pages nearest the root: every leaving page is kept for
+        # now, then the deepest are let go until the rest fit (see ``_trim_kept``).
+        budget = keep_without_copy
+        keep_without_copy = num_blocks if budget else 0
         while num_blocks:
             node = self.trie.pop_victim()
             if node is None:
@@ -314,10 +318,38 @@ class DeviceIndex:
             kept += node_kept
             self.dropped += dropped
             num_blocks -= take
+        if len(kept) > budget:
+            kept, offloaded = self._trim_kept(kept, offloaded, budget)
         blocks = runs[1] if len(runs) == 2 else np.concatenate(runs)
         self.allocator.free(blocks, check=False)
         self._stats.evicted_blocks += len(blocks)
         return Eviction(blocks, kept, offloaded)
+
+    def _trim_kept(self, kept: list[tuple[bytes, int]], offloaded: list[bytes],
+                   budget: int) -> tuple[list[tuple[bytes, int]], list[bytes]]:  # fmt: skip
+        """Let the deepest kept pages go until at most ``budget`` remain (a page lets go
+        of everything after it: a page is found only through its prefix, so a copy of a
+        page whose parent left would be wasted). Returns the kept pages and offloaded keys
+        still indexed."""
+        trie, order = self.trie, []
+        for row, (key, _) in enumerate(kept):
+            node, index = trie.locate(key)
+            order.append((node.first_page + index, row))
+        order.sort(reverse=True)
+        alive = {key for key, _ in kept}
+        for _, row in order:
+            if len(alive) <= budget:
+                break
+            key = kept[row][0]
+            if key not in alive:
+                continue  # left with a page before it
+            alive.discard(key)
+            dropped = trie.clear_tier(*trie.locate(key), Tier.HOST)
+            for record in dropped:
+                alive.difference_update(record.keys)
+            self.dropped += dropped
+        kept = [item for item in kept if item[0] in alive]
+        return kept, [key for key in offloaded if trie.locate(key) is not None]
 
     def take_dropped(self) -> list[DroppedNode]:
         """The pages with host/disk copies that left the trie since the last call."""
