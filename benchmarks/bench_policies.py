@@ -11,9 +11,14 @@ Traces: the shared Mooncake trace (when found) and every shape of
 mixed). Capacities are fractions of each trace's distinct blocks (small, middle, large), so
 every shape is judged where its policies differ; ``--capacities`` gives absolute ones instead.
 
+``--streams N`` replays each trace as N per-node streams (a request goes to stream
+``hash_ids[0] % N``, its root block: what a prefix-affinity router keeps together), each
+through its own cache of the capacity; cells sum the N caches' hits (the cluster replay's
+local hits, without the router). ``--fractions 0.3 0.7`` judges large caches.
+
     .venv/bin/python benchmarks/bench_policies.py [--quick] [--shapes chat rag ...]
         [--fractions 0.01 0.03 0.1 | --capacities 2000 8000] [--num-requests 4000] [--seed 0]
-        [--policies lru reuse ...] [--trace PATH | --no-trace]
+        [--policies lru reuse ...] [--trace PATH | --no-trace] [--streams N]
 
 Cells read ``hit% (share of offline)``. Under each trace a verdict line says whether the default
 policy hits at least as much as LRU at every capacity, and, on conversation-like and scan-mixed
@@ -68,8 +73,12 @@ def main() -> None:
     verdicts = []
     for name, vs_segmented, requests in _traces(args):
         distinct = len(intern_block_paths(requests)[1])
-        capacities = args.capacities or sorted({max(1, round(distinct * f)) for f in args.fractions})
-        rates, offline, text = _table(name, requests, distinct, capacities, args.policies)
+        streams = _streams(requests, args.streams)
+        distinct_per_stream = distinct / len(streams)
+        capacities = args.capacities or sorted({max(1, round(distinct_per_stream * f)) for f in args.fractions})
+        if len(streams) > 1:
+            name = f"{name}, {len(streams)} streams (capacity per stream)"
+        rates, offline, text = _table(name, streams, distinct, capacities, args.policies)
         print(text)
         met, verdict = _verdict(rates, vs_segmented)
         verdicts.append((name, met))
@@ -97,6 +106,8 @@ def _parse_args() -> argparse.Namespace:
                         help="capacities as fractions of each trace's distinct blocks")  # fmt: skip
     parser.add_argument("--capacities", type=int, nargs="+", default=None, help="absolute capacities (blocks)")
     parser.add_argument("--policies", nargs="+", default=None, choices=sorted(POLICIES))
+    parser.add_argument("--streams", type=int, default=1,
+                        help="per-node streams: requests split by their root block, one cache each")  # fmt: skip
     parser.add_argument("--tiered", action="store_true",
                         help="device + host tiers against one flat cache of their total blocks")  # fmt: skip
     parser.add_argument("--host-ratio", type=int, default=4, help="with --tiered: host blocks per device block")
@@ -118,8 +129,26 @@ def _traces(args: argparse.Namespace):
         yield f"{shape} (seed {args.seed})", shape in CONVERSATION_LIKE | _SCAN_MIXED, requests
 
 
-def _table(name: str, requests, distinct: int, capacities: list[int], policies: list[str]):
+def _streams(requests: list[TraceRequest], count: int) -> list[list[TraceRequest]]:
+    """``requests`` split into ``count`` streams by root block (order kept; empty ones dropped)."""
+    if count <= 1:
+        return [requests]
+    parts: list[list[TraceRequest]] = [[] for _ in range(count)]
+    for request in requests:
+        parts[request.hash_ids[0] % count if request.hash_ids else 0].append(request)
+    return [part for part in parts if part]
+
+
+def _summed(replay, streams: list[list[TraceRequest]], *args, **kwargs) -> float:
+    """Block hit rate of ``replay`` summed over the streams (one cache each)."""
+    counts = [replay(stream, *args, **kwargs) for stream in streams]
+    blocks = sum(c.blocks for c in counts)
+    return sum(c.hit_blocks for c in counts) / blocks if blocks else 0.0
+
+
+def _table(name: str, streams, distinct: int, capacities: list[int], policies: list[str]):
     """(hit rates per policy, offline rate per capacity, the printed table)."""
+    requests = [request for stream in streams for request in stream]
     unlimited = unlimited_replay(requests)
     header = (f"{name}: {unlimited.requests} requests, {unlimited.blocks:,} blocks ({distinct:,} distinct); "
               f"unlimited capacity hits {unlimited.block_hit_rate:.2%}")  # fmt: skip
@@ -129,12 +158,12 @@ def _table(name: str, requests, distinct: int, capacities: list[int], policies: 
     rates: dict[str, list[float]] = {policy: [] for policy in policies}
     offline_rates, seconds = [], dict.fromkeys(policies, 0.0)
     for capacity in capacities:
-        offline = offline_replay(requests, capacity).block_hit_rate
-        oracle = reuse_oracle_lru_replay(requests, capacity).block_hit_rate
+        offline = _summed(offline_replay, streams, capacity)
+        oracle = _summed(reuse_oracle_lru_replay, streams, capacity)
         offline_rates.append(offline)
         for policy in policies:
             start = time.perf_counter()
-            rates[policy].append(replay_trace(requests, capacity, policy=policy).block_hit_rate)
+            rates[policy].append(_summed(replay_trace, streams, capacity, policy=policy))
             seconds[policy] += time.perf_counter() - start
         cells = [_cell(oracle, offline)] + [_cell(rates[p][-1], offline) for p in policies]
         lines.append(f"{capacity:>8} {offline:>8.2%} " + f"{cells[0]:>15} | " + " ".join(f"{c:>15}" for c in cells[1:]))

@@ -60,3 +60,15 @@ def test_tiers_bench_moves_without_compiling_while_timed():
                     "--move-blocks", "4", "--pool-blocks", "8", "--latency-trials", "200")  # fmt: skip
     assert "TransferEngine.offload" in out and "TransferEngine.fetch" in out, out
     assert re.search(r"XLA compilations: \d+ in set-up and warm-up, 0 in the timed part", out), out
+
+
+def test_policies_bench_splits_a_trace_into_per_node_streams():
+    """``--streams 3``: each cell sums three caches' hits; at a capacity that holds every
+    stream whole, every policy hits what unlimited capacity does."""
+    out = run_bench("benchmarks/bench_policies.py", "--quick", "--no-trace", "--shapes", "chat", "--num-requests", "60",
+                    "--streams", "3", "--capacities", "4", "100000")  # fmt: skip
+    assert "chat (seed 0), 3 streams (capacity per stream)" in out, out
+    unlimited = re.search(r"unlimited capacity hits ([\d.]+)%", out).group(1)
+    [whole] = [line.split() for line in out.splitlines() if line.startswith("  100000")]
+    assert whole[1] == f"{unlimited}%" and whole[5] == whole[7] == whole[9] == f"{unlimited}%", whole
+    assert re.search(r"^verdict: reuse >= lru: (yes|NO)", out, re.M), out

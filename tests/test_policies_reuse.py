@@ -34,10 +34,11 @@ def _bound(policy):
 PRIOR_TRIALS, PRIOR_FRESH, PRIOR_SEEN = 4.0, 0.1, 0.9  # the policy's prior, per kind
 
 
-def _trained(horizon_s=10.0):
+def _trained(horizon_s=10.0, trust_trials=0.0):
     """A policy that saw 128 one-off root nodes (t = 0..127 s), then 64 deeper nodes each hit
-    1 s after insertion (t = 200..264 s): 256 one-page trials. Offsets recomputed at the end."""
-    policy = _bound(ReusePolicy(initial_horizon_s=horizon_s))
+    1 s after insertion (t = 200..264 s): 256 one-page trials. Offsets recomputed at the end.
+    By default it trusts what it learned in full (``trust_trials=0``)."""
+    policy = _bound(ReusePolicy(initial_horizon_s=horizon_s, trust_trials=trust_trials))
     for i in range(128):
         policy.priority(FakeNode(b"one-off %d" % i, last_access=float(i)), float(i))
     for i in range(64):
@@ -53,10 +54,27 @@ def test_reuse_is_the_default_and_built_by_name():
     assert isinstance(make_policy("reuse", history_nodes=8), ReusePolicy)
 
 
-def test_before_it_learns_anything_it_ranks_like_a_softened_segmented_lru():
+def test_before_any_trial_is_closed_it_ranks_like_plain_lru():
+    """Trust 0: every offset 0, a priority is the node's last access, whatever its kind."""
+    policy = _bound(ReusePolicy())
+    assert policy.trust() == 0.0 and policy.offsets() == [0.0] * 8
+    assert policy.priority(FakeNode(b"new", last_access=50.0), 50.0) == 50.0
+    assert policy.priority(FakeNode(b"hot", first_page=3, hits=2, last_access=30.0), 50.0) == 30.0
+
+
+def test_trust_grows_with_closed_trials_and_scales_the_learned_offsets():
+    """_trained opened 257 trials and closed all but the last node's: trust 256 / (256 + 300)."""
+    policy = _trained(trust_trials=300.0)
+    full = _trained()
+    assert policy.trust() == pytest.approx(256 / 556)
+    assert policy.learned_offsets() == pytest.approx(full.offsets())
+    assert policy.offsets() == pytest.approx([256 / 556 * offset for offset in full.offsets()])
+
+
+def test_with_full_trust_before_evidence_it_ranks_like_a_softened_segmented_lru():
     """The prior: a page used once (fresh) is 9x less likely to be used again than one seen
     before, so it goes H ln 9 (22 s at H = 10 s) earlier; LRU inside each kind."""
-    policy = _bound(ReusePolicy())
+    policy = _bound(ReusePolicy(trust_trials=0.0))
     fresh, seen = 10.0 * math.log(PRIOR_FRESH), 10.0 * math.log(PRIOR_SEEN)
     assert policy.offsets() == pytest.approx([fresh, seen, seen, seen] * 2)
     assert policy.priority(FakeNode(b"new", last_access=50.0), 50.0) == pytest.approx(50.0 + fresh)
@@ -185,9 +203,10 @@ def test_victim_order_in_a_cache_follows_the_learned_kinds():
     cache.check_invariants()
 
 
-def test_with_little_evidence_a_page_used_once_goes_before_one_used_again():
+@pytest.mark.parametrize("trust_trials", [0.0, 300.0])
+def test_with_little_evidence_the_order_is_the_prior_at_full_trust_else_lru(trust_trials):
     now = [0.0]
-    cache = DeviceIndex(5, 1, policy=ReusePolicy(), clock=lambda: now[0])
+    cache = DeviceIndex(5, 1, policy=ReusePolicy(trust_trials=trust_trials), clock=lambda: now[0])
 
     def run(tokens, at):
         now[0] = at
@@ -199,11 +218,15 @@ def test_with_little_evidence_a_page_used_once_goes_before_one_used_again():
     run([1, 2], 0.0)
     hot = run([1, 2, 3], 1.0)  # [1, 2] hit once, extended in place by [3]: one node, hit once
     one_off = run([7, 8], 5.0)  # a root sequence used once, the newest of all
-    # LRU would take [1, 2, 3] (last used at 1 s) before [7, 8] (5 s). Three trials in, the
-    # prior (and one reuse of a fresh root node) still rules: a fresh root page goes 9.9 s
-    # earlier than a page hit once, so [7, 8] goes first (evicted from its tail, returned in order).
-    assert cache.evict(2) == one_off
-    assert cache.evict(3) == hot
+    if trust_trials:  # one closed trial: trust 1/301, the offsets < 0.1 s: LRU order
+        assert cache.evict(3) == hot
+        assert cache.evict(2) == one_off
+    else:
+        # LRU would take [1, 2, 3] (last used at 1 s) before [7, 8] (5 s). Three trials in, the
+        # prior (and one reuse of a fresh root node) still rules: a fresh root page goes 9.9 s
+        # earlier than a page hit once, so [7, 8] goes first (evicted from its tail, returned in order).
+        assert cache.evict(2) == one_off
+        assert cache.evict(3) == hot
     cache.check_invariants()
 
 
@@ -230,6 +253,8 @@ def test_it_learns_to_keep_a_hot_prefix_through_a_flood_of_one_off_requests():
         ({"memory": 0}, r"memory=0 must be >= 1 trial"),
         ({"initial_horizon_s": 0.0}, r"initial_horizon_s=0.0 must be a positive number of seconds"),
         ({"initial_horizon_s": math.inf}, r"initial_horizon_s=inf must be a positive number"),
+        ({"trust_trials": -1.0}, r"trust_trials=-1.0 must be a finite number of trials >= 0"),
+        ({"trust_trials": math.inf}, r"trust_trials=inf must be a finite number"),
     ],
 )
 def test_bad_parameters_raise_value_error(kwargs, message):
@@ -305,3 +330,33 @@ class ReuseCacheMachine(AdaptiveCacheMachine):
 
 TestReuseCacheMachine = ReuseCacheMachine.TestCase
 TestReuseCacheMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_observations, st.integers(1, 6), st.integers(1, 40), st.sampled_from([0.0, 1.0, 7.0, 300.0]))
+def test_trust_is_closed_trials_over_closed_plus_trust_trials_and_never_falls(
+        observations, history_nodes, memory, trust_trials):  # fmt: skip
+    """Whatever is observed (halvings and a bounded history included): trust counts every
+    trial closed so far (reused, expired or pushed out of the bound), only grows, and the
+    offsets priority adds are trust times the learned ones once recomputed."""
+    policy = _bound(ReusePolicy(history_nodes=history_nodes, memory=memory, trust_trials=trust_trials))
+    closed, clock, previous = 0, 0.0, policy.trust()
+    original_close = policy._close
+
+    def close(trial, *, reused):
+        nonlocal closed
+        closed += trial.open
+        original_close(trial, reused=reused)
+
+    policy._close = close
+    for key, first_page, hits, num_pages, step in observations:
+        clock += step
+        policy.priority(FakeNode(b"%d" % key, first_page=first_page, hits=hits, last_access=clock,
+                                 num_pages=num_pages), clock)  # fmt: skip
+        trust = policy.trust()
+        assert trust == (closed / (closed + trust_trials) if trust_trials else 1.0)
+        assert previous <= trust <= 1.0
+        previous = trust
+        policy._refresh()
+        assert policy.offsets() == pytest.approx([trust * offset for offset in policy.learned_offsets()])
+        policy.check_invariants()
