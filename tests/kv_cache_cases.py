@@ -74,9 +74,15 @@ class ManualTransfer:
         self.pending: list[PendingTransfer] = []
         self.closed = False
 
-    def offload(self, kv_pages, block_ids, slots, *, priority):
-        result = self.engine.offload(kv_pages, block_ids, slots, priority=priority).result()
-        return self._queue(Link.DEVICE_TO_HOST, lambda: result, lambda: None)
+    def offload(self, kv_pages, block_ids, slots, *, priority, after=()):
+        future = self.engine.offload(kv_pages, block_ids, slots, priority=priority, after=after)
+        if not after:
+            result = future.result()
+            return self._queue(Link.DEVICE_TO_HOST, lambda: result, lambda: None)
+        # Gathered now; the slots are written when the reads ``after`` finished (the test
+        # completes those fetches): completed before them, the copy fails.
+        return self._queue(Link.DEVICE_TO_HOST, lambda: future.result() if future.done() else TransferResult(
+            Link.DEVICE_TO_HOST, 0, ok=False, error="completed before the reads of its slots"), lambda: None)
 
     def fetch(self, slots, *, priority):
         return self._queue(Link.HOST_TO_DEVICE, lambda: self.engine.fetch(slots, priority=priority).result(),

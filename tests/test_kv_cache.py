@@ -371,3 +371,23 @@ def test_page_content_model_tells_prefixes_and_tenants_apart():
     shape = POOL.block_shape
     assert not np.array_equal(page_content("a", [1, 2], shape), page_content("b", [1, 2], shape))
     assert not np.array_equal(page_content("a", [1, 2], shape), page_content("a", [2, 2], shape))
+
+
+@pytest.mark.parametrize("rounds", [3])
+def test_a_swap_through_a_full_host_moves_the_right_bytes(rounds):
+    """Device and host each hold one 3-page prompt. Admitting A while B is on device fetches
+    A from the full host and evicts B, whose write-back takes the slots A is read from: they
+    must be written only after the fetch read them, from B's blocks as they were before A's
+    KV landed in them. Every round both prompts hit in full, bit-exact."""
+    pool = PoolConfig(num_blocks=4, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
+    a, b = prompt(13), prompt(13, start=100)
+    kv_a, kv_b = random_blocks(4, pool.block_shape, seed=3), random_blocks(4, pool.block_shape, seed=4)
+    with make(pool, host_blocks=3) as cache:
+        compute(cache, a, blocks=kv_a)
+        compute(cache, b, blocks=kv_b)  # A goes to host
+        for _ in range(rounds):
+            for tokens, kv in ((a, kv_a), (b, kv_b)):
+                num_hit, got, tiers = hit_pages_and_tiers(cache, tokens)
+                assert num_hit == 3 and tiers["host"] == 12 and same_bits(got, kv[:3])
+                compute(cache, tokens, blocks=kv)  # on device again (the last page computed)
+                cache.check_invariants()

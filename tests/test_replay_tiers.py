@@ -131,13 +131,14 @@ def test_json_reports_every_tier(tmp_path, capsys):
     path.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
                                         "output_length": 1, "hash_ids": list(r.hash_ids)}) + "\n"
                             for r in _trace([1], [2], [3], [2], [1])))  # fmt: skip
-    argv = ["replay", str(path), "--device-blocks", "1", "--host-blocks", "1", "--disk-blocks", "2",
+    argv = ["replay", str(path), "--device-blocks", "1", "--host-blocks", "1", "--disk-blocks", "3",
             "--policy", "lru", "--block-tokens", str(BLOCK), "--json"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
-    # [3] evicts B to the host (A's copy goes, its disk copy stays); [2] hits B on the host;
-    # [1] finds A on the disk.
+    # [3] evicts B to the host (A's copy goes, its disk copy stays); [2] hits B on the host
+    # (C's write-back takes B's slot once read, and C spills to disk too); [1] finds A on the
+    # disk. (With 2 disk blocks, C's spill would push A off the disk.)
     assert (summary["host_block_hit_rate"], summary["disk_block_hit_rate"]) == (0.2, 0.2)
     assert summary["device_block_hit_rate"] == 0.0 and summary["block_hit_rate"] == 0.4
     assert summary["host_token_hit_rate"] == 0.2 and summary["host_blocks"] == 1
@@ -181,3 +182,14 @@ def test_host_victims_go_redundant_first_then_by_last_use_leaves_first(paths, de
                 order.append((not redundant, node.last_access, -(node.first_page + page)))
             assert order == sorted(order), order
             cache.check_invariants()
+
+
+def test_a_swap_with_a_full_host_keeps_the_evicted_pages_in_the_fetched_ones_slots():
+    # Device 4, host 4. [5..8] evicts A to the host (full); A again is fetched from host while
+    # its 4 device blocks evict B: B's write-back takes the slots A's fetch has read (A is on
+    # device now), so B then hits on host, as in one cache of 8 blocks. Before, A's copies
+    # were held by the fetch, B found no host room and left every tier.
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    counts = _replay(_trace(a, b, a, b), 4, host=4)
+    assert _tiers(counts) == (0, 8, 0)
+    assert _replay(_trace(a, b, a, b), 8).hit_blocks == 8  # the flat cache of the same total

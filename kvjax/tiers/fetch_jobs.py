@@ -29,7 +29,7 @@ class FetchJob:
     """One transfer chain; see the module docstring. ``keys`` are in page order."""
 
     __slots__ = ("namespace", "keys", "from_disk", "priority", "to_device", "prereqs", "pending",
-                 "valid", "chunks", "consumers", "held", "started")  # fmt: skip
+                 "valid", "chunks", "consumers", "held", "started", "read")  # fmt: skip
 
     def __init__(self, namespace: bytes, keys: list[bytes], from_disk: np.ndarray,
                  priority: Priority, to_device: bool, started: float):  # fmt: skip
@@ -45,6 +45,8 @@ class FetchJob:
         self.consumers: list[tuple[Waiter, int, int, int]] = []  # (waiter, page, row, count)
         self.held: list[bytes] = []  # host keys this job holds against eviction
         self.started = started  # time.monotonic() seconds, for the fetch latency metric
+        # done once the job read its host slots (or gave up): then they may be written again
+        self.read: concurrent.futures.Future = concurrent.futures.Future()
 
     @property
     def tier(self) -> str:

@@ -64,7 +64,7 @@ from kvjax.cache.allocator import BlockAllocator
 from kvjax.cache.block_events import BlockIndex, EventLog, Subscription
 from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import DeviceIndex, NamespaceLike, TokensLike
+from kvjax.cache.device_index import DeviceIndex, Eviction, NamespaceLike, TokensLike
 from kvjax.cache.records import KVCacheStats, MatchResult, SeqHandle
 from kvjax.cache.trie_node import Node, Tier
 from kvjax.text.tokens import token_bytes
@@ -261,14 +261,17 @@ class KVCache:
         handle, fetched, from_disk = None, 0, plan.on_disk[:0]
         if admission is not None:
             # Host slots the disk pages of this admission will be restored into come first:
-            # write-back copies of the blocks it evicts take what is left.
-            self._make_device_room(admission.short, host_reserve=int(plan.on_disk[: plan.num_fetch].sum()))
+            # write-back copies of the blocks it evicts take what is left, and the slots of
+            # the host pages it fetches once they are read (they are on device then).
+            eviction = self._reclaim(admission.short, host_reserve=int(plan.on_disk[: plan.num_fetch].sum()),
+                                     fetching=held)  # fmt: skip
             handle = self.index.complete_admission(admission)
             if pages:
                 waiter = Waiter(handle, first, plan.on_disk[: plan.num_fetch], prefetch=False)
                 fetched = self._mover.start_fetch(waiter, pages, ns.digest(), Priority.DEMAND)
                 handle.num_hit_tokens = (first + fetched) * self.page_size
                 from_disk = waiter.from_disk
+            self._write_back(eviction, fetching=held)
         if held:
             self._mover.unhold(held)
         self._forget_dropped()
@@ -630,14 +633,27 @@ class KVCache:
         """Evict ``num_blocks`` device blocks by policy; with write-back, leaving pages without
         a lower copy keep one (as host room beyond ``host_reserve`` slots allows), copied
         before their blocks are reused."""
+        eviction = self._reclaim(num_blocks, host_reserve)
+        self._write_back(eviction)
+        return np.zeros(0, np.intp) if eviction is None else eviction.blocks
+
+    def _reclaim(self, num_blocks: int, host_reserve: int = 0, fetching: list[bytes] = ()) -> Eviction | None:
+        """The eviction of ``_make_device_room``, its copies not started yet (``_write_back``
+        must follow before anything writes the freed blocks). ``fetching``: host pages about to
+        be fetched to the device, whose slots the copies may take (``TierMover.write_back``)."""
         if num_blocks <= 0:
-            return np.zeros(0, np.intp)
+            return None
         write_back = self.config.write_policy == "write_back" and self.config.tiered
-        budget = max(0, self.tiers.host_room(num_blocks + host_reserve) - host_reserve) if write_back else 0
-        eviction = self.index.reclaim(num_blocks, keep_without_copy=budget)
-        if eviction.kept:
-            self._mover.write_back(eviction.kept, exclude=eviction.offloaded_keys)
-        return eviction.blocks
+        budget = 0
+        if write_back:
+            budget = max(0, self.tiers.host_room(num_blocks + host_reserve) - host_reserve)
+            if budget < num_blocks and fetching:
+                budget += sum(1 for key in fetching if self.tiers.host_state(key) is not None)
+        return self.index.reclaim(num_blocks, keep_without_copy=min(budget, num_blocks))
+
+    def _write_back(self, eviction: Eviction | None, fetching: list[bytes] = ()) -> None:
+        if eviction is not None and eviction.kept:
+            self._mover.write_back(eviction.kept, exclude=eviction.offloaded_keys, fetching=fetching)
 
     def _forget_dropped(self) -> None:
         """Host copies of pages that left the trie go (see ``TierIndex.forget_dropped``)."""
@@ -652,6 +668,7 @@ class KVCache:
             self._version += 1
         for waiter in finished:
             self._commit_fetched(waiter)
+        self.tiers.settle_handed()  # after the commits: fetched pages are on device now
         self._forget_dropped()
 
     def _commit_fetched(self, waiter: Waiter) -> None:

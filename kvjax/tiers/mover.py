@@ -144,7 +144,7 @@ class TierMover:
             entry = index.host_entries.get(keys[i])
             if entry is None:
                 todo.append(i)
-            elif entry.dropped:  # its old page left the trie, the copy is still good
+            elif entry.dropped and not entry.handed:  # its old page left the trie, the copy is still good
                 index.add_host(keys[i], entry.namespace, node, i, ready=entry.ready)
         if not todo:
             return 0
@@ -157,35 +157,66 @@ class TierMover:
         self._copy_down([keys[i] for i in todo], node.blocks[todo], namespace)
         return len(todo)
 
-    def write_back(self, kept: list[tuple[bytes, int]], exclude: list[bytes]) -> None:
+    def write_back(self, kept: list[tuple[bytes, int]], exclude: list[bytes], fetching: list[bytes] = ()) -> None:
         """Host copies of the pages an eviction kept indexed with a HOST bit (``(key, old
         block)``), while their blocks still hold their KV. Pages host room cannot take (or
-        that left the trie meanwhile) lose the bit again. ``exclude``: host copies to keep."""
+        that left the trie meanwhile) lose the bit again. ``exclude``: host copies to keep.
+
+        ``fetching``: pages a fetch to the device has just started reading from host (the
+        admission that made this eviction). Where host room runs short, a kept page takes
+        the slot of one of them (``TierIndex.hand_over``), written once the fetch has read
+        it: that copy is about to be a duplicate of a device page, and keeping it would cost
+        an older page its place (device and host together then hold as many pages as one
+        cache of their total size would)."""
         index, trie = self.index, self.trie
-        fit = self.make_host_room(len(kept), exclude=exclude)
-        by_namespace: dict[bytes, tuple[list[bytes], list[int]]] = {}
+        short = len(kept) - (index.host_capacity - index.host_used)
+        sources = self._slots_to_hand_over(fetching)[:short] if short > 0 and fetching else []
+        fit = self.make_host_room(len(kept) - len(sources), exclude=exclude)
+        by_namespace: dict[bytes, tuple[list[bytes], list[int], list]] = {}
         for row, (key, block) in enumerate(kept):
             located = trie.locate(key)
             if located is None:  # making room dropped the page (a host copy before it went)
                 continue
-            if row >= fit:
-                index.forget_dropped(trie.clear_tier(*located, Tier.HOST))
-                continue
+            after = None
+            if row >= fit or index.is_handed(key):
+                if not sources or index.is_handed(key):
+                    index.forget_dropped(trie.clear_tier(*located, Tier.HOST))
+                    continue
+                source, after = sources.pop()
             namespace = trie.namespace_of(located[0]).digest()
-            index.add_host(key, namespace, *located, ready=False)
-            group = by_namespace.setdefault(namespace, ([], []))
+            if after is None:
+                index.add_host(key, namespace, *located, ready=False)
+            else:
+                index.hand_over(source, key, namespace, *located)
+            group = by_namespace.setdefault(namespace, ([], [], []))
             group[0].append(key)
             group[1].append(block)
-        for namespace, (keys, blocks) in by_namespace.items():
-            self._copy_down(keys, np.asarray(blocks), namespace)
+            if after is not None:
+                group[2].append(after)
+        for namespace, (keys, blocks, after) in by_namespace.items():
+            self._copy_down(keys, np.asarray(blocks), namespace, after=list({id(f): f for f in after}.values()))
 
-    def _copy_down(self, keys: list[bytes], blocks: np.ndarray, namespace: bytes) -> None:
-        """Gather ``blocks`` from the pool now and copy them into the host slots of ``keys``."""
+    def _slots_to_hand_over(self, fetching: list[bytes]) -> list[tuple[bytes, object]]:
+        """(key, its fetch's ``read``) of each page of ``fetching`` whose host copy only that
+        fetch (and the admission's own hold) uses: its slot is free once the fetch read it."""
+        spilling = {key for keys in self.spills.values() for key in keys}
+        sources = []
+        for key in fetching:
+            entry, joined = self.index.host_state(key), self.jobs.get(key)
+            if entry is None or key in spilling or joined is None or not joined[0].to_device:
+                continue
+            if entry.busy <= 2:  # the admission's hold and the job's
+                sources.append((key, joined[0].read))
+        return sources[::-1]  # pop() hands out the first pages first
+
+    def _copy_down(self, keys: list[bytes], blocks: np.ndarray, namespace: bytes, after: list = ()) -> None:
+        """Gather ``blocks`` from the pool now and copy them into the host slots of ``keys``
+        (once every future of ``after`` is done: reads of those slots)."""
         for start, size in move_batches(len(keys), self.transfer.buckets):
             run_keys = keys[start : start + size]
             slots = [self.index.slot_of(key) for key in run_keys]
             future = self.transfer.offload(self.pool.kv_pages, blocks[start : start + size], slots,
-                                           priority=Priority.SPILL)  # fmt: skip
+                                           priority=Priority.SPILL, after=after)  # fmt: skip
             for key in run_keys:
                 self.copies[key] = future
             self._on_done(future, lambda result, run_keys=run_keys: self._copied_down(run_keys, result))
@@ -348,8 +379,8 @@ class TierMover:
     def _submit_fetch(self, job: FetchJob) -> None:
         valid = 0
         for key in job.keys:
-            entry = self.index.host_state(key)
-            if entry is None or not entry.ready:
+            entry = self.index.host_entries.get(key)  # its slot may be handed over: read it first
+            if entry is None or entry.dropped or not entry.ready:
                 break
             valid += 1
         if not job.to_device or valid == 0:  # at the next poll: never inside the job's creator
@@ -377,6 +408,7 @@ class TierMover:
 
     def _finish(self, job: FetchJob, valid: int) -> None:
         job.valid = valid
+        job.read.set_result(None)
         del self.live_jobs[id(job)]
         if valid < len(job.keys) and job.to_device:
             self.counts["fetch_failures"] += 1

@@ -50,7 +50,7 @@ _HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
 class HostEntry:
     """One host block the index knows about (see the module docstring)."""
 
-    __slots__ = ("namespace", "slot", "ready", "busy", "dropped")
+    __slots__ = ("namespace", "slot", "ready", "busy", "dropped", "handed")
 
     def __init__(self, namespace: bytes, slot: int, ready: bool):
         self.namespace = namespace  # namespace digest
@@ -58,6 +58,7 @@ class HostEntry:
         self.ready = ready  # the slot holds the block (not only a copy in flight)
         self.busy = 0  # transfers reading it (fetch, spill): never evicted meanwhile
         self.dropped = False  # its page left the trie; discard once no transfer reads it
+        self.handed = False  # its slot was handed to another entry (see ``hand_over``)
 
 
 class TierIndex:
@@ -75,6 +76,8 @@ class TierIndex:
         self.disk_entries: set[tuple[bytes, bytes]] = set()  # (namespace, key) the trie indexes
         # live host entries whose page has no disk copy, LRU first: what a spill writes
         self.undisked: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.num_handed = 0  # entries whose slot another entry took (``hand_over``)
+        self._handed: list[bytes] = []  # their keys, until ``settle_handed``
         self.lost_blocks = 0  # pages that left the trie when a host copy went (no copy of them or before them)
         # The victim order (see make_host_room), kept lazily: items (policy rank, -page depth,
         # filing order, key, entry, last use when filed), re-filed when popped if their page was
@@ -88,13 +91,14 @@ class TierIndex:
 
     @property
     def host_used(self) -> int:
-        """Host blocks held or reserved (pending copies included)."""
-        return len(self.host_entries)
+        """Host blocks held or reserved (pending copies included; an entry whose slot was
+        handed over counts no more)."""
+        return len(self.host_entries) - self.num_handed
 
     def host_state(self, key: bytes) -> HostEntry | None:
         """The live (not dropped) entry of ``key``, or None."""
         entry = self.host_entries.get(key)
-        return None if entry is None or entry.dropped else entry
+        return None if entry is None or entry.dropped or entry.handed else entry
 
     def host_room(self, limit: int) -> int:
         """How many of ``limit`` blocks ``make_host_room`` could fit now: free slots, then
@@ -102,7 +106,8 @@ class TierIndex:
         free = self.host_capacity - self.host_used
         if free >= limit:
             return limit
-        evictable = (1 for entry in self.host_entries.values() if entry.ready and not entry.busy)
+        evictable = (1 for entry in self.host_entries.values()
+                     if entry.ready and not entry.busy and not entry.handed)  # fmt: skip
         return free + sum(itertools.islice(evictable, limit - free))
 
     def make_host_room(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> int:
@@ -150,7 +155,7 @@ class TierIndex:
                 _, depth, _, key, entry, stamp = item
                 if self.host_entries.get(key) is not entry or entry.dropped:
                     continue  # stale: that copy is gone
-                if not entry.ready or entry.busy or key in exclude:
+                if not entry.ready or entry.busy or entry.handed or key in exclude:
                     aside.append(item)
                     continue
                 located = self.trie.locate(key)
@@ -220,11 +225,51 @@ class TierIndex:
     def add_host(self, key: bytes, namespace: bytes, node: Node, index: int, *, ready: bool) -> None:
         """Record a host copy of page ``index`` of ``node`` (pending until ``host_done``); a
         new entry takes a free slot (``make_host_room`` first)."""
+        self._add_host(key, namespace, node, index, ready, None)
+
+    def hand_over(self, source: bytes, key: bytes, namespace: bytes, node: Node, index: int) -> int:
+        """A pending host copy of page ``index`` of ``node`` (``key``) in the slot of the host
+        copy of ``source``, a page a fetch is bringing to the device now: that copy stays
+        indexed (the fetch reads it) but takes no room, and leaves at ``settle_handed``.
+        The caller writes the slot only after the fetch read it. Returns the slot."""
+        entry = self.host_entries[source]
+        entry.handed = True
+        self.num_handed += 1
+        self._handed.append(source)
+        self.undisked.pop(source, None)  # never spilled: its slot is another page's now
+        self._add_host(key, namespace, node, index, False, entry.slot)
+        return entry.slot
+
+    def settle_handed(self) -> None:
+        """Host copies whose slot was handed over and that no transfer reads any more leave
+        (their page is on device now, unless its fetch failed: then it leaves the trie)."""
+        waiting = []
+        for key in self._handed:
+            entry = self.host_entries.get(key)
+            if entry is None or not entry.handed:
+                continue  # gone already (dropped and released)
+            if entry.busy:
+                waiting.append(key)
+                continue
+            del self.host_entries[key]
+            self.num_handed -= 1
+            self._host_event(key, entry.namespace, "removed")
+            located = self.trie.locate(key)
+            if located is not None:
+                before = self.trie.dropped_pages
+                self.forget_dropped(self.trie.clear_tier(*located, Tier.HOST))
+                self.lost_blocks += self.trie.dropped_pages - before
+        self._handed = waiting
+
+    def _add_host(self, key: bytes, namespace: bytes, node: Node, index: int, ready: bool, slot: int | None) -> None:
         entry = self.host_entries.get(key)
+        if entry is not None and entry.handed:
+            raise RuntimeError(f"host block {key.hex()[:8]}: its slot was handed over (check is_handed first)")
         if entry is not None and entry.dropped:  # same key, same content: adopt the old copy
             entry.dropped = False
         elif entry is None:
-            self.host_entries[key] = entry = HostEntry(namespace, self._take_slot(key), ready)
+            slot = self._take_slot(key) if slot is None else slot
+            self.host_entries[key] = entry = HostEntry(namespace, slot, ready)
         else:
             return  # live already
         self._file(key, entry, node, index)
@@ -245,8 +290,7 @@ class TierIndex:
             entry.ready = True
             self.release_host(key, 0)
             return
-        del self.host_entries[key]
-        self._free_slots.append(entry.slot)
+        self._discard(key, entry)
         self.undisked.pop(key, None)
         if entry.dropped:
             return
@@ -254,6 +298,11 @@ class TierIndex:
         located = self.trie.locate(key)
         if located is not None:
             self.forget_dropped(self.trie.clear_tier(*located, Tier.HOST))
+
+    def is_handed(self, key: bytes) -> bool:
+        """Whether ``key``'s host entry gave its slot away (no copy may be added meanwhile)."""
+        entry = self.host_entries.get(key)
+        return entry is not None and entry.handed
 
     def hold_host(self, keys: Iterable[bytes]) -> None:
         """Mark ready host blocks as read by a transfer (not evictable until released)."""
@@ -273,8 +322,7 @@ class TierIndex:
             return
         entry.busy -= count
         if entry.dropped and not entry.busy and entry.ready:
-            del self.host_entries[key]
-            self._free_slots.append(entry.slot)
+            self._discard(key, entry)
 
     # --- disk ------------------------------------------------------------------------------
 
@@ -345,7 +393,7 @@ class TierIndex:
         """Raise RuntimeError unless HOST/DISK bits, host entries, disk entries and the tiers
         agree (see the module docstring). ``disk_exact`` False: a spill or restore is in
         flight, so the disk tier may lag its DISK bits."""
-        slots = [entry.slot for entry in self.host_entries.values()] + self._free_slots
+        slots = [entry.slot for entry in self.host_entries.values() if not entry.handed] + self._free_slots
         if sorted(slots) != list(range(self._fresh_slots)) or self._fresh_slots > self.host_capacity:
             raise RuntimeError(f"host slots leak or repeat: {len(self.host_entries)} entries, "
                                f"{len(self._free_slots)} freed, {self._fresh_slots} of {self.host_capacity} used")  # fmt: skip
@@ -355,7 +403,7 @@ class TierIndex:
         live = {key for key, entry in self.host_entries.items() if not entry.dropped}
         if host_pages != live:
             raise RuntimeError(f"{len(host_pages ^ live)} host entries and HOST bits disagree")
-        undisked = {key for key in live if not self._bits(key) & _DISK}
+        undisked = {key for key in live if not self._bits(key) & _DISK and not self.host_entries[key].handed}
         if set(self.undisked) != undisked:
             raise RuntimeError(f"{len(set(self.undisked) ^ undisked)} host blocks are misfiled as with/without "
                                "a disk copy")  # fmt: skip
@@ -384,8 +432,8 @@ class TierIndex:
             for i, bits in enumerate(node.tiers.tolist()):
                 where = f"page {node.first_page + i} ({keys[i].hex()[:8]})"
                 if bits & _HOST:
-                    entry = self.host_state(keys[i])
-                    if entry is None or trie.locate(keys[i]) != (node, i):
+                    entry = self.host_entries.get(keys[i])
+                    if entry is None or entry.dropped or trie.locate(keys[i]) != (node, i):
                         raise RuntimeError(f"{where} has the HOST bit but no host entry of its own")
                     if entry.namespace != digest:
                         raise RuntimeError(f"{where}: its host entry is in another namespace")
@@ -420,7 +468,14 @@ class TierIndex:
         if entry.busy or not entry.ready:
             entry.dropped = True
         else:
-            del self.host_entries[key]
+            self._discard(key, entry)
+
+    def _discard(self, key: bytes, entry: HostEntry) -> None:
+        """Delete ``entry``; its slot is free again unless it was handed over."""
+        del self.host_entries[key]
+        if entry.handed:
+            self.num_handed -= 1
+        else:
             self._free_slots.append(entry.slot)
 
     def _host_event(self, key: bytes, namespace: bytes, kind: str) -> None:

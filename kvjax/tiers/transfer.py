@@ -186,17 +186,20 @@ class TransferEngine:
         return bucket_rows(num_blocks, self.buckets) if self.buckets else num_blocks
 
     def offload(self, kv_pages, block_ids: Sequence[int], slots: Sequence[int], *,
-                priority: Priority = Priority.SPILL) -> concurrent.futures.Future:  # fmt: skip
+                priority: Priority = Priority.SPILL,
+                after: Sequence[concurrent.futures.Future] = ()) -> concurrent.futures.Future:  # fmt: skip
         """Copies pool blocks ``block_ids`` into host ``slots`` (device_to_host).
 
         The gather is issued here (padded to the batch's bucket), so the pool may be updated
         (donated) right after return. ``kv_pages`` None: no bytes move (a replay).
+        ``after``: transfers that read ``slots`` still (fetches); the slots are written only
+        once all of them finished, from a copy of the blocks gathered now.
         """
         slots = np.asarray(slots, np.intp)
         if len(block_ids) != len(slots):
             raise ValueError(f"{len(block_ids)=} must equal {len(slots)=}")
         job = self._job(Link.DEVICE_TO_HOST, priority, slots)
-        pool_memory = self._cpu_pool_memory(kv_pages) if len(slots) else None
+        pool_memory = self._cpu_pool_memory(kv_pages) if len(slots) and not after else None
         if pool_memory is not None:  # the pool is host memory: read it now, before it is donated
             self.host.write_rows(slots, pool_memory, np.asarray(block_ids, np.intp))
         elif kv_pages is not None and len(slots):
@@ -210,7 +213,25 @@ class TransferEngine:
                     job.blocks.copy_to_host_async()
             except Exception as err:  # noqa: BLE001 - resolve, never raise into the request
                 return self._reject(job, f"gather failed: {err!r}")
+        if after:
+            return self._submit_after(job, after)
         return self._submit(job)
+
+    def _submit_after(self, job: _Job, after: Sequence[concurrent.futures.Future]) -> concurrent.futures.Future:
+        """Submit ``job`` once every future of ``after`` is done (on the thread finishing
+        the last one; at once if all are)."""
+        waiting, lock = [len(after)], threading.Lock()
+
+        def one_done(_) -> None:
+            with lock:
+                waiting[0] -= 1
+                last = waiting[0] == 0
+            if last:
+                self._submit(job)
+
+        for future in after:
+            future.add_done_callback(one_done)
+        return job.future
 
     def _cpu_pool_memory(self, kv_pages) -> np.ndarray | None:
         """The pool's own memory as a read-only numpy view (no copy), when offloads may read
