@@ -29,7 +29,8 @@ from kvjax.cluster.node_server import create_node_app, start_worker
 from kvjax.cluster.redis_process import RedisProcess
 from kvjax.cluster.remote_fetch import RemoteFetcher
 from kvjax.cluster.remote_offers import FAULTS, OfferService
-from kvjax.cluster.router import RECENT_PER_NODE, STRATEGIES, RouterConfig, RoutingPolicy
+from kvjax.cluster.router import STRATEGIES, RoutingPolicy
+from kvjax.cluster.router_options import add_router_options, router_config
 from kvjax.cluster.router_server import RouterService, create_router_app
 from kvjax.serving.engine import Engine
 
@@ -75,33 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     router = commands.add_parser("router", help="route requests to the nodes", description=ROUTER_DESCRIPTION)
     _common(router, default_port=8000)
     router.add_argument("--strategy", default="prefix", choices=STRATEGIES, help="(default: %(default)s)")
-    defaults = RouterConfig()
-    router.add_argument("--share-slack-abs", type=float, default=defaults.share_slack_abs, metavar="N",
-                        help="requests a node may take over its share of the recent ones (default: %(default)g)")
-    router.add_argument("--share-slack-rel", type=float, default=defaults.share_slack_rel, metavar="F",
-                        help="the same as a fraction of the share; the larger of the two applies (default: "
-                             "%(default)g)")
-    router.add_argument("--long-prefix-slack", type=float, default=defaults.long_prefix_slack, metavar="M",
-                        help="the slack, as a multiple, for a request whose longest holders would save more than "
-                             "--long-prefix-units typical prompts of prefill (default: %(default)g)")
-    router.add_argument("--long-prefix-units", type=float, default=defaults.long_prefix_units, metavar="U",
-                        help="(default: %(default)g)")
-    router.add_argument("--imbalance-abs", type=float, default=defaults.imbalance_abs, metavar="N",
-                        help="load units a node may be above the mean load before the safety valve skips it "
-                             "(default: %(default)g)")
-    router.add_argument("--imbalance-rel", type=float, default=defaults.imbalance_rel, metavar="F",
-                        help="the same as a fraction of the mean load; the larger of the two applies (default: "
-                             "%(default)g)")
-    router.add_argument("--tokens-per-load-unit", type=int, default=None, metavar="TOKENS",
-                        help="uncached prefill tokens counted as one request of load (default: learned, the mean "
-                             "uncached prompt routed)")
-    router.add_argument("--fair-window", type=int, default=None, metavar="K",
-                        help=f"recent decisions that fair turns and the share bound count (default: "
-                             f"{RECENT_PER_NODE} per live node)")
-    router.add_argument("--remote-fetch-cost", type=float, default=None, metavar="F",
-                        help="seconds to fetch a block from another node over seconds to recompute it, if nodes "
-                             "fetch: when a request's longest holders are skipped, the others are ranked by loads "
-                             "crediting what they can fetch (default: no credit)")
+    add_router_options(router)
     router.add_argument("--max-attempts", type=int, default=3, metavar="N",
                         help="nodes to try per request (default: %(default)s)")
     router.set_defaults(func=_run_router)
@@ -177,11 +152,7 @@ def _run_router(args) -> int:
     if directory is None:
         raise SystemExit("router: --redis URL is required (the directory it routes by)")
     try:
-        config = RouterConfig(args.strategy, share_slack_abs=args.share_slack_abs, share_slack_rel=args.share_slack_rel,
-                              long_prefix_slack=args.long_prefix_slack, long_prefix_units=args.long_prefix_units,
-                              imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
-                              tokens_per_load_unit=args.tokens_per_load_unit, fair_window=args.fair_window,
-                              remote_fetch_cost=args.remote_fetch_cost)
+        config = router_config(args, args.strategy)
     except ValueError as error:
         raise SystemExit(f"router: {error}") from None
     service = RouterService(directory, RoutingPolicy(config), max_attempts=args.max_attempts)
