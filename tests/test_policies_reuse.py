@@ -179,17 +179,24 @@ def test_the_path_of_a_request_is_observed_up_to_the_first_node_already_seen():
     assert policy.reuse_rates()[ROOT_HIT_ONCE] == rates[ROOT_HIT_ONCE]
 
 
+
+def _serve(cache, now, tokens, at):
+    """Admit, commit and release ``tokens`` at time ``at`` (``now`` is the cache's clock cell);
+    the blocks it used."""
+    now[0] = at
+    handle = cache.admit(tokens)
+    cache.commit(handle, tokens)
+    cache.release(handle)
+    return handle.block_ids.tolist()
+
+
 def test_victim_order_in_a_cache_follows_the_learned_kinds():
     # Trained: one-off root sequences are never reused, deeper extensions are reused at once.
     now = [0.0]
     cache = DeviceIndex(6, 1, policy=_trained(), clock=lambda: now[0])
 
     def run(tokens, at):
-        now[0] = at
-        handle = cache.admit(tokens)
-        cache.commit(handle, tokens)
-        cache.release(handle)
-        return handle.block_ids.tolist()
+        return _serve(cache, now, tokens, at)
 
     chat = run([1, 2], 1990.0)  # a root sequence...
     turn = run([1, 2, 3], 1995.0)  # ...extended 5 s later: [1, 2] hit once, [3] deeper and fresh
@@ -209,11 +216,7 @@ def test_with_little_evidence_the_order_is_the_prior_at_full_trust_else_lru(trus
     cache = DeviceIndex(5, 1, policy=ReusePolicy(trust_trials=trust_trials), clock=lambda: now[0])
 
     def run(tokens, at):
-        now[0] = at
-        handle = cache.admit(tokens)
-        cache.commit(handle, tokens)
-        cache.release(handle)
-        return handle.block_ids.tolist()
+        return _serve(cache, now, tokens, at)
 
     run([1, 2], 0.0)
     hot = run([1, 2, 3], 1.0)  # [1, 2] hit once, extended in place by [3]: one node, hit once
