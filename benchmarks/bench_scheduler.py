@@ -48,7 +48,6 @@ VOCAB = 32_000
 PAGE_SIZE = 16
 PROMPT_LEN = 512
 SYSTEM_LEN = 256
-POLICY = DEFAULT_POLICY  # --policy
 
 
 def main() -> None:
@@ -62,21 +61,19 @@ def main() -> None:
     parser.add_argument("--policy", default=DEFAULT_POLICY, help="the cache's eviction policy (default: %(default)s; "
                         "lru to compare with a cache that ran lru)")  # fmt: skip
     args = parser.parse_args()
-    rng = np.random.default_rng(args.seed)
-    global POLICY
-    POLICY = args.policy
+    rng, policy = np.random.default_rng(args.seed), args.policy
     n, w, steps = args.num_seqs, args.waiting, args.steps
     scenarios = [
-        (f"decode, {n} running", lambda: run_decode(rng, n, 0, 4, steps)),
-        (f"decode, {n} running + {w} waiting (refresh 4/step)", lambda: run_decode(rng, n, w, 4, steps)),
-        (f"decode, {n} running + {w} waiting (refresh 0)", lambda: run_decode(rng, n, w, 0, steps)),
-        (f"churn, {n} running + {w} waiting", lambda: run_churn(rng, n, w, steps)),
+        (f"decode, {n} running", lambda: run_decode(rng, n, 0, 4, steps, policy)),
+        (f"decode, {n} running + {w} waiting (refresh 4/step)", lambda: run_decode(rng, n, w, 4, steps, policy)),
+        (f"decode, {n} running + {w} waiting (refresh 0)", lambda: run_decode(rng, n, w, 0, steps, policy)),
+        (f"churn, {n} running + {w} waiting", lambda: run_churn(rng, n, w, steps, policy)),
         (f"baseline: DeviceIndex calls of a {n}-decode step", lambda: run_baseline(rng, n, steps)),
     ]
     passes = [[run() for _, run in scenarios] for _ in range(args.repeats)]  # scenarios interleaved
     rows = [(name, min((p[i] for p in passes), key=lambda r: (r[0] + r[1]).sum()))
             for i, (name, _) in enumerate(scenarios)]  # fmt: skip
-    print(f"page_size={PAGE_SIZE}, policy {POLICY}, prompts of {PROMPT_LEN} tokens ({SYSTEM_LEN} shared), "
+    print(f"page_size={PAGE_SIZE}, policy {policy}, prompts of {PROMPT_LEN} tokens ({SYSTEM_LEN} shared), "
           f"{steps} timed steps per row, thread CPU time, best of {args.repeats} passes\n")  # fmt: skip
     print("| scenario | us/step mean | p50 | p99 | schedule() us | on_step_done() us | tokens/step | us per running seq |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -89,11 +86,11 @@ def main() -> None:
     print(f"command: {' '.join(sys.argv)}")
 
 
-def make_scheduler(num_seqs: int, waiting: int, refresh: int) -> Scheduler:
+def make_scheduler(num_seqs: int, waiting: int, refresh: int, policy: str = DEFAULT_POLICY) -> Scheduler:
     num_blocks = (num_seqs + 64) * (PROMPT_LEN + 1024) // PAGE_SIZE
     pool = PoolConfig(num_blocks=num_blocks, num_layers=1, num_kv_heads=1, page_size=PAGE_SIZE, head_dim=1,
                       dtype="float32")  # fmt: skip
-    cache = KVCache(KVCacheConfig(pool=pool, vocab_size=VOCAB, policy=POLICY), move_bytes=False)  # bookkeeping, no pool array
+    cache = KVCache(KVCacheConfig(pool=pool, vocab_size=VOCAB, policy=policy), move_bytes=False)  # bookkeeping, no pool array
     config = SchedulerConfig(max_num_seqs=num_seqs, token_budget=max(2048, num_seqs), max_prefill_chunk=512,
                              rank_refresh_per_step=refresh, max_waiting=waiting + num_seqs + 1)  # fmt: skip
     return Scheduler(cache, config)
@@ -117,9 +114,9 @@ def step(scheduler: Scheduler, rng) -> tuple[float, float, int]:
     return (middle - start) / 1e3, (end - resume) / 1e3, plan.num_tokens
 
 
-def run_decode(rng, num_seqs: int, waiting: int, refresh: int, steps: int):
+def run_decode(rng, num_seqs: int, waiting: int, refresh: int, steps: int, policy: str = DEFAULT_POLICY):
     system = rng.integers(0, VOCAB, SYSTEM_LEN, dtype=np.int32)
-    scheduler = make_scheduler(num_seqs, waiting, refresh)
+    scheduler = make_scheduler(num_seqs, waiting, refresh, policy)
     for request in make_requests(rng, "run", num_seqs, system, np.full(num_seqs, 100_000)):
         scheduler.add(request)
     while any(request.is_prefill for request in scheduler.running.values()) or scheduler.num_waiting:
@@ -129,9 +126,9 @@ def run_decode(rng, num_seqs: int, waiting: int, refresh: int, steps: int):
     return timed(scheduler, rng, steps)
 
 
-def run_churn(rng, num_seqs: int, waiting: int, steps: int):
+def run_churn(rng, num_seqs: int, waiting: int, steps: int, policy: str = DEFAULT_POLICY):
     system = rng.integers(0, VOCAB, SYSTEM_LEN, dtype=np.int32)
-    scheduler = make_scheduler(num_seqs, waiting, 4)
+    scheduler = make_scheduler(num_seqs, waiting, 4, policy)
     total = num_seqs + waiting
     for request in make_requests(rng, "r", total, system, rng.integers(16, 257, total)):
         scheduler.add(request)
