@@ -391,3 +391,20 @@ def test_a_swap_through_a_full_host_moves_the_right_bytes(rounds):
                 assert num_hit == 3 and tiers["host"] == 12 and same_bits(got, kv[:3])
                 compute(cache, tokens, blocks=kv)  # on device again (the last page computed)
                 cache.check_invariants()
+
+
+def test_extending_a_released_or_foreign_handle_is_refused_before_anything_is_evicted():
+    """With the pool full of cached pages, growing a released handle (or not a handle at all)
+    raises a clear error and evicts nothing: every cached page stays hittable."""
+    with make(host_blocks=0) as cache:
+        first, second = prompt(4 * POOL.page_size), prompt(4 * POOL.page_size, start=100)
+        compute(cache, first)
+        gone = compute(cache, second)  # committed and released: all 8 blocks cached, none free
+        assert cache.allocator.num_free == 0 and cache.num_reclaimable == POOL.num_blocks
+        with pytest.raises(ValueError, match="not a live sequence"):
+            cache.extend(gone, 3 * POOL.page_size)  # would need room: it evicted first before
+        with pytest.raises(ValueError, match="not a live sequence"):
+            cache.extend("seq-1", 1)
+        assert cache.num_reclaimable == POOL.num_blocks
+        assert hit_pages(cache, first)[0] == hit_pages(cache, second)[0] == 3  # never the last page
+        cache.check_invariants()

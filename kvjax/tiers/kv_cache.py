@@ -350,6 +350,8 @@ class KVCache:
     def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
         """Room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
         index = self.index
+        if not isinstance(handle, SeqHandle) or not handle.alive:
+            return index.extend(handle, num_new_tokens)  # its error names the handle; nothing evicted
         missing = -(-(handle.num_tokens + num_new_tokens) // index.page_size) - len(handle.block_ids)
         if missing <= 0 or num_new_tokens < 0:  # the usual case: room in the last page
             return index.extend(handle, num_new_tokens)
