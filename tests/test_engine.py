@@ -258,7 +258,7 @@ def test_tiny_preset_wires_model_scheduler_and_tiers():
     parts["cache"].close()
     assert parts["model"].cfg.d_model == 128 and parts["config"].token_buckets == (32, 256)
     assert parts["scheduler_config"].max_num_seqs == 16
-    assert parts["cache"].config.host_bytes == 4 << 20 and parts["cache"].config.disk_dir is None
+    assert parts["cache"].config.host_bytes == 2 << 20 and parts["cache"].config.disk_dir is None
     assert (parts["cache"].pool.config.page_size, parts["cache"].pool.config.num_blocks) == (16, 256)
     assert build_engine_parts("tiny", tiers=False)["cache"].config.host_bytes == 0
 
