@@ -23,24 +23,29 @@ generated trace of ``kvjax.tools.trace_family`` instead of the shared one.
         [--device-blocks 2000 8000] [--no-remote-fetch] [--policy NAME]
         [--share-slack-rel 0.05 0.1 0.15 0.2 0.3 inf]
 
-Measured here (``PYTHONPATH=. .venv/bin/python benchmarks/bench_cluster_replay.py``, 54 s on a
-loaded machine; router defaults: share slack 0.10, 1.5x that for long prefixes, guard 16 units
-/ 50%), ``prefix`` rows on the shared trace with the default eviction policy (reuse):
+Measured here (``PYTHONPATH=. .venv/bin/python benchmarks/bench_cluster_replay.py``, 15 s;
+router defaults: share slack 0.10, 1.5x that for long prefixes, guard 16 units / 50%, a
+request nobody holds returns to the node that dropped its first block last), ``prefix`` rows
+on the shared trace with the default eviction policy (reuse):
 
 | nodes | blocks/node | local hits | fetched | one cache | gap local | gap served | max/mean | window p95 |
 |---:|---:|---:|---:|---:|---:|---:|---:|---:|
-| 4 | 2,000 | 37.27% | 0.20% | 40.68% | +3.41 | +3.21 | 1.002 | 1.060 |
-| 4 | 8,000 | 62.51% | 0.38% | 62.97% | +0.46 | +0.08 | 1.004 | 1.100 |
-| 8 | 2,000 | 52.87% | 0.65% | 55.24% | +2.37 | +1.72 | 1.004 | 1.120 |
+| 4 | 2,000 | 39.26% | 0.29% | 40.68% | +1.42 | +1.13 | 1.009 | 1.100 |
+| 4 | 8,000 | 62.38% | 0.40% | 62.97% | +0.59 | +0.19 | 1.008 | 1.100 |
+| 8 | 2,000 | 53.58% | 0.50% | 55.24% | +1.66 | +1.16 | 1.004 | 1.120 |
 | 8 | 8,000 | 63.18% | 0.79% | 63.96% | +0.79 | +0.00 | 1.008 | 1.120 |
 
-With ``--policy lru``: local 36.31 / 62.43 / 52.00 / 63.18%, gaps +1.02, +0.38, +0.99, +0.79,
-served +0.67, +0.06, +0.38, +0.00, window p95 1.08-1.12; one cache of N x C 37.33 / 62.81 /
-52.99 / 63.96%. So reuse's local hits are at or above LRU's on every row (it trusts what it
-learned only as trials close; without that it lost 36.58 / 61.74 / 49.89% here), and its one
-cache is well above LRU's: the larger 2,000-block gaps under reuse are a better yardstick,
-not fewer local hits.
-least_loaded / round_robin: local 9.2-27.2%, window p95 1.22-1.30 / 1.00. System-prompt trace,
+``--no-follow-dropped`` (fair turns for every request nobody holds): gaps local +3.41, +0.46,
++2.37, +0.79, served +3.21, +0.08, +1.72, +0.00: at 2,000 blocks most requests find no holder
+(2,218 of 3,993 at 4 nodes), and a prefix sent back to the node whose eviction policy has
+seen it is kept like the repeat it is; elsewhere it starts as a stranger.
+With ``--policy lru``: local 36.51 / 62.32 / 51.93 / 63.18%, gaps +0.82, +0.49, +1.06, +0.79,
+served +0.31, +0.03, +0.61, +0.00; one cache of N x C 37.33 / 62.81 / 52.99 / 63.96%. What
+is left at 2,000 blocks is capacity that is not pooled: one cache of N x C evicts the
+globally coldest page, N caches each their own, and reuse's single cache also learns from N
+times the traffic (one learner shared by the nodes, which no real cluster has, would close
+another 0.3-0.6 point here).
+least_loaded / round_robin: local 9.2-28.6%, window p95 1.22-1.28 / 1.00. System-prompt trace,
 ``prefix``: max/mean 1.000 at 4 and 8 nodes (least_loaded 1.013 / 1.059). The frontier and
 the other trace shapes: ``kvjax.cluster.router``'s docstring.
 """
@@ -72,6 +77,8 @@ def main() -> None:
     parser.add_argument("--device-blocks", type=int, nargs="+", default=[2000, 8000], help="per node")
     parser.add_argument("--system-prompt-device-blocks", type=int, default=2000, help="per node, second table")
     parser.add_argument("--no-remote-fetch", action="store_true", help="nodes recompute what others hold")
+    parser.add_argument("--no-follow-dropped", action="store_true",
+                        help="requests nobody holds go by fair turns, not to the node that dropped them last")
     parser.add_argument("--policy", default=DEFAULT_POLICY, help="eviction policy of every cache")
     parser.add_argument("--shape", choices=SHAPES, help="a generated trace of this shape instead (trace_family)")
     parser.add_argument("--shape-requests", type=int, default=4000, help="requests of the generated --shape trace")
@@ -85,16 +92,19 @@ def main() -> None:
     requests = generate(args.shape, num_requests=args.shape_requests) if args.shape else load_trace(args.trace)
     trace_name = f"generated {args.shape} ({args.shape_requests} requests, seed 0)" if args.shape else args.trace
     if args.share_slack_rel:
-        print_frontier(requests, args.nodes, args.device_blocks, args.share_slack_rel, service, fetch, args.policy)
+        print_frontier(requests, args.nodes, args.device_blocks, args.share_slack_rel, service, fetch, args.policy,
+                       follow_dropped=not args.no_follow_dropped)
         print(f"\n{time.perf_counter() - start:.0f} s; command: {' '.join(sys.argv)}")
         return
     rows = [row for nodes in args.nodes for blocks in args.device_blocks
-            for row in compare(requests, nodes, blocks, service, fetch, args.policy)]  # fmt: skip
+            for row in compare(requests, nodes, blocks, service, fetch, args.policy,
+                               follow_dropped=not args.no_follow_dropped)]  # fmt: skip
     print(f"trace {trace_name}: {len(requests)} requests\n")
     print_table(rows)
     shared = shared_system_prompt_trace()
     rows = [row for nodes in args.nodes
-            for row in compare(shared, nodes, args.system_prompt_device_blocks, service, fetch, args.policy)]
+            for row in compare(shared, nodes, args.system_prompt_device_blocks, service, fetch, args.policy,
+                               follow_dropped=not args.no_follow_dropped)]
     print(f"\ngenerated trace: {len(shared)} requests, every one behind the same "
           f"{SYSTEM_PROMPT_BLOCKS}-block system prompt (target for prefix: max/mean <= 1.10)\n")  # fmt: skip
     print_table(rows)
@@ -102,12 +112,13 @@ def main() -> None:
 
 
 def compare(requests: list[TraceRequest], nodes: int, device_blocks: int, service: ServiceModel,
-            fetch: FetchModel | None, policy: str) -> list[tuple]:  # fmt: skip
+            fetch: FetchModel | None, policy: str, *, follow_dropped: bool = True) -> list[tuple]:  # fmt: skip
     """One row per strategy: (nodes, blocks, strategy, report, single-cache block hit rate)."""
     spec = ClusterSpec(nodes, device_blocks, policy=policy)
     single = yardsticks(requests, spec)["single_cache"].block_hit_rate
-    return [(nodes, device_blocks, strategy, simulate_cluster(requests, spec, router=RouterConfig(strategy),
-                                                              service=service, fetch=fetch), single)
+    return [(nodes, device_blocks, strategy,
+             simulate_cluster(requests, spec, router=RouterConfig(strategy, follow_dropped=follow_dropped),
+                              service=service, fetch=fetch), single)
             for strategy in STRATEGIES]  # fmt: skip
 
 
@@ -125,7 +136,8 @@ def print_table(rows: list[tuple]) -> None:
 
 
 def print_frontier(requests: list[TraceRequest], nodes: list[int], device_blocks: list[int], slacks: list[float],
-                   service: ServiceModel, fetch: FetchModel | None, policy: str) -> None:  # fmt: skip
+                   service: ServiceModel, fetch: FetchModel | None, policy: str, *,
+                   follow_dropped: bool = True) -> None:  # fmt: skip
     """``prefix`` at each share slack: gap local / served (points), fetched, max/mean and window
     p95 per configuration."""
     configs = [(n, blocks) for n in nodes for blocks in device_blocks]
@@ -139,7 +151,8 @@ def print_frontier(requests: list[TraceRequest], nodes: list[int], device_blocks
         cells = []
         for n, blocks in configs:
             report = simulate_cluster(requests, ClusterSpec(n, blocks, policy=policy),
-                                      router=RouterConfig(share_slack_rel=slack), service=service, fetch=fetch)
+                                      router=RouterConfig(share_slack_rel=slack, follow_dropped=follow_dropped),
+                                      service=service, fetch=fetch)
             local = 100 * (singles[n, blocks] - report.local.block_hit_rate)
             served = 100 * (singles[n, blocks] - report.served_block_hit_rate)
             cells.append(f"{local:+.2f} / {served:+.2f} / {report.remote_block_hit_rate:.2%} / "

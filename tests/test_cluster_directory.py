@@ -185,6 +185,31 @@ def test_routing_time_load_adds_to_the_node_record(directory):
     assert directory.live_nodes()[0].load == NodeLoad(2, 320)
 
 
+def test_a_dropped_first_block_is_marked_with_its_time_for_this_epoch_only(directory):
+    keys, digest = keys_of(TENANT_A), TENANT_A.digest()
+    epoch = directory.register("n1", "http://a", CLUSTER)
+    directory.register("n2", "http://b", CLUSTER)
+    directory.write_blocks("n1", epoch, masks_of(stored(TENANT_A, keys)))
+    assert by_id(directory.lookup(digest, keys))["n1"].first_dropped_ms == 0  # held, not dropped
+    # every block leaves n1: the first stays as a dropped entry, the others are deleted
+    directory.write_blocks("n1", epoch, {(digest, key): 0 for key in keys}, first_blocks={(digest, keys[0])},
+                           now_ms=1234)  # fmt: skip
+    views = by_id(directory.lookup(digest, keys))
+    assert (views["n1"].prefix_blocks, views["n1"].first_dropped_ms) == (0, 1234)
+    assert views["n2"].first_dropped_ms == 0
+    assert not directory.client.exists(directory.block_key(digest, keys[1]))
+    assert 0 < directory.client.pttl(directory.block_key(digest, keys[0])) <= directory.block_ttl_s * 1000
+    # only the request's first key counts: a prompt that starts at block 1 sees no mark
+    assert by_id(directory.lookup(digest, keys[1:]))["n1"].first_dropped_ms == 0
+    assert by_id(directory.lookup(TENANT_B.digest(), keys))["n1"].first_dropped_ms == 0  # another tenant
+    directory.write_blocks("n1", epoch, masks_of(stored(TENANT_A, keys[:1])))  # cached again: no mark
+    assert (by_id(directory.lookup(digest, keys))["n1"].prefix_blocks,
+            by_id(directory.lookup(digest, keys))["n1"].first_dropped_ms) == (1, 0)  # fmt: skip
+    directory.write_blocks("n1", epoch, {(digest, keys[0]): 0}, first_blocks={(digest, keys[0])}, now_ms=99)
+    directory.register("n1", "http://a", CLUSTER)  # restarted: its old epoch's marks are not used
+    assert by_id(directory.lookup(digest, keys))["n1"].first_dropped_ms == 0
+
+
 def test_no_tenant_sees_another_tenants_blocks(directory):
     keys_a, keys_b = keys_of(TENANT_A), keys_of(TENANT_B)  # identical prompts
     assert not set(keys_a) & set(keys_b)
@@ -231,6 +256,21 @@ def test_the_publisher_folds_event_batches_into_entries(directory):
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
         assert run_of(directory, TENANT_A, keys).blocks_by_tier == {"device": 0, "host": 3, "disk": 0}
     assert directory.live_nodes() == []  # a clean shutdown deregisters
+
+
+def test_the_publisher_marks_the_first_blocks_a_node_drops(directory):
+    keys = keys_of(TENANT_A)
+    with running_publisher(directory) as publisher:
+        publisher.submit([stored(TENANT_A, keys[:4]), stored(TENANT_A, keys[:4], "host", seq=4)])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 4)
+        before_ms = int(time.time() * 1000)
+        publisher.submit([stored(TENANT_A, keys[:4], kind="removed", seq=8)])  # still on host
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).blocks_by_tier["host"] == 4)
+        assert run_of(directory, TENANT_A, keys).first_dropped_ms == 0
+        publisher.submit([stored(TENANT_A, keys[:4], "host", kind="removed", seq=12)])  # now gone from the node
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).first_dropped_ms >= before_ms)
+        assert run_of(directory, TENANT_A, keys).prefix_blocks == 0
+        assert not directory.client.exists(directory.block_key(TENANT_A.digest(), keys[1]))
 
 
 def test_a_restarted_redis_is_rebuilt_from_the_node(tmp_path, redis_prefix):

@@ -55,6 +55,20 @@ def test_prefix_keeps_each_conversation_on_one_node_and_hits_like_one_cache():
     assert report.reasons == {"affinity": 4, "no_prefix": 2}
 
 
+@pytest.mark.parametrize("follow_dropped", [True, False])
+def test_a_prefix_every_node_dropped_returns_to_the_node_that_dropped_it_last(follow_dropped):
+    # 3 blocks of room per node: X (1-3) on n0, Y (10-12) on n1, then Z and W push both out;
+    # when Y comes back fair turns would give it to n0, following the drop gives it to n1
+    paths = [(1, 2, 3), (10, 11, 12), (20, 21, 22), (30, 31, 32), (10, 11, 12)]
+    spec = ClusterSpec(2, 3, block_tokens=BLOCK)
+    report = simulate_cluster(trace(paths), spec, router=RouterConfig(follow_dropped=follow_dropped), fetch=None)
+    assert report.local.hit_blocks == 0  # nobody held Y when it came back
+    if follow_dropped:
+        assert report.reasons == {"no_prefix": 4, "returning": 1} and report.requests_per_node == (2, 3)
+    else:
+        assert report.reasons == {"no_prefix": 5} and report.requests_per_node == (3, 2)
+
+
 def test_round_robin_splits_the_conversations_and_another_node_holds_the_rest():
     report = run(TWO_CONVERSATIONS, "round_robin")
     # X1 n0, X2 n1 (n0 held 2), X3 n0 (hits 2; n1 held 3), and Y the same way

@@ -2,6 +2,7 @@
 the shared-system-prompt case where a weighted cost sends everything to one node."""
 
 import collections
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
@@ -35,6 +36,8 @@ def test_unknown_strategy_and_bad_guard_settings_are_refused():
         RouterConfig(share_slack_abs=0.5)
     with pytest.raises(ValueError, match=r"share_slack_rel=-0.1 >= 0"):
         RouterConfig(share_slack_rel=-0.1)
+    with pytest.raises(ValueError, match=r"follow_dropped='yes' must be a bool"):
+        RouterConfig(follow_dropped="yes")
 
 
 def test_no_node_left_is_an_error_naming_the_excluded():
@@ -118,6 +121,37 @@ def test_nothing_cached_anywhere_takes_fair_turns_among_nodes_not_overloaded():
     assert choose_ids(policy, views, 3) == ["a", "b", "c"]
     assert policy.choose(views, 100, PAGE).reason == "no_prefix"
     assert set(choose_ids(policy, [node("a", inflight=9), node("b"), node("c")], 4)) == {"b", "c"}
+
+
+def test_a_prefix_nobody_holds_returns_to_the_node_that_dropped_it_last():
+    def dropped(node_id, ms, **load):
+        return dataclasses.replace(node(node_id, **load), first_dropped_ms=ms)
+
+    policy = RoutingPolicy(RouterConfig(imbalance_abs=2, imbalance_rel=0, tokens_per_load_unit=100))
+    views = [dropped("a", 500), dropped("b", 900), dropped("c", 0)]
+    decision = policy.choose(views, 100, PAGE)
+    assert (decision.node_id, decision.reason, decision.uncached_tokens) == ("b", "returning", 100)
+    # a holder of any of it wins over the node that dropped the first block
+    assert policy.choose([dropped("a", 0, prefix_blocks=1), dropped("b", 900)], 100, PAGE).node_id == "a"
+    # an overloaded dropper is skipped like any overloaded node: the others take fair turns
+    decision = policy.choose([dropped("a", 500), dropped("b", 900, inflight=9), node("c")], 100, PAGE)
+    assert (decision.node_id, decision.reason) == ("a", "returning")
+    decision = policy.choose([node("a"), dropped("b", 900, inflight=9), node("c")], 100, PAGE)
+    assert decision.reason == "no_prefix" and decision.node_id != "b"
+    # off: fair turns as if nothing was dropped
+    off = RoutingPolicy(RouterConfig(follow_dropped=False))
+    assert [off.choose(views, 100, PAGE).reason for _ in range(3)] == ["no_prefix"] * 3
+    assert choose_ids(RoutingPolicy(RouterConfig(follow_dropped=False)), views, 3) == ["a", "b", "c"]
+
+
+def test_a_returning_prefix_stays_within_the_share_bound():
+    """Every request's first block was dropped by node a: a takes them up to its share plus
+    the slack of the recent window, then the others take fair turns."""
+    policy = RoutingPolicy(RouterConfig(share_slack_abs=2, share_slack_rel=0, fair_window=30))
+    views = [dataclasses.replace(node("a"), first_dropped_ms=7), node("b"), node("c")]
+    chosen = choose_ids(policy, views, 300)
+    counts = collections.Counter(chosen[-30:])
+    assert max(counts.values()) <= 30 / 3 + 2 and counts["a"] >= 10
 
 
 def test_the_default_guard_lets_a_holder_run_well_above_the_mean_in_flight():

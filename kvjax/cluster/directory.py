@@ -18,14 +18,18 @@ key                            type    TTL             holds (written by)
                                                        step writes; routers HINCRBY the load)
 ``{prefix}:b:{ns}:{key}``      hash    ``block_ttl_s`` node id -> "{epoch}:{tier mask}" (each node
                                                        from its block events; mask: device 1,
-                                                       host 2, disk 4)
+                                                       host 2, disk 4), or "{epoch}:0:{ms}" for a
+                                                       first block the node dropped at ``ms``
 =============================  ======  ==============  ============================================
 
 Reading rules: a node is live while its record exists (its heartbeat keeps the TTL); an entry
 counts only if its epoch equals the live record's epoch, so a restarted node's (or a dead
 node's) old entries are never used. A lookup of a request's block keys is one round trip: one
 server-side script reads the live records and returns per live node the length of its leading
-run of the keys and how many of those blocks are fastest on each tier.
+run of the keys and how many of those blocks are fastest on each tier, and when it dropped the
+first key if it did (a first block, one with no parent, that leaves a node's last tier stays
+as a dropped entry, "{epoch}:0:{ms}", until the key expires: the router sends a request
+nobody holds back to the node that saw its prefix last, ``kvjax.cluster.router``).
 
 The script does not read every key: it relies on what a node's cache guarantees and its
 publisher mirrors transaction by transaction, that a block is held only with its parent (the
@@ -39,7 +43,8 @@ against walking every key (``benchmarks/bench_router.py``). A gap among device e
 no publisher writes, can make a run look longer than it is: a routing hint, never KV.
 
 Memory: each node writes one field per block it holds, and deletes it when its events say
-the block left its last tier (an empty hash disappears), so a live node leaves nothing behind.
+the block left its last tier (an empty hash disappears), so a live node leaves nothing behind
+but its dropped first blocks, one field each until the key's TTL.
 What a dead node, or a node's previous epoch, wrote is never read and is bounded: one field
 per node id and block (a restart overwrites its own field), and it expires with the block
 key's TTL, which only a live holder's writes and periodic refreshes extend (see
@@ -53,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import redis
 
@@ -184,20 +189,24 @@ class Directory:
         return {1: "ok", 0: "gone", -1: "superseded"}[int(status)]
 
     def write_blocks(self, node_id: str, epoch: int, masks: Mapping[tuple[bytes, bytes], int],
-                     load: NodeLoad | None = None) -> None:  # fmt: skip
+                     load: NodeLoad | None = None, *, first_blocks: Collection[tuple[bytes, bytes]] = (),
+                     now_ms: int | None = None) -> None:  # fmt: skip
         """One transaction: each ``(namespace, key) -> tier mask`` becomes the node's entry
-        (mask 0 deletes it), and ``load`` (if given) its record's load.
+        (mask 0 deletes it, or marks it dropped at ``now_ms``, default the clock now, if the
+        block is in ``first_blocks``: a sequence's first block), and ``load`` (if given) its
+        record's load.
 
         Routers see all of it or none of it. ``load`` also refreshes the record's TTL: a
         node that steps is alive (a record that already expired gets no epoch back, so it
         stays invisible until the node registers again).
         """
         ttl_ms = self._ms(self.block_ttl_s)
+        dropped = f"{epoch}:0:{int(time.time() * 1000) if now_ms is None else now_ms}"
         with self.client.pipeline(transaction=True) as pipe:
-            for (namespace, key), mask in masks.items():
-                name = self.block_key(namespace, key)
-                if mask:
-                    pipe.hset(name, node_id, f"{epoch}:{mask}")
+            for block, mask in masks.items():
+                name = self.block_key(*block)
+                if mask or block in first_blocks:
+                    pipe.hset(name, node_id, f"{epoch}:{mask}" if mask else dropped)
                     pipe.pexpire(name, ttl_ms)
                 else:
                     pipe.hdel(name, node_id)
@@ -228,14 +237,16 @@ class Directory:
 
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[NodeView]:
         """Every live node with the leading run of ``keys`` (a request's chained block keys,
-        in order, of ``namespace``) it holds; one round trip. Sorted by node id."""
+        in order, of ``namespace``) it holds, and when it dropped the first key (0: it did not,
+        in this epoch); one round trip. Sorted by node id."""
         reply = self._lookup([], [self.prefix, f"{self.prefix}:b:{namespace.hex()}:", b"".join(keys).hex()])
         views = []
         for row in reply:
-            node_id, epoch, address, inflight, prefill, run, device, host, disk = row
+            node_id, epoch, address, inflight, prefill, run, device, host, disk, dropped = row
             views.append(NodeView(_text(node_id), int(epoch), _text(address),
                                   NodeLoad(int(inflight or 0), int(prefill or 0)), int(run),
-                                  {"device": int(device), "host": int(host), "disk": int(disk)}))  # fmt: skip
+                                  {"device": int(device), "host": int(host), "disk": int(disk)},
+                                  int(dropped)))  # fmt: skip
         views.sort(key=lambda view: view.node_id)
         return views
 
@@ -312,10 +323,11 @@ return 1
 # ARGV: prefix, the block keys' name head ("{prefix}:b:{ns hex}:"), the request's block keys in
 # order as one hex string (32 digits each: one argument, not one per key, is 0.1 ms less
 # packing at 256 keys). Returns per live node {id, epoch, address, inflight, prefill_tokens,
-# run, device, host, disk}. Relies on each node's entries being prefix-closed, and its device
-# entries too (see the module docstring): block 1 for every node in one HMGET, then per node
-# that holds it the last block, a binary search for its run, one for its device boundary, and
-# one HGET per block of the run past it (host or disk, which are not prefix-closed).
+# run, device, host, disk, the ms it dropped block 1 in this epoch or 0}. Relies on each
+# node's entries being prefix-closed, and its device entries too (see the module docstring):
+# block 1 for every node in one HMGET, then per node that holds it the last block, a binary
+# search for its run, one for its device boundary, and one HGET per block of the run past it
+# (host or disk, which are not prefix-closed).
 _LOOKUP = """
 local prefix, head, packed = ARGV[1], ARGV[2], ARGV[3]
 local count = #packed / 32
@@ -361,8 +373,11 @@ for j, node in ipairs(live) do
     end
     return lo
   end
-  local run, counts = 0, {0, 0, 0}
+  local run, counts, dropped = 0, {0, 0, 0}, 0
   if count > 0 then seen[1] = valid[first[j]] or false end
+  if count > 0 and first[j] and not seen[1] then
+    dropped = tonumber(string.match(first[j], '^' .. rec[1] .. ':0:(%d+)$')) or 0
+  end
   if count > 0 and seen[1] then
     run = count
     if not tier(count) then run = last(1, count, tier) end
@@ -382,7 +397,7 @@ for j, node in ipairs(live) do
       counts[t] = counts[t] + 1
     end
   end
-  out[#out + 1] = {id, rec[1], rec[2], rec[3], rec[4], run, counts[1], counts[2], counts[3]}
+  out[#out + 1] = {id, rec[1], rec[2], rec[3], rec[4], run, counts[1], counts[2], counts[3], dropped}
 end
 return out
 """

@@ -27,7 +27,9 @@ class NodeView:
     """One live node as a lookup saw it, for one request's block keys.
 
     ``prefix_blocks``: the leading run of the request's blocks the node holds in any tier;
-    ``blocks_by_tier``: how many of those are fastest on each tier (device, then host, disk).
+    ``blocks_by_tier``: how many of those are fastest on each tier (device, then host, disk);
+    ``first_dropped_ms``: when the node (in this epoch) last dropped the request's first block
+    from its last tier, in ms of its clock (0: it holds it, or never held it, or forgot).
     """
 
     node_id: str
@@ -36,3 +38,4 @@ class NodeView:
     load: NodeLoad
     prefix_blocks: int = 0
     blocks_by_tier: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    first_dropped_ms: int = 0

@@ -61,6 +61,7 @@ class DirectoryPublisher:
         self.last_error: str | None = None
         self.counters = {"published_batches": 0, "published_blocks": 0, "resyncs": 0, "errors": 0}
         self._holdings: dict[_Block, int] = {}
+        self._first_blocks: set[_Block] = set()  # held blocks stored with no parent (a sequence's first)
         self._fold_entries(holdings)
         self._lock = threading.Lock()
         self._pending: list[tuple[BlockEvent, ...]] = []
@@ -138,12 +139,12 @@ class DirectoryPublisher:
             self._wake.clear()
             if self._stop.is_set():
                 break
-            changed, load = self._drain()
+            changed, dropped_first, load = self._drain()
             try:
                 if self._needs_resync:
                     self._resync(load)
                 elif changed or load != self._written_load:
-                    self.directory.write_blocks(self.node_id, self.epoch, changed, load)
+                    self.directory.write_blocks(self.node_id, self.epoch, changed, load, first_blocks=dropped_first)
                     self._written_load = load
                     self.counters["published_blocks"] += len(changed)
                 if time.monotonic() >= next_heartbeat:
@@ -165,14 +166,16 @@ class DirectoryPublisher:
                            self.node_id)  # fmt: skip
                 return
 
-    def _drain(self) -> tuple[dict[_Block, int], NodeLoad]:
-        """Fold the queued events into the holdings; returns the changed blocks' masks."""
+    def _drain(self) -> tuple[dict[_Block, int], set[_Block], NodeLoad]:
+        """Fold the queued events into the holdings; returns the changed blocks' masks, the
+        first blocks among them that left the node, and the load."""
         with self._lock:
             batches, self._pending = self._pending, []
             reset, self._pending_reset = self._pending_reset, None
             load = self._load
         if reset is not None:
             self._holdings.clear()
+            self._first_blocks.clear()  # holdings carry no parents: those dropped later are not marked
             self._fold_entries(reset)
             self._needs_resync = True
         changed: set[_Block] = set()
@@ -180,7 +183,10 @@ class DirectoryPublisher:
             self.counters["published_batches"] += 1
             for event in batch:
                 self._fold_event(event, changed)
-        return {block: self._holdings.get(block, 0) for block in changed}, load
+        masks = {block: self._holdings.get(block, 0) for block in changed}
+        dropped_first = {block for block, mask in masks.items() if not mask and block in self._first_blocks}
+        self._first_blocks -= dropped_first
+        return masks, dropped_first, load
 
     def _fold_event(self, event: BlockEvent, changed: set[_Block]) -> None:
         bit = TIER_BITS[event.tier]
@@ -191,6 +197,8 @@ class DirectoryPublisher:
                     self._set_mask(block, mask & ~bit)
             return
         block = (event.namespace, event.key)
+        if event.parent is None and event.kind == "stored":
+            self._first_blocks.add(block)
         mask = self._holdings.get(block, 0)
         self._set_mask(block, mask | bit if event.kind == "stored" else mask & ~bit)
         changed.add(block)

@@ -13,7 +13,7 @@ from kvjax.cluster.router import RECENT_PER_NODE, RouterConfig
 __all__ = ["ROUTER_OPTIONS", "add_router_options", "router_config"]
 
 ROUTER_OPTIONS = ("share_slack_abs", "share_slack_rel", "long_prefix_slack", "long_prefix_units", "imbalance_abs",
-                  "imbalance_rel", "tokens_per_load_unit", "fair_window", "remote_fetch_cost")
+                  "imbalance_rel", "tokens_per_load_unit", "fair_window", "remote_fetch_cost", "follow_dropped")
 _DEFAULTS = RouterConfig()
 
 
@@ -47,6 +47,9 @@ def add_router_options(group, *, remote_fetch_cost_default: str = "no credit") -
                        help=f"seconds to fetch a block from another node over seconds to recompute it: when a "
                             f"request's longest holders are skipped, the others are ranked by loads crediting what "
                             f"they can fetch (default: {remote_fetch_cost_default})")
+    group.add_argument("--no-follow-dropped", dest="follow_dropped", action="store_const", const=False,
+                       help="send a request whose first block no node holds by fair turns, not to the node "
+                            "that dropped that block last (default: follow it)")
 
 
 def router_config(args: argparse.Namespace, strategy: str, **overrides) -> RouterConfig:

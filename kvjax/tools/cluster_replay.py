@@ -7,7 +7,9 @@ nodes of C device blocks each (and M host, K disk blocks each).
 Model of the replay, request by request in timestamp order:
 
 1. Every node's cache says how many leading blocks of the request it holds, any tier
-   (``KVCache.match``; what the node would have published to the directory).
+   (``KVCache.match``; what the node would have published to the directory), and when it
+   last dropped the request's first block from its last tier (folded from its cache's block
+   events, as the node's publisher does: the directory's dropped entries).
 2. The router's own policy (``kvjax.cluster.router.RoutingPolicy``, the code the HTTP router
    runs) chooses a node from those prefixes and each node's load at the arrival time.
 3. The chosen node's cache serves the request as the single-node replay does
@@ -46,10 +48,20 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.cache.block_events import BlockEvent
+from kvjax.cache.block_keys import chained_block_keys
 from kvjax.cluster.node_view import NodeLoad, NodeView
 from kvjax.cluster.router import RECENT_PER_NODE, RouterConfig, RoutingPolicy
 from kvjax.tiers.kv_cache import KVCache
-from kvjax.tools.replay import DEFAULT_POLICY, ReplayReport, matched_blocks, replay_cache, replay_trace, serve_request
+from kvjax.tools.replay import (
+    DEFAULT_POLICY,
+    REPLAY_NAMESPACE,
+    ReplayReport,
+    matched_blocks,
+    replay_cache,
+    replay_trace,  # fmt: skip
+    serve_request,
+)
 from kvjax.tools.replay_bounds import HitCounter, HitCounts, intern_block_paths, offline_replay, unlimited_replay
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
@@ -253,6 +265,8 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
     if fetch is not None and router.remote_fetch_cost is None:
         router = dataclasses.replace(router, remote_fetch_cost=fetch.cost_ratio(service))
     caches = [spec.cache() for _ in range(spec.nodes)]
+    drops = [_FirstBlockDrops(cache) for cache, _ in caches] if router.follow_dropped else None
+    first_keys: dict[int, bytes] = {}
     node_ids = [f"n{index:0{len(str(spec.nodes - 1))}d}" for index in range(spec.nodes)]  # sort as the indices
     loads = _LoadModel(spec.nodes, service)
     routing = RoutingPolicy(router)
@@ -268,10 +282,19 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
         for cache, clock in caches:
             clock[0] = now
             held.append(matched_blocks(cache, blocks))
-        views = [NodeView(node_id, 1, "", loads.at(node, now), held[node]) for node, node_id in enumerate(node_ids)]
+        dropped = [0] * spec.nodes
+        if drops is not None and blocks:
+            first = first_keys.get(blocks[0])
+            if first is None:
+                first = first_keys[blocks[0]] = chained_block_keys([blocks[0]], 1, REPLAY_NAMESPACE)[0]
+            dropped = [drop.dropped_ms.get(first, 0) for drop in drops]
+        views = [NodeView(node_id, 1, "", loads.at(node, now), held[node], first_dropped_ms=dropped[node])
+                 for node, node_id in enumerate(node_ids)]  # fmt: skip
         decision = routing.choose(views, request.input_length, spec.block_tokens)
         node = node_ids.index(decision.node_id)
         hit_blocks, lower_tiers = serve_request(caches[node][0], blocks)
+        if drops is not None:
+            drops[node].update(max(1, round(request.timestamp_ms)))
         counter.add(request, hit_blocks, lower_tiers)
         reachable = max([0, *(held[other] - hit_blocks for other in range(spec.nodes) if other != node)])
         block_tokens = request.block_tokens(spec.block_tokens)
@@ -292,6 +315,40 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
         p95_window_max_mean=window_max_mean(chosen, spec.nodes, WINDOW_REQUESTS_PER_NODE * spec.nodes),
         reasons=dict(sorted(reasons.items())),
     )  # fmt: skip
+
+
+class _FirstBlockDrops:
+    """When one node's cache dropped each first block (no parent) from its last tier, in ms
+    of the trace clock: what its publisher writes as dropped entries, folded from the cache's
+    block events."""
+
+    def __init__(self, cache: KVCache):
+        self._subscription = cache.subscribe()
+        self._tiers: dict[bytes, set[str]] = {}  # first blocks held: key -> tiers
+        self.dropped_ms: dict[bytes, int] = {}
+
+    def update(self, now_ms: int) -> None:
+        for batch in self._subscription.poll():
+            for event in batch:
+                self._fold(event, now_ms)
+
+    def _fold(self, event: BlockEvent, now_ms: int) -> None:
+        if event.kind == "cleared":
+            for key, tiers in list(self._tiers.items()):
+                tiers.discard(event.tier)
+                if not tiers:
+                    del self._tiers[key]
+                    self.dropped_ms[key] = now_ms
+        elif event.parent is None:
+            if event.kind == "stored":
+                self._tiers.setdefault(event.key, set()).add(event.tier)
+                self.dropped_ms.pop(event.key, None)
+            elif event.key in self._tiers:
+                tiers = self._tiers[event.key]
+                tiers.discard(event.tier)
+                if not tiers:
+                    del self._tiers[event.key]
+                    self.dropped_ms[event.key] = now_ms
 
 
 def yardsticks(requests: Sequence[TraceRequest], spec: ClusterSpec) -> dict[str, HitCounts]:

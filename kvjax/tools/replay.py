@@ -49,10 +49,12 @@ from kvjax.tiers.page_pool import PoolConfig
 from kvjax.tools.replay_bounds import HitCounter, HitCounts, intern_block_paths, offline_replay, unlimited_replay
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["DEFAULT_POLICY", "ReplayReport", "matched_blocks", "replay_cache", "replay_report", "replay_trace",
-           "serve_request"]
+__all__ = ["DEFAULT_POLICY", "REPLAY_NAMESPACE", "ReplayReport", "matched_blocks", "replay_cache", "replay_report",
+           "replay_trace", "serve_request"]
 
-_NAMESPACE = Namespace(tenant="trace-replay")
+REPLAY_NAMESPACE = Namespace(tenant="trace-replay")
+"""The namespace of every block a replay's caches hold (one interned block id per page)."""
+
 _SENTINEL = 0  # token admitted after the hash ids; never matched (admit stops before it)
 _MAX_BLOCKS = 2**31 - 2  # device blocks: the pool has one more (the sentinel's), ids are int32
 _ALWAYS_FETCH = CostModel(recompute_seconds_per_token=1.0)  # a lower-tier hit is always fetched
@@ -187,13 +189,13 @@ def replay_report(
 def matched_blocks(cache: KVCache, blocks: list[int]) -> int:
     """How many leading blocks of a request (its interned block ids) ``cache`` holds, any
     tier, without changing anything: what a node would tell the cluster's directory."""
-    return cache.match(blocks, _NAMESPACE).num_hit_blocks
+    return cache.match(blocks, REPLAY_NAMESPACE).num_hit_blocks
 
 
 def serve_request(cache: KVCache, blocks: list[int]) -> tuple[int, list[Tier]]:
     """Admit, commit and release one request (its interned block ids, at most the device
     capacity); (hit blocks, the tier of each lower-tier hit)."""
-    handle = cache.admit([*blocks, _SENTINEL], _NAMESPACE)
+    handle = cache.admit([*blocks, _SENTINEL], REPLAY_NAMESPACE)
     if handle is None:  # nothing else is running, so the pool (device_blocks + 1) must fit it
         raise RuntimeError(f"admission of {len(blocks)} blocks failed in a sequential replay")
     cache.wait_ready(handle)
