@@ -1,5 +1,5 @@
 """Transfer engine: moves KV blocks between device, host, disk and other processes off the
-serving thread.
+serving thread (small fetches excepted, see below).
 
 Five links, each with its own queue and worker thread:
 
@@ -9,6 +9,11 @@ Five links, each with its own queue and worker thread:
     disk_to_host     restore: disk blocks read back into host slots
     remote_to_host   pull:    another process's blocks, returned as a host array (the caller
                               verifies them and commits them; ``kvjax.cluster.remote_fetch``)
+
+A small fetch (``inline_fetch_bytes``, 1 MiB by default) submitted while host_to_device has
+nothing queued or running runs on the caller's thread instead, done when ``fetch`` returns: its
+copy costs less than the hand-off to the worker and back (on CPU a one-block fetch took 0.3-0.4
+ms through the worker against 0.1 ms for the copy itself).
 
 Within a link, jobs run by priority (DEMAND < PREFETCH < SPILL), then in submission order. Each
 link may have a byte budget (a token bucket): background jobs wait for tokens; a demand job
@@ -142,7 +147,8 @@ class TransferEngine:
     def __init__(self, host: HostPool, disk_tier: DiskTier | None = None, *,
                  gather_blocks: Callable | None = None, budgets: Mapping[Link, LinkBudget] = (),
                  clock: Callable[[], float] = time.monotonic, buckets: Sequence[int] = (),
-                 synchronous: bool = False, paused: bool = False, direct_cpu_reads: bool = False):  # fmt: skip
+                 synchronous: bool = False, paused: bool = False, direct_cpu_reads: bool = False,
+                 inline_fetch_bytes: int = 1 << 20):  # fmt: skip
         """Args:
         gather_blocks: ``(kv_pages, block_ids) -> [n, *block_shape]``, bit-exact, zero rows
           for negative ids; default ``pallas_kernels.gather_blocks``.
@@ -155,6 +161,9 @@ class TransferEngine:
           ``gather_blocks`` is a plain gather: an offload from a pool on one CPU device (whose
           memory is host memory) then copies each block straight into its slot on the
           caller's thread, one copy where a gather and a copy would be two.
+        inline_fetch_bytes: a fetch of at most this many bytes runs on the caller's thread
+          when host_to_device has nothing queued or running and its budget pays for it at
+          once (charged then); 0: every fetch goes to the worker.
         """
         self.host = host
         self.disk_tier = disk_tier
@@ -162,6 +171,7 @@ class TransferEngine:
         self.synchronous = synchronous
         self._gather = gather_blocks or pallas_kernels.gather_blocks
         self._direct_cpu_reads = direct_cpu_reads
+        self.inline_fetch_bytes = inline_fetch_bytes
         self._buckets = {link: TokenBucket(b.rate_bytes_per_s, b.burst_bytes, clock)
                          for link, b in dict(budgets).items()}  # fmt: skip
         # One lock; each link's worker sleeps on its own condition, so a submit wakes only the
@@ -254,6 +264,9 @@ class TransferEngine:
         """Copies host ``slots`` to the device (host_to_device), padded to the batch's bucket."""
         job = self._job(Link.HOST_TO_DEVICE, priority, np.asarray(slots, np.intp))
         job.rows = self.rows_for(len(job.slots))
+        if job.nbytes <= self.inline_fetch_bytes and self._claim_idle_link(job):
+            self._run_claimed(job.link, [job])
+            return job.future
         return self._submit(job)
 
     def spill(self, keys: Sequence[bytes], namespaces: Sequence[bytes], slots: Sequence[int],
@@ -364,11 +377,30 @@ class TransferEngine:
             jobs = self._next_jobs(link)
             if jobs is None:
                 return
-            self._run(link, jobs)
+            self._run_claimed(link, jobs)
             jobs = None  # holds no result (a fetch's staging buffer) while waiting for the next
+
+    def _run_claimed(self, link: Link, jobs: list[_Job]) -> None:
+        """Runs jobs that count as running on ``link`` (a worker's, or an inline fetch)."""
+        try:
+            self._run(link, jobs)
+        finally:
             with self._lock:
                 self._running[link] -= 1
                 self._idle.notify_all()
+
+    def _claim_idle_link(self, job: _Job) -> bool:
+        """Whether ``job`` may run on the caller's thread now: workers run, its link has
+        nothing queued or running, and its budget pays for it without a wait (charged then).
+        True counts it as running: ``_run_claimed`` must follow."""
+        link = job.link
+        with self._lock:
+            if self.synchronous or self._closed or self._paused or self._queues[link] or self._running[link]:
+                return False
+            if self._charge(self._buckets.get(link), job) != 0.0:
+                return False
+            self._running[link] += 1
+            return True
 
     def _run(self, link: Link, jobs: list[_Job]) -> None:
         try:
