@@ -245,6 +245,7 @@ def test_a_fetch_on_cpu_lies_in_its_staging_buffer_reused_only_once_nothing_view
         assert same_bits(view[:3], blocks[:3]) and not view[3:].view(np.uint16).any()
         del view, later
         gc.collect()
+        assert len(pool._returned) <= 4  # seven let go at once: only the latest wait for a fetch
         reused = set()
         for slot in range(4):  # all free now: one is kept and serves every fetch of 4 rows
             fetched = pool.to_device(np.array([slot]), 4)

@@ -38,7 +38,8 @@ viewed on host, never through a jitted conversion.
 Calls on different slots may run concurrently (the transfer workers and the serving thread);
 the index never hands one slot to two transfers that write it. A staging buffer is taken out
 of the free list under a lock and serves one fetch at a time; a dying lease returns it
-through a queue that needs no lock (a lease may die on any thread, inside any call).
+through a short queue that needs no lock (a lease may die on any thread, inside any call),
+which keeps the latest four until the next fetch sorts them into the free list.
 
 ``store_bytes=False`` keeps no array at all (a trace replay moves no bytes): the same slots,
 capacity and accounting, writes and reads of nothing.
@@ -58,6 +59,7 @@ __all__ = ["HostPool"]
 _BITS_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ALIGN = 64  # bytes: XLA's CPU client wraps host arrays aligned to this instead of copying
 _STAGING_SIZES = 16  # row counts whose free staging buffer is kept (the transfer buckets)
+_RETURNED = 4  # buffers let go since the last fetch kept for it at most (the latest; older ones freed)
 
 
 class HostPool:
@@ -91,7 +93,7 @@ class HostPool:
         self._device = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self._staging_lock = threading.Lock()
         self._staging: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # rows -> free buffer
-        self._returned: collections.deque[tuple[int, np.ndarray]] = collections.deque()  # (rows, buffer) let go
+        self._returned: collections.deque[tuple[int, np.ndarray]] = collections.deque(maxlen=_RETURNED)  # (rows, buffer)
 
     @property
     def capacity_bytes(self) -> int:
