@@ -1,7 +1,8 @@
 """HostPool: slots of one preallocated host array, bit-exact both ways, padded batches, errors;
-staging buffers (wrapped by device_put on CPU, reused where it copies) under random call
-sequences and concurrent calls on disjoint slots."""
+staging buffers (wrapped by device_put on CPU, copied from where it copies; reused once nothing
+views them) under random call sequences and concurrent calls on disjoint slots."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -86,22 +87,26 @@ def test_bad_input_raises_and_changes_nothing():
 
 
 # ---- staging buffers -----------------------------------------------------------------------
-# The two properties below run in this process (CPU: device_put wraps each staging buffer, which
-# is then never reused) and in a child process with two CPU devices, where fetched blocks land
-# sharded over both, device_put copies, and staging buffers are reused
+# A staging buffer is lent to one fetch and reused only once nothing views it. The two
+# properties below run in this process (CPU: device_put wraps each staging buffer, so the
+# fetched array lies in it) and in a child process with two CPU devices, where fetched blocks
+# land sharded over both and device_put copies
 # (test_staging_buffers_are_reused_where_device_put_copies).
 
 def _steps():
-    """Random writes and padded fetches; few distinct row counts, so row counts repeat."""
+    """Random writes, padded fetches and drops of fetched arrays (some keeping a host view);
+    few distinct row counts, so row counts repeat and dropped buffers are reused."""
     slots = st.lists(st.integers(0, NUM_SLOTS - 1), min_size=1, max_size=5, unique=True)
     write = st.tuples(st.just("write"), slots, st.integers(0, 2**16))
     fetch = st.tuples(st.just("fetch"), slots, st.sampled_from([0, 0, 1, 3]))  # padding rows
-    return st.lists(st.one_of(write, fetch), min_size=1, max_size=25)
+    drop = st.tuples(st.just("drop"), st.booleans(), st.integers(0, 2**16))  # (keep a host view, which)
+    return st.lists(st.one_of(write, fetch, drop), min_size=1, max_size=25)
 
 
 def check_fetches_keep_their_bits(steps, dtype, make_pool):
-    """Every fetched array, held until the end, keeps the slots' bits as of its fetch and zero
-    padding rows, whatever was written or fetched (with any row count) after it."""
+    """Every fetched array held until the end, and every host view of one that outlives it,
+    keeps the slots' bits as of its fetch and zero padding rows, whatever was written, fetched
+    (with any row count, reusing buffers of dropped fetches) or dropped after it."""
     pool = make_pool(dtype)
     model = {slot: np.zeros(BLOCK_SHAPE, random_blocks(1, BLOCK_SHAPE, dtype).dtype) for slot in range(NUM_SLOTS)}
     fetched = []
@@ -110,10 +115,16 @@ def check_fetches_keep_their_bits(steps, dtype, make_pool):
             blocks = random_blocks(len(slots), BLOCK_SHAPE, dtype, seed=arg)
             pool.write(np.array(slots), jax.device_put(blocks) if arg % 2 else blocks)
             model.update(zip(slots, blocks))
-        else:
+        elif kind == "fetch":
             expected = np.zeros((len(slots) + arg, *BLOCK_SHAPE), model[0].dtype)
             expected[: len(slots)] = [model[slot] for slot in slots]
             fetched.append((pool.to_device(np.array(slots), len(slots) + arg), expected))
+        elif fetched:  # drop one; its buffer may serve the next fetch of as many rows
+            device_rows, expected = fetched.pop(arg % len(fetched))
+            if slots:  # keep only a host view (on CPU: of the staging buffer itself)
+                fetched.append((np.asarray(device_rows), expected))
+            del device_rows
+            gc.collect()  # jax lets go of a wrapped host array lazily, at its next call or a collection
     for device_rows, expected in fetched:
         assert same_bits(device_rows, expected)
     assert same_bits(pool.read(np.arange(NUM_SLOTS)), np.stack([model[s] for s in range(NUM_SLOTS)]))
@@ -193,7 +204,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
     sequences()
     concurrent()
-    assert any(pool._staging for pool in pools), "no staging buffer was ever kept for reuse"
+    assert any(pool._staging or pool._returned for pool in pools), "no staging buffer was ever kept for reuse"
     print("ok")
 """)
 
@@ -206,18 +217,42 @@ def test_staging_buffers_are_reused_where_device_put_copies():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-def test_a_fetch_on_cpu_wraps_its_staging_buffer_and_compiles_nothing():
-    """On CPU the gather is the only copy: the result lies in the staging buffer (so it is
-    not kept for reuse), and no row count compiles anything."""
+def test_a_fetch_on_cpu_lies_in_its_staging_buffer_reused_only_once_nothing_views_it():
+    """On CPU the gather is the only copy: the fetched array lies in its staging buffer. While
+    the array, or a host view of it, lives, no fetch reuses the buffer and its bits stay; once
+    the last is gone the next fetches of as many rows reuse it (warm memory, no new buffer per
+    fetch); no row count compiles anything."""
     compilations = []
     listener = lambda event, *_, **__: compilations.append(event) if "backend_compile" in event else None
+    blocks = random_blocks(NUM_SLOTS, BLOCK_SHAPE, "bfloat16", seed=7)
     pool = HostPool(BLOCK_SHAPE, "bfloat16", NUM_SLOTS)
-    pool.write(np.arange(3), jnp.ones((3, *BLOCK_SHAPE), jnp.bfloat16))
+    pool.write(np.arange(NUM_SLOTS), blocks)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         for rows in (3, 4, 7, 16):
             pool.to_device(np.arange(3), rows).block_until_ready()
+        held = pool.to_device(np.array([0, 1, 2]), 4)
+        address = held.unsafe_buffer_pointer()
+        view = np.asarray(held)  # a host view of the staging buffer
+        del held
+        later = []
+        for round_ in range(6):  # rewrite and refetch other slots through rows=4 buffers
+            pool.write(np.array([0, 1, 2]), random_blocks(3, BLOCK_SHAPE, "bfloat16", seed=100 + round_))
+            later.append(pool.to_device(np.array([3 + round_]), 4))
+            gc.collect()
+        earlier = {address, *(array.unsafe_buffer_pointer() for array in later)}
+        assert len(earlier) == 7  # each fetch while the others were held: a buffer of its own
+        assert same_bits(view[:3], blocks[:3]) and not view[3:].view(np.uint16).any()
+        del view, later
+        gc.collect()
+        assert len(pool._returned) <= 4  # seven let go at once: only the latest wait for a fetch
+        reused = set()
+        for slot in range(4):  # all free now: one is kept and serves every fetch of 4 rows
+            fetched = pool.to_device(np.array([slot]), 4)
+            reused.add(fetched.unsafe_buffer_pointer())
+            del fetched
+            gc.collect()
+        assert len(reused) == 1 and reused <= earlier
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compilations == []
-    assert not pool._staging

@@ -157,6 +157,42 @@ def test_budget_holds_back_background_jobs_but_never_a_demand(tmp_path):
         done(second)
 
 
+def test_a_small_fetch_on_an_idle_link_runs_on_the_callers_thread(tmp_path, monkeypatch):
+    """A fetch of at most inline_fetch_bytes, with nothing queued or running on its link, is
+    done when fetch returns, copied on the caller's thread; a larger one, and a small one
+    behind it or in a paused engine, go to the worker, in order."""
+    pool = random_pool(4, "float32", seed=4)
+    host, _ = tiers(tmp_path)
+    host.write(np.arange(4), pool)
+    threads, running, gate, copy = [], threading.Event(), threading.Event(), host.to_device
+
+    def to_device(slots, rows):
+        threads.append(threading.current_thread())
+        if len(slots) == 3:
+            running.set()
+            assert gate.wait(WAIT_S)
+        return copy(slots, rows)
+    monkeypatch.setattr(host, "to_device", to_device)
+    caller = threading.current_thread()
+    with TransferEngine(host, inline_fetch_bytes=2 * block_bytes()) as engine:
+        small = engine.fetch([2, 0])
+        assert small.done() and threads == [caller]
+        assert same_bits(small.result().blocks, pool[[2, 0]])
+        large = engine.fetch([0, 1, 2])  # over the limit: the worker runs it, held at the gate
+        assert running.wait(WAIT_S)
+        behind = engine.fetch([3])  # small, but the link is busy: queued behind it
+        assert not behind.done()
+        gate.set()
+        assert same_bits(done(large).blocks, pool[[0, 1, 2]]) and same_bits(done(behind).blocks, pool[[3]])
+        assert threads[1] is threads[2] is not caller
+        assert engine.wait_idle(WAIT_S) and engine.stats()["host_to_device"]["jobs"] == 3
+    with TransferEngine(host, paused=True, inline_fetch_bytes=2 * block_bytes()) as engine:
+        held = engine.fetch([1])
+        assert not held.done()
+        engine.resume()
+        assert same_bits(done(held).blocks, pool[[1]]) and threads[-1] is not caller
+
+
 def test_token_bucket_refills_at_its_rate_up_to_its_burst():
     now = [0.0]
     bucket = TokenBucket(rate_bytes_per_s=100.0, burst_bytes=200, clock=lambda: now[0])

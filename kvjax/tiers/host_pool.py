@@ -21,17 +21,25 @@ key, LRU order and holds; this pool only copies bytes:
   per size;
 * ``read(slots)``: a host copy, for a spill to disk.
 
-Staging buffers. The gather lands in a 64-byte aligned buffer. On the CPU backend
-``device_put`` wraps such a buffer instead of copying it, so the gather is the only copy of a
-fetch; the buffer then belongs to the returned array and is never reused. Where
-``device_put`` copies (an accelerator, a sharded placement) the buffer is reused for the next
-fetch of the same number of rows once the copy has finished, so a steady stream of fetches
-does not allocate (and fault in) fresh host memory per move. Nothing here compiles: blocks
-move as the pool's dtype viewed on host, never through a jitted conversion.
+Staging buffers. The gather lands in a 64-byte aligned staging buffer, lent to the fetch
+through a ``_Lease``: the base of every numpy view of the buffer, so the views, and whatever
+holds one (``device_put`` keeps the host array it was given for as long as it reads it), keep
+the lease alive. On the CPU backend ``device_put`` wraps such a buffer instead of copying it,
+so the gather is the only copy of a fetch and the device array lies in the buffer (jax lets go
+of the host array when the device array is deleted, lazily: at its next call or a garbage
+collection); where ``device_put`` copies (an accelerator, a sharded placement) it holds the
+buffer until the copy is done. Either way the buffer goes back to a free list (the latest one
+per row count) only when its lease dies, after the last array that may read it is gone, and
+serves the next fetch of that many rows: a steady stream of fetches reuses warm memory instead
+of faulting in fresh pages per move (about 0.5 ms of a 16 MiB fetch's 1.5 ms on CPU), and
+nothing fetched is ever overwritten. Nothing here compiles: blocks move as the pool's dtype
+viewed on host, never through a jitted conversion.
 
 Calls on different slots may run concurrently (the transfer workers and the serving thread);
 the index never hands one slot to two transfers that write it. A staging buffer is taken out
-of the free list under a lock and serves one call at a time.
+of the free list under a lock and serves one fetch at a time; a dying lease returns it
+through a short queue that needs no lock (a lease may die on any thread, inside any call),
+which keeps the latest four until the next fetch sorts them into the free list.
 
 ``store_bytes=False`` keeps no array at all (a trace replay moves no bytes): the same slots,
 capacity and accounting, writes and reads of nothing.
@@ -51,6 +59,7 @@ __all__ = ["HostPool"]
 _BITS_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ALIGN = 64  # bytes: XLA's CPU client wraps host arrays aligned to this instead of copying
 _STAGING_SIZES = 16  # row counts whose free staging buffer is kept (the transfer buckets)
+_RETURNED = 4  # buffers let go since the last fetch kept for it at most (the latest; older ones freed)
 
 
 class HostPool:
@@ -84,6 +93,7 @@ class HostPool:
         self._device = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self._staging_lock = threading.Lock()
         self._staging: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # rows -> free buffer
+        self._returned: collections.deque[tuple[int, np.ndarray]] = collections.deque(maxlen=_RETURNED)  # (rows, buffer)
 
     @property
     def capacity_bytes(self) -> int:
@@ -133,35 +143,32 @@ class HostPool:
             raise ValueError(f"{num_rows=} must be >= {len(slots)} slots")
         if not self.store_bytes:
             return None
-        staging = self._take_staging(num_rows)
+        staging = np.frombuffer(_Lease(self._take_staging(num_rows), num_rows, self._returned), self._bits)
+        staging = staging.reshape(num_rows, self._block_elems)  # the lease lives as long as its views
         # The one gather on host. mode="clip" (the slots are checked already): with out= and
         # the default mode="raise", numpy gathers into a temporary first, a second copy.
         np.take(self._slots, slots, axis=0, out=staging[: len(slots)], mode="clip")
-        staging[len(slots) :] = 0
+        if num_rows > len(slots):
+            staging[len(slots) :] = 0
         blocks = staging.view(self.dtype).reshape(num_rows, *self.block_shape)
-        device_rows = jax.device_put(blocks, self._device)  # the one copy up (none if wrapped)
-        if not _shares_memory(device_rows, staging):
-            device_rows.block_until_ready()  # the copy has read the staging rows
-            self._give_back_staging(num_rows, staging)
-        return device_rows
+        return jax.device_put(blocks, self._device)  # the one copy up (none if wrapped)
 
     def _take_staging(self, num_rows: int) -> np.ndarray:
-        """A free staging buffer ``[num_rows, block_elems]`` of bits, aligned to ``_ALIGN``."""
+        """A free staging buffer of ``num_rows`` blocks: uint8, aligned to ``_ALIGN``."""
         with self._staging_lock:
-            staging = self._staging.pop(num_rows, None)
-        if staging is not None:
-            return staging
-        nbytes = num_rows * self._block_elems * self._slots.itemsize
+            while self._returned:  # buffers whose leases ended, latest last
+                rows, memory = self._returned.popleft()
+                self._staging[rows] = memory  # one free buffer per row count, the latest
+                self._staging.move_to_end(rows)
+                if len(self._staging) > _STAGING_SIZES:
+                    self._staging.popitem(last=False)
+            memory = self._staging.pop(num_rows, None)
+        if memory is not None:
+            return memory
+        nbytes = num_rows * self.block_nbytes
         raw = np.empty(nbytes + _ALIGN, np.uint8)
         start = -raw.ctypes.data % _ALIGN
-        return raw[start : start + nbytes].view(self._bits).reshape(num_rows, self._block_elems)
-
-    def _give_back_staging(self, num_rows: int, staging: np.ndarray) -> None:
-        with self._staging_lock:
-            self._staging[num_rows] = staging  # one free buffer per row count, the latest
-            self._staging.move_to_end(num_rows)
-            if len(self._staging) > _STAGING_SIZES:
-                self._staging.popitem(last=False)
+        return raw[start : start + nbytes]
 
     def _check_slots(self, slots) -> np.ndarray:
         slots = np.asarray(slots)
@@ -173,15 +180,18 @@ class HostPool:
         return slots.astype(np.intp, copy=False)
 
 
-def _shares_memory(array: jax.Array, host: np.ndarray) -> bool:
-    """Whether any shard of ``array`` lies in ``host``'s memory (``device_put`` wrapped it).
-    True when the backend cannot say, so such a buffer is never reused."""
-    start = host.ctypes.data
-    try:
-        if len(array.sharding.device_set) == 1:
-            pointers = [array.unsafe_buffer_pointer()]
-        else:
-            pointers = [shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards]
-    except Exception:  # noqa: BLE001 - a backend without buffer pointers: assume wrapped
-        return True
-    return any(start <= pointer < start + host.nbytes for pointer in pointers)
+class _Lease:
+    """Lends a staging buffer to the arrays of one fetch: ``np.frombuffer(lease)`` and every
+    view of it keep the lease as their base, so it lives exactly as long as some array (or a
+    device array wrapping one) may read the buffer; dying, it returns the buffer to ``returned``."""
+
+    __slots__ = ("_memory", "_rows", "_returned")
+
+    def __init__(self, memory: np.ndarray, rows: int, returned: collections.deque):
+        self._memory, self._rows, self._returned = memory, rows, returned
+
+    def __buffer__(self, flags: int) -> memoryview:
+        return memoryview(self._memory)
+
+    def __del__(self) -> None:
+        self._returned.append((self._rows, self._memory))  # atomic: no lock, any thread
