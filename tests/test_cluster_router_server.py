@@ -71,6 +71,27 @@ def test_the_router_follows_the_directory_within_the_namespace(cluster):
     assert other.status_code == 200 and other.headers["x-kvjax-route"].startswith("no_prefix")
 
 
+def test_a_prompt_nobody_holds_returns_to_the_node_that_dropped_it(cluster):
+    """A dropped first block (as a node's publisher marks it) sends the prompt back to that
+    node through the HTTP router, in its namespace only."""
+    directory = cluster.directory()
+    prompt = f"Document {uuid.uuid4().hex} that every node has evicted by now.\nQ: gist?\nA:"
+    pretend_node_holds(directory, "n2", prompt, "tenant-a")
+    keys, digest = chained_block_keys(list(prompt.encode()), 16, "tenant-a"), Namespace("tenant-a").digest()
+    epoch = {view.node_id: view.epoch for view in directory.live_nodes()}["n2"]
+    directory.write_blocks("n2", epoch, {(digest, key): 0 for key in keys}, first_blocks={(digest, keys[0])})
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "namespace": "tenant-a"}
+    routes = []
+    for _ in range(3):  # the drop decides, then n2 holds it again
+        response = post(cluster.router.url, body)
+        assert response.status_code == 200 and response.headers["x-kvjax-node"] == "n2"
+        routes.append(response.headers["x-kvjax-route"])
+    assert routes[0] == "returning; prefix_blocks=0"
+    assert all(route == routes[0] or route.startswith("affinity") for route in routes[1:])
+    other = post(cluster.router.url, {**body, "namespace": "tenant-b"})
+    assert other.status_code == 200 and other.headers["x-kvjax-route"].startswith("no_prefix")
+
+
 def test_requests_follow_the_blocks_a_node_published(cluster):
     """No pretending: the node that served a prompt publishes its blocks (the cache's events),
     and the next request sharing the prompt goes there; another tenant's does not."""
