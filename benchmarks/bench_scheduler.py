@@ -18,10 +18,15 @@ sampled-token dicts are built outside the timed region (that is the engine's wor
 
 The eviction policy matters where sequences finish and blocks become evictable (churn): the
 default ``reuse`` does more per node than ``lru``. Against the pre-restructure ``PrefixCache``
-(which ran lru), 3 interleaved pairs of ``--steps 150 --repeats 3`` on a quiet machine: decode
-of 256 -2% to +9% per step; churn +7% to +30% with ``--policy lru`` and +13% to +15% with
-``reuse`` (an admission alone is faster than before: 22 vs 25 us admit + release of a
-512-token prompt on a device hit; where churn loses is not found yet).
+(which ran lru; its tree at commit 35b1355), 8 alternating pairs of whole runs
+(``farm-bench -n 8 --vs 'sh -c "cd BASE && ... bench_scheduler.py --steps 150 --repeats 3"'
+-- sh -c '... bench_scheduler.py --steps 150 --repeats 3 --policy lru'``), p50 per step,
+ratio main / before pair by pair: decode of 256 0.995 (range 0.94-1.14), decode + 1,000
+waiting 1.032 (0.98-1.09) and 1.015 without the rank refresh (0.93-1.17), churn 1.029
+(0.95-1.13): within the spread, churn about 3% slower at the median (9 pairs of the churn
+row alone, thread CPU time per step: 1.03). Per call, nothing stands out (admission alone is
+faster than before: 22 vs 25 us admit + release of a 512-token prompt on a device hit): the
+rest is one more call layer (``KVCache`` over ``DeviceIndex``) on extend, commit and lookup.
 """
 
 from __future__ import annotations
