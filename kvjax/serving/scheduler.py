@@ -189,11 +189,11 @@ class Scheduler:
         work = pair_tokens(plan, self._running, new_tokens, self.cache.vocab_size or 2**31)
         self._in_flight = None
         finished: dict[str, str] = {}
-        prefilling, page_size = self._prefilling, self.page_size
+        prefilling, page_size, commit = self._prefilling, self.page_size, self.cache.commit
         for request, seq, token in work:
             new = seq.start + seq.num_tokens
             if new // page_size > request.num_computed_tokens // page_size:  # pages completed: hittable now
-                self.cache.commit(request.handle, request.token_buffer[: new - new % page_size])
+                commit(request.handle, request.token_buffer[: new - new % page_size])
             request.num_computed_tokens = new
             if token is not None and request.append_token(token):
                 self._stop_running(request)
@@ -242,16 +242,16 @@ class Scheduler:
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
         prefilling, fetching, decodes, page_size = self._prefilling, self._fetching, plan.decodes, self.page_size
+        extend, append = self.cache.extend, decodes.append
         for request_id, request in list(self._running.items()):
-            if request.status is not _RUNNING or request_id in prefilling or request_id in fetching:
+            if request.status is not _RUNNING or request_id in prefilling or (fetching and request_id in fetching):
                 continue  # preempted by an earlier decode of this loop, still prefilling, or fetching
             handle, num_tokens = request.handle, request.num_tokens
             if num_tokens > handle.num_tokens:  # reserve to the end of the page: one call per page
                 missing = -(-num_tokens // page_size) * page_size - handle.num_tokens
-                if not self.cache.extend(handle, missing) and not self._make_room(request, missing, plan):
+                if not extend(handle, missing) and not self._make_room(request, missing, plan):
                     continue
-            decodes.append(ScheduledSeq(request_id, num_tokens - 1, 1, request.token_buffer,
-                                        request.handle.block_ids, True))  # fmt: skip
+            append(ScheduledSeq(request_id, num_tokens - 1, 1, request.token_buffer, request.handle.block_ids, True))
         self.stats.decode_tokens += len(decodes)
 
     def _make_room(self, request: Request, missing: int, plan: StepPlan) -> bool:

@@ -22,6 +22,7 @@ device blocks to bring the pool back to its low watermark. Neither blocks the st
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -111,19 +112,20 @@ def pair_tokens(plan: StepPlan, running: Mapping[str, Any], new_tokens: Mapping[
     sampling sequence whose request is in ``running`` (tokens of requests cancelled since the
     plan was made are accepted and ignored).
     """
-    work = []
-    for seq in plan.decodes + plan.prefills:
-        request = running.get(seq.request_id)
+    work, num_sampled = [], 0
+    append, get_request, get_token = work.append, running.get, new_tokens.get
+    for seq in itertools.chain(plan.decodes, plan.prefills):
+        request = get_request(seq.request_id)
         if request is None:  # cancelled while the step ran
             continue
         if not seq.samples:
-            work.append((request, seq, None))
-        elif (token := new_tokens.get(seq.request_id)) is not None:
-            work.append((request, seq, token))
+            append((request, seq, None))
+        elif (token := get_token(seq.request_id)) is not None:
+            append((request, seq, token))
+            num_sampled += 1
         else:
             break  # a token is missing: report below
     else:
-        num_sampled = sum(token is not None for _, _, token in work)
         if len(new_tokens) == num_sampled or new_tokens.keys() <= _sampling_ids(plan):
             _check_token_range(new_tokens, vocab_limit)
             return work
@@ -141,7 +143,7 @@ def _sampling_ids(plan: StepPlan) -> set[str]:
 def _check_token_range(new_tokens: Mapping[str, int], limit: int) -> None:
     if not new_tokens:
         return
-    if not all(type(token) is int for token in new_tokens.values()):  # numpy ints take this path
+    if set(map(type, new_tokens.values())) != {int}:  # numpy ints take this path
         for request_id, token in new_tokens.items():
             try:
                 operator.index(token)
