@@ -186,11 +186,27 @@ def test_a_small_fetch_on_an_idle_link_runs_on_the_callers_thread(tmp_path, monk
         assert same_bits(done(large).blocks, pool[[0, 1, 2]]) and same_bits(done(behind).blocks, pool[[3]])
         assert threads[1] is threads[2] is not caller
         assert engine.wait_idle(WAIT_S) and engine.stats()["host_to_device"]["jobs"] == 3
+        prefetch = engine.fetch([1], priority=Priority.PREFETCH)  # nobody waits for it: the worker
+        assert same_bits(done(prefetch).blocks, pool[[1]]) and threads[-1] is not caller
     with TransferEngine(host, paused=True, inline_fetch_bytes=2 * block_bytes()) as engine:
         held = engine.fetch([1])
         assert not held.done()
         engine.resume()
         assert same_bits(done(held).blocks, pool[[1]]) and threads[-1] is not caller
+
+
+def test_a_cancelled_fetch_does_not_stop_its_link(tmp_path):
+    """A caller that cancels a queued fetch gets a cancelled future; the link's worker goes
+    on with the next job (resolving a cancelled future raised in the worker and ended it)."""
+    pool = random_pool(2, "float32", seed=5)
+    host, _ = tiers(tmp_path)
+    host.write(np.arange(2), pool)
+    with TransferEngine(host, paused=True, inline_fetch_bytes=0) as engine:
+        cancelled = engine.fetch([0])
+        assert cancelled.cancel()
+        engine.resume()
+        assert engine.wait_idle(WAIT_S)
+        assert same_bits(done(engine.fetch([1])).blocks, pool[[1]])
 
 
 def test_token_bucket_refills_at_its_rate_up_to_its_burst():

@@ -96,6 +96,12 @@ class HostPool:
         self._returned: collections.deque[tuple[int, np.ndarray]] = collections.deque(maxlen=_RETURNED)  # (rows, buffer)
 
     @property
+    def device_platform(self) -> str:
+        """The platform ``to_device`` copies onto ("cpu", "gpu", "tpu"; the first device's when
+        sharded)."""
+        return next(iter(self._device.device_set)).platform
+
+    @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.block_nbytes
 

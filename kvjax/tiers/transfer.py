@@ -10,10 +10,13 @@ Five links, each with its own queue and worker thread:
     remote_to_host   pull:    another process's blocks, returned as a host array (the caller
                               verifies them and commits them; ``kvjax.cluster.remote_fetch``)
 
-A small fetch (``inline_fetch_bytes``, 1 MiB by default) submitted while host_to_device has
-nothing queued or running runs on the caller's thread instead, done when ``fetch`` returns: its
-copy costs less than the hand-off to the worker and back (on CPU a one-block fetch took 0.3-0.4
-ms through the worker against 0.1 ms for the copy itself).
+A small DEMAND fetch (``inline_fetch_bytes`` of padded rows, 1 MiB by default) into a pool on
+the CPU, submitted while host_to_device has nothing queued or running, runs on the caller's
+thread instead, done when ``fetch`` returns: its copy costs less than the hand-off to the
+worker and back (a one-block fetch took 0.3-0.4 ms through the worker against 0.1 ms for the
+copy itself). A prefetch always goes to the worker (nobody waits for it), and so does every
+fetch onto an accelerator, where the copy is not measured yet and must not hold the serving
+thread behind a step in flight.
 
 Within a link, jobs run by priority (DEMAND < PREFETCH < SPILL), then in submission order. Each
 link may have a byte budget (a token bucket): background jobs wait for tokens; a demand job
@@ -161,9 +164,10 @@ class TransferEngine:
           ``gather_blocks`` is a plain gather: an offload from a pool on one CPU device (whose
           memory is host memory) then copies each block straight into its slot on the
           caller's thread, one copy where a gather and a copy would be two.
-        inline_fetch_bytes: a fetch of at most this many bytes runs on the caller's thread
-          when host_to_device has nothing queued or running and its budget pays for it at
-          once (charged then); 0: every fetch goes to the worker.
+        inline_fetch_bytes: a DEMAND fetch of at most this many bytes (its padded rows) into a
+          pool on the CPU runs on the caller's thread when host_to_device has nothing queued
+          or running and its budget pays for it at once (charged then); 0: every fetch goes
+          to the worker.
         """
         self.host = host
         self.disk_tier = disk_tier
@@ -171,7 +175,7 @@ class TransferEngine:
         self.synchronous = synchronous
         self._gather = gather_blocks or pallas_kernels.gather_blocks
         self._direct_cpu_reads = direct_cpu_reads
-        self.inline_fetch_bytes = inline_fetch_bytes
+        self.inline_fetch_bytes = inline_fetch_bytes if host.device_platform == "cpu" else 0
         self._buckets = {link: TokenBucket(b.rate_bytes_per_s, b.burst_bytes, clock)
                          for link, b in dict(budgets).items()}  # fmt: skip
         # One lock; each link's worker sleeps on its own condition, so a submit wakes only the
@@ -264,7 +268,8 @@ class TransferEngine:
         """Copies host ``slots`` to the device (host_to_device), padded to the batch's bucket."""
         job = self._job(Link.HOST_TO_DEVICE, priority, np.asarray(slots, np.intp))
         job.rows = self.rows_for(len(job.slots))
-        if job.nbytes <= self.inline_fetch_bytes and self._claim_idle_link(job):
+        inline = priority is Priority.DEMAND and job.rows * self.host.block_nbytes <= self.inline_fetch_bytes
+        if inline and self._claim_idle_link(job):
             self._run_claimed(job.link, [job])
             return job.future
         return self._submit(job)
@@ -342,7 +347,8 @@ class TransferEngine:
             return {link.value: {**self._counters[link], "queued": len(self._queues[link])} for link in Link}
 
     def close(self, timeout: float = 10.0) -> None:
-        """Lets running jobs finish, fails queued ones ("engine closed"), joins the workers."""
+        """Lets running jobs finish, fails queued ones ("engine closed"), joins the workers
+        (a fetch running inline on a caller's thread finishes there; this does not wait for it)."""
         with self._lock:
             if self._closed:
                 return
@@ -534,7 +540,10 @@ class TransferEngine:
                 counters["bytes"] += job.nbytes if result.ok else 0
             else:
                 counters["bytes"] += (done if result.ok or job.keys else 0) * self.host.block_nbytes
-        job.future.set_result(result)
+        try:
+            job.future.set_result(result)
+        except concurrent.futures.InvalidStateError:  # its caller cancelled it: the worker goes on
+            pass
 
     @staticmethod
     def _success(job: _Job, done_keys: Sequence[bytes] | None = None) -> TransferResult:
