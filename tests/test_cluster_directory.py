@@ -192,8 +192,7 @@ def test_a_dropped_first_block_is_marked_with_its_time_for_this_epoch_only(direc
     directory.write_blocks("n1", epoch, masks_of(stored(TENANT_A, keys)))
     assert by_id(directory.lookup(digest, keys))["n1"].first_dropped_ms == 0  # held, not dropped
     # every block leaves n1: the first stays as a dropped entry, the others are deleted
-    directory.write_blocks("n1", epoch, {(digest, key): 0 for key in keys}, first_blocks={(digest, keys[0])},
-                           now_ms=1234)  # fmt: skip
+    directory.write_blocks("n1", epoch, {(digest, key): 0 for key in keys}, dropped={(digest, keys[0]): 1234})
     views = by_id(directory.lookup(digest, keys))
     assert (views["n1"].prefix_blocks, views["n1"].first_dropped_ms) == (0, 1234)
     assert views["n2"].first_dropped_ms == 0
@@ -205,7 +204,7 @@ def test_a_dropped_first_block_is_marked_with_its_time_for_this_epoch_only(direc
     directory.write_blocks("n1", epoch, masks_of(stored(TENANT_A, keys[:1])))  # cached again: no mark
     assert (by_id(directory.lookup(digest, keys))["n1"].prefix_blocks,
             by_id(directory.lookup(digest, keys))["n1"].first_dropped_ms) == (1, 0)  # fmt: skip
-    directory.write_blocks("n1", epoch, {(digest, keys[0]): 0}, first_blocks={(digest, keys[0])}, now_ms=99)
+    directory.write_blocks("n1", epoch, {(digest, keys[0]): 0}, dropped={(digest, keys[0]): 99})
     directory.register("n1", "http://a", CLUSTER)  # restarted: its old epoch's marks are not used
     assert by_id(directory.lookup(digest, keys))["n1"].first_dropped_ms == 0
 
@@ -271,6 +270,35 @@ def test_the_publisher_marks_the_first_blocks_a_node_drops(directory):
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).first_dropped_ms >= before_ms)
         assert run_of(directory, TENANT_A, keys).prefix_blocks == 0
         assert not directory.client.exists(directory.block_key(TENANT_A.digest(), keys[1]))
+
+
+def test_a_cleared_tier_marks_the_first_blocks_it_held_last(directory):
+    keys = keys_of(TENANT_A)
+    with running_publisher(directory) as publisher:
+        publisher.submit([stored(TENANT_A, keys[:3]), stored(TENANT_A, keys[:2], "host", seq=3)])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
+        publisher.submit([(BlockEvent(5, None, None, None, "device", "cleared"),)])  # block 0 still on host
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 2)
+        assert run_of(directory, TENANT_A, keys).first_dropped_ms == 0
+        publisher.submit([(BlockEvent(6, None, None, None, "host", "cleared"),)])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).first_dropped_ms > 0)
+
+
+def test_marks_outlive_a_new_epoch(directory):
+    """A node whose record lapsed registers a new epoch: its marks are written again under it
+    (with their first times), so routing still finds where the prefix was last seen."""
+    keys = keys_of(TENANT_A)
+    with running_publisher(directory) as publisher:
+        publisher.submit([stored(TENANT_A, keys[:2]), stored(TENANT_A, keys[:2], kind="removed", seq=2)])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).first_dropped_ms > 0)
+        first_ms, old_epoch = run_of(directory, TENANT_A, keys).first_dropped_ms, publisher.epoch
+        directory.client.delete(directory.node_key("n1"))  # the record lapsed (or Redis lost it)
+        assert wait_until(lambda: publisher.epoch not in (None, old_epoch) and publisher.status == "registered")
+        assert wait_until(lambda: (view := run_of(directory, TENANT_A, keys)) is not None
+                          and view.first_dropped_ms == first_ms)  # fmt: skip
+        publisher.submit([stored(TENANT_A, keys[:1], seq=4)])  # cached again: the mark goes
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 1)
+        assert run_of(directory, TENANT_A, keys).first_dropped_ms == 0 and not publisher._marks
 
 
 def test_a_restarted_redis_is_rebuilt_from_the_node(tmp_path, redis_prefix):

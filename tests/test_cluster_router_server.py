@@ -79,7 +79,7 @@ def test_a_prompt_nobody_holds_returns_to_the_node_that_dropped_it(cluster):
     pretend_node_holds(directory, "n2", prompt, "tenant-a")
     keys, digest = chained_block_keys(list(prompt.encode()), 16, "tenant-a"), Namespace("tenant-a").digest()
     epoch = {view.node_id: view.epoch for view in directory.live_nodes()}["n2"]
-    directory.write_blocks("n2", epoch, {(digest, key): 0 for key in keys}, first_blocks={(digest, keys[0])})
+    directory.write_blocks("n2", epoch, {(digest, key): 0 for key in keys}, dropped={(digest, keys[0]): 1})
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "namespace": "tenant-a"}
     routes = []
     for _ in range(3):  # the drop decides, then n2 holds it again

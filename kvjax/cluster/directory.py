@@ -20,6 +20,7 @@ key                            type    TTL             holds (written by)
                                                        from its block events; mask: device 1,
                                                        host 2, disk 4), or "{epoch}:0:{ms}" for a
                                                        first block the node dropped at ``ms``
+                                                       (unix ms of the node's clock)
 =============================  ======  ==============  ============================================
 
 Reading rules: a node is live while its record exists (its heartbeat keeps the TTL); an entry
@@ -28,8 +29,10 @@ node's) old entries are never used. A lookup of a request's block keys is one ro
 server-side script reads the live records and returns per live node the length of its leading
 run of the keys and how many of those blocks are fastest on each tier, and when it dropped the
 first key if it did (a first block, one with no parent, that leaves a node's last tier stays
-as a dropped entry, "{epoch}:0:{ms}", until the key expires: the router sends a request
-nobody holds back to the node that saw its prefix last, ``kvjax.cluster.router``).
+as a dropped entry, "{epoch}:0:{ms}", as long as the block's key lives: the router sends a
+request nobody holds back to the node that saw its prefix last, ``kvjax.cluster.router``).
+A node that registers a new epoch writes its marks again (its publisher keeps those of the
+last ``block_ttl_s``); marks of a previous epoch are not read, like its other entries.
 
 The script does not read every key: it relies on what a node's cache guarantees and its
 publisher mirrors transaction by transaction, that a block is held only with its parent (the
@@ -44,7 +47,8 @@ no publisher writes, can make a run look longer than it is: a routing hint, neve
 
 Memory: each node writes one field per block it holds, and deletes it when its events say
 the block left its last tier (an empty hash disappears), so a live node leaves nothing behind
-but its dropped first blocks, one field each until the key's TTL.
+but its dropped first blocks, one field each while the key lives (its TTL, which any
+holder's writes and refreshes extend).
 What a dead node, or a node's previous epoch, wrote is never read and is bounded: one field
 per node id and block (a restart overwrites its own field), and it expires with the block
 key's TTL, which only a live holder's writes and periodic refreshes extend (see
@@ -58,11 +62,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import redis
 
-from kvjax.cluster.node_view import NodeLoad, NodeView
+from kvjax.cluster.node_view import DEFAULT_BLOCK_TTL_S, NodeLoad, NodeView
 
 __all__ = [
     "TIER_BITS",
@@ -131,7 +135,7 @@ class Directory:
     """
 
     def __init__(self, client: redis.Redis, *, prefix: str = "kvjax", node_ttl_s: float = 6.0,
-                 block_ttl_s: float = 1800.0):  # fmt: skip
+                 block_ttl_s: float = DEFAULT_BLOCK_TTL_S):  # fmt: skip
         if not prefix or ":" in prefix:
             raise ValueError(f"prefix={prefix!r} must be a non-empty name without ':'")
         for name, value in (("node_ttl_s", node_ttl_s), ("block_ttl_s", block_ttl_s)):
@@ -189,11 +193,11 @@ class Directory:
         return {1: "ok", 0: "gone", -1: "superseded"}[int(status)]
 
     def write_blocks(self, node_id: str, epoch: int, masks: Mapping[tuple[bytes, bytes], int],
-                     load: NodeLoad | None = None, *, first_blocks: Collection[tuple[bytes, bytes]] = (),
-                     now_ms: int | None = None) -> None:  # fmt: skip
+                     load: NodeLoad | None = None, *,
+                     dropped: Mapping[tuple[bytes, bytes], int] | None = None) -> None:  # fmt: skip
         """One transaction: each ``(namespace, key) -> tier mask`` becomes the node's entry
-        (mask 0 deletes it, or marks it dropped at ``now_ms``, default the clock now, if the
-        block is in ``first_blocks``: a sequence's first block), and ``load`` (if given) its
+        (mask 0 deletes it, or marks it dropped at ``dropped[block]`` (unix ms >= 1) if the
+        block is in ``dropped``: a sequence's first block), and ``load`` (if given) its
         record's load.
 
         Routers see all of it or none of it. ``load`` also refreshes the record's TTL: a
@@ -201,12 +205,12 @@ class Directory:
         stays invisible until the node registers again).
         """
         ttl_ms = self._ms(self.block_ttl_s)
-        dropped = f"{epoch}:0:{int(time.time() * 1000) if now_ms is None else now_ms}"
+        dropped = dropped or {}
         with self.client.pipeline(transaction=True) as pipe:
             for block, mask in masks.items():
                 name = self.block_key(*block)
-                if mask or block in first_blocks:
-                    pipe.hset(name, node_id, f"{epoch}:{mask}" if mask else dropped)
+                if mask or block in dropped:
+                    pipe.hset(name, node_id, f"{epoch}:{mask}" if mask else f"{epoch}:0:{max(1, dropped[block])}")
                     pipe.pexpire(name, ttl_ms)
                 else:
                     pipe.hdel(name, node_id)

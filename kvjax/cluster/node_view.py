@@ -10,7 +10,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = ["NodeLoad", "NodeView"]
+__all__ = ["DEFAULT_BLOCK_TTL_S", "NodeLoad", "NodeView"]
+
+DEFAULT_BLOCK_TTL_S = 1800.0
+"""How long a block entry (and a dropped mark) lives in the directory after its last write or
+refresh, by default (``Directory(block_ttl_s=...)``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

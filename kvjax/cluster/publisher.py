@@ -19,6 +19,13 @@ Failures and what follows them:
 
 Block entries carry a TTL; the heartbeat refreshes a slice of the held blocks each time so
 that every one is refreshed twice per ``block_ttl_s`` and entries nobody live holds expire.
+
+Dropped first blocks: a block stored with no parent (a sequence's first page) that leaves the
+node's last tier is written as a dropped mark with the time (``Directory.write_blocks``); the
+publisher remembers the marks of the last ``block_ttl_s`` (at most ``_MAX_MARKS``, newest
+kept) and writes them again under every new epoch, so a Redis blip or restart does not erase
+where prefixes were last seen. First blocks among the holdings given at start or to ``reset``
+are not known as such (holdings carry no parents) and are not marked when they leave.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ __all__ = ["DirectoryPublisher"]
 
 _LOG = logging.getLogger(__name__)
 _FULL_PUBLISH_CHUNK = 2000  # blocks per transaction when writing everything (bounded latency)
+_MAX_MARKS = 65536  # dropped first blocks remembered for a resync (the newest)
 _Block = tuple[bytes, bytes]
 
 
@@ -62,6 +70,7 @@ class DirectoryPublisher:
         self.counters = {"published_batches": 0, "published_blocks": 0, "resyncs": 0, "errors": 0}
         self._holdings: dict[_Block, int] = {}
         self._first_blocks: set[_Block] = set()  # held blocks stored with no parent (a sequence's first)
+        self._marks: dict[_Block, int] = {}  # first blocks dropped in the last block_ttl_s -> unix ms, oldest first
         self._fold_entries(holdings)
         self._lock = threading.Lock()
         self._pending: list[tuple[BlockEvent, ...]] = []
@@ -139,12 +148,12 @@ class DirectoryPublisher:
             self._wake.clear()
             if self._stop.is_set():
                 break
-            changed, dropped_first, load = self._drain()
+            changed, dropped, load = self._drain()
             try:
                 if self._needs_resync:
                     self._resync(load)
                 elif changed or load != self._written_load:
-                    self.directory.write_blocks(self.node_id, self.epoch, changed, load, first_blocks=dropped_first)
+                    self.directory.write_blocks(self.node_id, self.epoch, changed, load, dropped=dropped)
                     self._written_load = load
                     self.counters["published_blocks"] += len(changed)
                 if time.monotonic() >= next_heartbeat:
@@ -166,16 +175,19 @@ class DirectoryPublisher:
                            self.node_id)  # fmt: skip
                 return
 
-    def _drain(self) -> tuple[dict[_Block, int], set[_Block], NodeLoad]:
+    def _drain(self) -> tuple[dict[_Block, int], dict[_Block, int], NodeLoad]:
         """Fold the queued events into the holdings; returns the changed blocks' masks, the
-        first blocks among them that left the node, and the load."""
+        first blocks among them that left the node (-> unix ms, kept in the marks), and the
+        load."""
         with self._lock:
             batches, self._pending = self._pending, []
             reset, self._pending_reset = self._pending_reset, None
             load = self._load
         if reset is not None:
             self._holdings.clear()
-            self._first_blocks.clear()  # holdings carry no parents: those dropped later are not marked
+            # holdings carry no parents: the first blocks among them are not known, and are not
+            # marked when they leave (a routing hint lost, nothing wrong)
+            self._first_blocks.clear()
             self._fold_entries(reset)
             self._needs_resync = True
         changed: set[_Block] = set()
@@ -184,9 +196,20 @@ class DirectoryPublisher:
             for event in batch:
                 self._fold_event(event, changed)
         masks = {block: self._holdings.get(block, 0) for block in changed}
-        dropped_first = {block for block, mask in masks.items() if not mask and block in self._first_blocks}
-        self._first_blocks -= dropped_first
-        return masks, dropped_first, load
+        now_ms = max(1, int(time.time() * 1000))
+        dropped = {block: now_ms for block, mask in masks.items() if not mask and block in self._first_blocks}
+        self._first_blocks.difference_update(dropped)
+        marks = self._marks
+        for block, mask in masks.items():
+            if mask:
+                marks.pop(block, None)  # held again: its entry is a mask now
+        for block in dropped:
+            marks.pop(block, None)
+            marks[block] = now_ms  # newest last
+        oldest = now_ms - self.directory.block_ttl_s * 1000
+        while marks and (len(marks) > _MAX_MARKS or next(iter(marks.values())) < oldest):
+            del marks[next(iter(marks))]
+        return masks, dropped, load
 
     def _fold_event(self, event: BlockEvent, changed: set[_Block]) -> None:
         bit = TIER_BITS[event.tier]
@@ -221,6 +244,10 @@ class DirectoryPublisher:
         for start in range(0, max(len(items), 1), _FULL_PUBLISH_CHUNK):
             chunk = dict(items[start : start + _FULL_PUBLISH_CHUNK])
             self.directory.write_blocks(self.node_id, epoch, chunk, load if start == 0 else None)
+        marks = list(self._marks.items())  # written again under the new epoch
+        for start in range(0, len(marks), _FULL_PUBLISH_CHUNK):
+            chunk = dict(marks[start : start + _FULL_PUBLISH_CHUNK])
+            self.directory.write_blocks(self.node_id, epoch, dict.fromkeys(chunk, 0), dropped=chunk)
         self.epoch, self._written_load, self._needs_resync = epoch, load, False
         self._refresh_queue = []
         self.counters["resyncs"] += 1

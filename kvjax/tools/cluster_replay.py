@@ -9,7 +9,9 @@ Model of the replay, request by request in timestamp order:
 1. Every node's cache says how many leading blocks of the request it holds, any tier
    (``KVCache.match``; what the node would have published to the directory), and when it
    last dropped the request's first block from its last tier (folded from its cache's block
-   events, as the node's publisher does: the directory's dropped entries).
+   events, as the node's publisher does: the directory's dropped entries, which expire
+   ``DEFAULT_BLOCK_TTL_S`` after the drop here; another holder's refreshes can keep a real
+   one longer).
 2. The router's own policy (``kvjax.cluster.router.RoutingPolicy``, the code the HTTP router
    runs) chooses a node from those prefixes and each node's load at the arrival time.
 3. The chosen node's cache serves the request as the single-node replay does
@@ -50,7 +52,7 @@ import numpy as np
 
 from kvjax.cache.block_events import BlockEvent
 from kvjax.cache.block_keys import chained_block_keys
-from kvjax.cluster.node_view import NodeLoad, NodeView
+from kvjax.cluster.node_view import DEFAULT_BLOCK_TTL_S, NodeLoad, NodeView
 from kvjax.cluster.router import RECENT_PER_NODE, RouterConfig, RoutingPolicy
 from kvjax.tiers.kv_cache import KVCache
 from kvjax.tools.replay import (
@@ -287,7 +289,8 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
             first = first_keys.get(blocks[0])
             if first is None:
                 first = first_keys[blocks[0]] = chained_block_keys([blocks[0]], 1, REPLAY_NAMESPACE)[0]
-            dropped = [drop.dropped_ms.get(first, 0) for drop in drops]
+            oldest = request.timestamp_ms - DEFAULT_BLOCK_TTL_S * 1000  # older marks expired with their key
+            dropped = [ms if (ms := drop.dropped_ms.get(first, 0)) >= oldest else 0 for drop in drops]
         views = [NodeView(node_id, 1, "", loads.at(node, now), held[node], first_dropped_ms=dropped[node])
                  for node, node_id in enumerate(node_ids)]  # fmt: skip
         decision = routing.choose(views, request.input_length, spec.block_tokens)
