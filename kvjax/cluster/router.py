@@ -61,7 +61,9 @@ node's first blocks left its last tier) takes the request if it is eligible, els
 as above. The prefix comes back to the cache that saw it before: that node's eviction policy
 remembers it (``reuse`` counts a page that returns after eviction as one seen before and
 keeps it longer), so a conversation or document that outlived every cache is treated as the
-repeat it is rather than as a stranger wherever fair turns put it. Measured with the cluster replay on
+repeat it is rather than as a stranger wherever fair turns put it. Drop times are each node's
+own clock: clocks further apart than two drops can pick the earlier dropper, a worse hint and
+never wrong KV. Measured with the cluster replay on
 the shared trace (``benchmarks/bench_cluster_replay.py [--no-follow-dropped]``; 4/8 nodes x
 2,000/8,000 blocks, eviction policy reuse): local gap to one cache of N x C +3.41, +0.46,
 +2.37, +0.79 points without it, +1.42, +0.59, +1.66, +0.79 with it; served (local +
