@@ -3,13 +3,15 @@ properties over random traces, the command line."""
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax.__main__ import main
+from kvjax.cache.block_keys import chained_block_keys
 from kvjax.cache.trie_node import Tier
-from kvjax.tools.replay import replay_cache, replay_trace, serve_request
+from kvjax.tools.replay import REPLAY_NAMESPACE, replay_cache, replay_trace, serve_request
 from kvjax.tools.replay_bounds import intern_block_paths, unlimited_replay
 from kvjax.tools.trace import TraceRequest
 
@@ -156,14 +158,11 @@ def test_cli_rejects_bad_tier_sizes_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "disk_blocks=3 needs host_blocks > 0" in err
 
 
-@settings(max_examples=40, deadline=None)
-@given(paths=_paths, device=st.integers(1, 6), host=st.integers(1, 8), disk=st.integers(0, 8))
-def test_host_victims_go_redundant_first_then_by_last_use_leaves_first(paths, device, host, disk):
-    # The lazy victim heaps against the order computed from scratch, after every request (LRU,
-    # so a page's rank is its node's last use): every evictable host copy is listed once,
-    # copies whose page is also on device or on disk first, then by last use, deeper first.
-    requests = _trace(*paths)
-    cache, now = replay_cache(device, policy="lru", host_blocks=host, disk_blocks=disk)
+def _check_victim_order(requests, device, host, disk, policy, rank):
+    """Replay ``requests``; after each, the victim listing must hold every evictable host copy
+    once, evict nothing, and list them in the order of ``rank(index, key, node, page,
+    redundant)``."""
+    cache, now = replay_cache(device, policy=policy, host_blocks=host, disk_blocks=disk)
     index = cache.tiers
     with cache:
         for request, path in zip(requests, intern_block_paths(requests)[0]):
@@ -179,9 +178,58 @@ def test_host_victims_go_redundant_first_then_by_last_use_leaves_first(paths, de
             for key in victims:
                 node, page = index.trie.locate(key)
                 redundant = node.on_device or bool(int(node.tiers[page]) & int(Tier.DISK))
-                order.append((not redundant, node.last_access, -(node.first_page + page)))
+                order.append(rank(index, key, node, page, redundant))
             assert order == sorted(order), order
             cache.check_invariants()
+    return cache
+
+
+@settings(max_examples=40, deadline=None)
+@given(paths=_paths, device=st.integers(1, 6), host=st.integers(1, 8), disk=st.integers(0, 8))
+def test_host_victims_go_redundant_first_then_by_last_use_leaves_first(paths, device, host, disk):
+    # The lazy victim heaps against the order computed from scratch, after every request (LRU,
+    # so a page's rank is its node's last use): every evictable host copy is listed once,
+    # copies whose page is also on device or on disk first, then by last use, deeper first.
+    # Under LRU there is no shadow: device and host hold what one LRU cache would.
+    cache = _check_victim_order(_trace(*paths), device, host, disk, "lru",
+                                lambda index, key, node, page, redundant:
+                                (not redundant, node.last_access, -(node.first_page + page)))  # fmt: skip
+    assert cache.tiers.shadow is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(paths=_paths, device=st.integers(1, 6), host=st.integers(1, 8), disk=st.integers(0, 8),
+       policy=st.sampled_from(["reuse", "segmented", "lfu"]))  # fmt: skip
+def test_host_victims_follow_the_flat_cache_of_the_tiers_total_size(paths, device, host, disk, policy):
+    # Under any other policy, the copies whose page the shadow (one cache of the device's +
+    # the host's blocks under the same policy) evicted go right after the redundant copies,
+    # before any copy of a page the shadow still holds.
+    cache = _check_victim_order(_trace(*paths), device, host, disk, policy,
+                                lambda index, key, node, page, redundant:
+                                0 if redundant else 1 if index.shadow.evicted(key) else 2)  # fmt: skip
+    assert cache.tiers.shadow.num_blocks == device + 1 + host  # the replay's pool has one more
+
+
+def test_the_host_evicts_first_what_the_flat_cache_evicted_whatever_the_device_policy_ranks():
+    # Device 2 blocks (+1 for the replay's last token), host 4: A, B, C in turn leave A and B
+    # on host, A the older. The shadow (7 blocks) then sees A again and a new prompt, so it
+    # evicts B (its least recently used) and C's last page: B's copies go first, A's after.
+    cache, now = replay_cache(2, policy="reuse", host_blocks=4)
+    key = {tuple(path): k for path in ([1, 2], [3, 4])
+           for k, path in zip(chained_block_keys(path, 1, REPLAY_NAMESPACE), ([path[0]], path))}  # fmt: skip
+    with cache:
+        for t, blocks in enumerate(([1, 2], [3, 4], [5, 6])):
+            now[0] = float(t)
+            serve_request(cache, blocks)
+        index = cache.tiers
+        assert set(index.host_entries) == set(key.values())
+        now[0] = 3.0
+        index.shadow.observe(REPLAY_NAMESPACE, np.array([1, 2, 0], np.int32).tobytes())
+        index.shadow.observe(REPLAY_NAMESPACE, np.array([7, 8, 9, 0], np.int32).tobytes())
+        victims = index._victims(4, ())
+        assert victims[:2] == [key[3,], key[3, 4]] and set(victims[2:]) == {key[1,], key[1, 2]}
+        assert index.make_host_room(2) == 2 and set(index.host_entries) == {key[1,], key[1, 2]}
+        cache.check_invariants()
 
 
 def test_a_swap_with_a_full_host_keeps_the_evicted_pages_in_the_fetched_ones_slots():

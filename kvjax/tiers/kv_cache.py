@@ -17,7 +17,9 @@ runs, nothing is ever found below the device.
 
 Tiers. A trie page records which tiers hold a copy (``kvjax.tiers.tier_index``). Evicting a
 page from the device keeps it indexed when a host or disk copy exists; the write policy
-(``KVCacheConfig.write_policy``) decides when device pages get host copies. Host pages spill
+(``KVCacheConfig.write_policy``) decides when device pages get host copies; host copies go
+first where one cache of the device's and the host's blocks together would have evicted
+their pages (``kvjax.tiers.shadow_cache``, fed every admission). Host pages spill
 to disk above the host watermark; a disk directory reopened by a new process is found again
 by key (a lookup that runs past the trie probes the disk for the next pages' chained keys).
 The layers below report, this one acts: an eviction returns the pages write-back kept (this
@@ -77,6 +79,7 @@ from kvjax.tiers.kv_cache_config import KVCacheConfig
 from kvjax.tiers.kv_cache_remote import ExportedPages, export_pages, import_pages
 from kvjax.tiers.mover import TierMover, TierReport
 from kvjax.tiers.page_pool import PagePool
+from kvjax.tiers.shadow_cache import ShadowCache
 from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferEngine
 
@@ -149,6 +152,11 @@ class KVCache:
             self._open_lower_tiers(impl, transfer_factory)
         self.tiers = TierIndex(self.trie, 0 if self.host_pool is None else self.host_pool.num_slots,
                                self.disk_tier, self.events)  # fmt: skip
+        if self.host_pool is not None and config.policy != "lru":  # under LRU the tiers hold what one cache would
+            self.tiers.shadow = ShadowCache(min(pool.num_blocks + self.host_pool.num_slots, 2**31 - 1),
+                                            pool.page_size, config.policy,
+                                            clock, vocab_size=config.vocab_size, cost_model=config.cost_model,
+                                            block_nbytes=self.codec.block_nbytes)  # fmt: skip
         self._mover = TierMover(self.trie, self.pool, self.tiers, self.transfer, config.high_watermark,
                                 config.low_watermark, self.codec)  # fmt: skip
         self._version = 0  # bumped by everything that may change what a lookup finds
@@ -260,6 +268,8 @@ class KVCache:
         admission = self.index.begin_admission(ns, buf, plan.matched, now)
         handle, fetched, from_disk = None, 0, plan.on_disk[:0]
         if admission is not None:
+            if self.tiers.shadow is not None:  # first: the host victims this admission makes follow it
+                self.tiers.shadow.observe(ns, buf)
             # Host slots the disk pages of this admission will be restored into come first:
             # write-back copies of the blocks it evicts take what is left, and the slots of
             # the host pages it fetches once they are read (they are on device then).
@@ -396,8 +406,8 @@ class KVCache:
         return blocks.tolist()
 
     def evict_host(self, num_blocks: int) -> int:
-        """Drop up to ``num_blocks`` unheld host copies, LRU first; return how many. Pages
-        left with no copy in any tier leave the trie."""
+        """Drop up to ``num_blocks`` unheld host copies, in ``TierIndex.make_host_room``'s
+        order; return how many. Pages left with no copy in any tier leave the trie."""
         if num_blocks < 0:
             raise ValueError(f"{num_blocks=} must be >= 0")
         self._version += 1

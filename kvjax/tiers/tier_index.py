@@ -17,8 +17,10 @@ Rules it keeps:
 * ``undisked`` lists, LRU first, the host entries whose page has no disk copy: what a
   spill to disk writes;
 * every new entry is preceded by ``make_host_room``, which evicts unheld, ready host entries
-  by their page's last use (freeing their slots and clearing their HOST bits, so a page left
-  without copies leaves the trie);
+  (freeing their slots and clearing their HOST bits, so a page left without copies leaves
+  the trie): copies whose page stays indexed without them first, then copies of pages that
+  one cache of the device's and the host's blocks together would have evicted (``shadow``,
+  a ``kvjax.tiers.shadow_cache.ShadowCache``), then by the eviction policy's rank;
 * a page that leaves the trie (``forget_dropped``, fed the trie's ``DroppedNode`` records)
   drops its host copy (at the end of the transfer using it, if one does) and keeps its disk
   copy unindexed: a later lookup finds it again by key (``probe_disk``), as it finds what a
@@ -41,6 +43,7 @@ from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cache.prefix_trie import DroppedNode, PrefixTrie
 from kvjax.cache.trie_node import Node, Tier
 from kvjax.tiers.disk_tier import DiskTier
+from kvjax.tiers.shadow_cache import ShadowCache
 
 __all__ = ["HostEntry", "TierIndex"]
 
@@ -86,6 +89,11 @@ class TierIndex:
         self._by_use: list[tuple[float, int, int, bytes, HostEntry, float]] = []
         self._redundant: list[tuple[float, int, int, bytes, HostEntry, float]] = []
         self._filed = itertools.count()
+        # The flat cache of device + host blocks whose evictions go first (None: no such
+        # order, see make_host_room), and the keys of host copies of pages it evicted, in the
+        # order it evicted them (checked lazily: stale keys are skipped when reached).
+        self.shadow: ShadowCache | None = None
+        self._doomed: collections.deque[bytes] = collections.deque()
 
     # --- host ------------------------------------------------------------------------------
 
@@ -114,15 +122,29 @@ class TierIndex:
         """Evict ready, unheld host blocks (none in ``exclude``) until ``num_blocks`` more fit;
         return how many fit (<= num_blocks).
 
-        Victims: first host copies whose page stays indexed without them (on device or on
-        disk too), least recently used first; then the others, least recently used first and
-        deepest first among pages last used together. "Used" is the page's last use (its trie
-        node's ``last_access``), not when its host copy was made or read: a page hot on device
-        for an hour and then evicted is as young on host, so device and host together keep
-        the most recently used pages, as one LRU cache of their total size would. A page is
-        never older than the pages after it (a use of them is a use of it), so leaves go before
-        the pages they hang from: dropping the copy of an off-device page without a disk copy
-        drops every page after it too, since a page is found only through its prefix.
+        Victims, in this order:
+
+        1. host copies whose page stays indexed without them (on device or on disk too): free
+           for the hit rate;
+        2. (with a ``shadow``) copies of pages the shadow cache evicted and has not stored
+           since, in the order it evicted them. Device and host together hit on what they hold
+           between them, so they do best holding what one cache of their total size would: the
+           shadow is that cache, without KV, under the cache's policy, fed every admission.
+           The device policy's own rank judges host pages on the device's time scale, and a
+           page fetched back from host is a miss to it: ranking by it alone held 2% fewer hits
+           than one LRU cache of the same total size on the shared Mooncake trace (4% more
+           with the shadow; ``bench_policies.py --tiered``);
+        3. the others by the policy's rank of their page (``policy.priority`` of its trie node,
+           when the copy was filed or its page was last used since), deepest first among equal
+           ranks. Under ``lru`` (no shadow then) that rank is the page's last use, not when its
+           host copy was made or read: a page hot on device for an hour and then evicted is as
+           young on host, so device and host together keep the most recently used pages, as
+           one LRU cache of their total size would.
+
+        A page is never older than the pages after it (a use of them is a use of it), so in
+        3. leaves go before the pages they hang from: dropping the copy of an off-device page
+        without a disk copy drops every page after it too, since a page is found only through
+        its prefix (the shadow evicts a page only with every page after it, too).
         """
         short = num_blocks - (self.host_capacity - self.host_used)
         if short > 0:
@@ -144,11 +166,15 @@ class TierIndex:
 
     def _victims(self, short: int, exclude: Iterable[bytes]) -> list[bytes]:
         """Up to ``short`` evictable entries (ready, unheld, live, not in ``exclude``) in
-        eviction order (see ``make_host_room``). Evicts nothing: the heaps only lose stale
-        items and re-file those used since they were filed."""
+        eviction order (see ``make_host_room``). Evicts nothing: the heaps and the shadow's
+        queue only lose stale items, and the heaps re-file those used since they were filed."""
         exclude = set(exclude)
         chosen: dict[bytes, None] = {}
-        for heap in (self._redundant, self._by_use):
+        for heap in (self._redundant, None, self._by_use):
+            if heap is None:
+                if self.shadow is not None:
+                    self._shadow_victims(short, exclude, chosen)
+                continue
             aside = []
             while len(chosen) < short and heap:
                 item = heapq.heappop(heap)
@@ -174,6 +200,22 @@ class TierIndex:
             for item in aside:
                 heapq.heappush(heap, item)
         return list(chosen)
+
+    def _shadow_victims(self, short: int, exclude: set[bytes], chosen: dict[bytes, None]) -> None:
+        """Add to ``chosen`` (up to ``short`` in all) evictable host copies of pages the shadow
+        cache evicted and has not stored since, in the order it evicted them."""
+        doomed, shadow, entries = self._doomed, self.shadow, self.host_entries
+        doomed.extend(key for key in shadow.take_evicted() if key in entries)
+        aside = []
+        while doomed and len(chosen) < short:
+            key = doomed.popleft()
+            entry = entries.get(key)
+            if entry is None or entry.dropped or entry.handed or not shadow.evicted(key):
+                continue  # gone, or the flat cache holds its page again
+            aside.append(key)  # until it is evicted: make_host_room may stop short of it
+            if entry.ready and not entry.busy and key not in exclude:
+                chosen.setdefault(key)
+        doomed.extendleft(reversed(aside))
 
     @staticmethod
     def _redundant_copy(node: Node, index: int) -> bool:
@@ -275,6 +317,11 @@ class TierIndex:
         self._file(key, entry, node, index)
         if self._redundant_copy(node, index):
             self._file(key, entry, node, index, redundant=True)
+        if self.shadow is not None and self.shadow.evicted(key):
+            self._doomed.append(key)
+            if len(self._doomed) > 2 * self.host_capacity + 1024:  # drop stale keys: memory stays O(entries)
+                live = self.host_entries
+                self._doomed = collections.deque(k for k in self._doomed if k in live and self.shadow.evicted(k))
         self.trie.set_tier(node, index, Tier.HOST)
         if not int(node.tiers[index]) & _DISK:
             self.undisked[key] = None
