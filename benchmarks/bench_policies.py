@@ -38,7 +38,9 @@ the tiered column tracks the flat one under the same policy: on the shared trace
 35.55%, 59.34% at C = 1%, 3%, 10% against flat LRU's 15.66%, 33.50%, 58.88% (ranked by the
 device policy alone, the host held 15.34%, 32.98%, 58.75%). Where flat reuse stays under flat
 LRU, so does the tiered cache: chat at 3% (-0.2%), mixed at 10% (-0.15%), agent at 1% (-0.1%),
-chat_scan at 10% (-0.04%).
+chat_scan at 10% (-0.04%). With ``--host-ratio 2`` it is at or above flat LRU on 9 of 10 traces
+(not chat at 3%: -0.4%), with ``--host-ratio 8`` on 7 (shared trace at 10% -0.2%, bursty and
+mixed -0.04% or less), the device policy's rank alone on 6 and 6.
 
     .venv/bin/python benchmarks/bench_policies.py --tiered [--host-ratio 4] [...as above]
 """
