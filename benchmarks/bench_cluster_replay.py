@@ -62,7 +62,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvjax.cluster.router import STRATEGIES, RouterConfig  # noqa: E402
-from kvjax.tools.cluster_replay import ClusterSpec, FetchModel, ServiceModel, simulate_cluster, yardsticks  # noqa: E402
+from kvjax.tools.cluster_replay import (  # noqa: E402
+    DEFAULT_POLICY_SHARE_S,
+    ClusterSpec,
+    FetchModel,
+    ServiceModel,
+    simulate_cluster,
+    yardsticks,
+)
 from kvjax.tools.replay import DEFAULT_POLICY  # noqa: E402
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_trace  # noqa: E402
 from kvjax.tools.trace_family import SHAPES, generate  # noqa: E402
@@ -80,12 +87,18 @@ def main() -> None:
     parser.add_argument("--no-follow-dropped", action="store_true",
                         help="requests nobody holds go by fair turns, not to the node that dropped them last")
     parser.add_argument("--policy", default=DEFAULT_POLICY, help="eviction policy of every cache")
+    parser.add_argument("--policy-share-s", type=float, default=DEFAULT_POLICY_SHARE_S,
+                        help="seconds between exchanges of reuse statistics between nodes")
+    parser.add_argument("--no-policy-sharing", action="store_true",
+                        help="every node's reuse policy learns from its own traffic alone")
     parser.add_argument("--shape", choices=SHAPES, help="a generated trace of this shape instead (trace_family)")
     parser.add_argument("--shape-requests", type=int, default=4000, help="requests of the generated --shape trace")
     parser.add_argument("--share-slack-rel", type=float, nargs="+", help="print the frontier of these share slacks")
     args = parser.parse_args()
     service, fetch = ServiceModel(), None if args.no_remote_fetch else FetchModel()
-    print(f"cluster replay, eviction policy {args.policy}; router defaults {RouterConfig()}")
+    share_s = None if args.no_policy_sharing else args.policy_share_s
+    print(f"cluster replay, eviction policy {args.policy}, reuse statistics shared "
+          f"{'never' if share_s is None else f'every {share_s:g} s'}; router defaults {RouterConfig()}")
     print(service.describe())
     print((fetch.describe(service) if fetch else "remote fetch: off") + "\n")
     start = time.perf_counter()
@@ -93,18 +106,18 @@ def main() -> None:
     trace_name = f"generated {args.shape} ({args.shape_requests} requests, seed 0)" if args.shape else args.trace
     if args.share_slack_rel:
         print_frontier(requests, args.nodes, args.device_blocks, args.share_slack_rel, service, fetch, args.policy,
-                       follow_dropped=not args.no_follow_dropped)
+                       follow_dropped=not args.no_follow_dropped, share_s=share_s)
         print(f"\n{time.perf_counter() - start:.0f} s; command: {' '.join(sys.argv)}")
         return
     rows = [row for nodes in args.nodes for blocks in args.device_blocks
             for row in compare(requests, nodes, blocks, service, fetch, args.policy,
-                               follow_dropped=not args.no_follow_dropped)]  # fmt: skip
+                               follow_dropped=not args.no_follow_dropped, share_s=share_s)]  # fmt: skip
     print(f"trace {trace_name}: {len(requests)} requests\n")
     print_table(rows)
     shared = shared_system_prompt_trace()
     rows = [row for nodes in args.nodes
             for row in compare(shared, nodes, args.system_prompt_device_blocks, service, fetch, args.policy,
-                               follow_dropped=not args.no_follow_dropped)]
+                               follow_dropped=not args.no_follow_dropped, share_s=share_s)]
     print(f"\ngenerated trace: {len(shared)} requests, every one behind the same "
           f"{SYSTEM_PROMPT_BLOCKS}-block system prompt (target for prefix: max/mean <= 1.10)\n")  # fmt: skip
     print_table(rows)
@@ -112,9 +125,10 @@ def main() -> None:
 
 
 def compare(requests: list[TraceRequest], nodes: int, device_blocks: int, service: ServiceModel,
-            fetch: FetchModel | None, policy: str, *, follow_dropped: bool = True) -> list[tuple]:  # fmt: skip
+            fetch: FetchModel | None, policy: str, *, follow_dropped: bool = True,
+            share_s: float | None = DEFAULT_POLICY_SHARE_S) -> list[tuple]:  # fmt: skip
     """One row per strategy: (nodes, blocks, strategy, report, single-cache block hit rate)."""
-    spec = ClusterSpec(nodes, device_blocks, policy=policy)
+    spec = ClusterSpec(nodes, device_blocks, policy=policy, policy_share_s=share_s)
     single = yardsticks(requests, spec)["single_cache"].block_hit_rate
     return [(nodes, device_blocks, strategy,
              simulate_cluster(requests, spec, router=RouterConfig(strategy, follow_dropped=follow_dropped),
@@ -137,7 +151,8 @@ def print_table(rows: list[tuple]) -> None:
 
 def print_frontier(requests: list[TraceRequest], nodes: list[int], device_blocks: list[int], slacks: list[float],
                    service: ServiceModel, fetch: FetchModel | None, policy: str, *,
-                   follow_dropped: bool = True) -> None:  # fmt: skip
+                   follow_dropped: bool = True,
+                   share_s: float | None = DEFAULT_POLICY_SHARE_S) -> None:  # fmt: skip
     """``prefix`` at each share slack: gap local / served (points), fetched, max/mean and window
     p95 per configuration."""
     configs = [(n, blocks) for n in nodes for blocks in device_blocks]
@@ -150,7 +165,7 @@ def print_frontier(requests: list[TraceRequest], nodes: list[int], device_blocks
     for slack in slacks:
         cells = []
         for n, blocks in configs:
-            report = simulate_cluster(requests, ClusterSpec(n, blocks, policy=policy),
+            report = simulate_cluster(requests, ClusterSpec(n, blocks, policy=policy, policy_share_s=share_s),
                                       router=RouterConfig(share_slack_rel=slack, follow_dropped=follow_dropped),
                                       service=service, fetch=fetch)
             local = 100 * (singles[n, blocks] - report.local.block_hit_rate)

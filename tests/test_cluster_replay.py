@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax.__main__ import main
+from kvjax.cache.policies import ReusePolicy
 from kvjax.cluster.router import RouterConfig
 from kvjax.tools.cluster_replay import (
     ClusterSpec,
@@ -139,9 +140,43 @@ def test_one_node_is_the_single_node_replay(strategy):
     assert report.local.host_hit_blocks > 0  # the host tier per node is there
 
 
+@pytest.mark.parametrize(("share_s", "exchanges"), [(2.0, 4), (3.0, 3), (None, 0)])
+def test_nodes_exchange_reuse_statistics_every_policy_share_s_of_the_trace_clock(monkeypatch, share_s, exchanges):
+    """Requests at 0, 1, ..., 6 s: an exchange at the first arrival, then at the first arrival
+    share_s or more after the previous exchange; in each, every node merges the other nodes'
+    statistics (one each), published before anyone merged."""
+    merges = []
+    original = ReusePolicy.merge_peer_statistics
+
+    def merge(policy, peers, **kwargs):
+        peers = list(peers)
+        merges.append((id(policy), [stats.closed for stats in peers]))
+        original(policy, peers, **kwargs)
+
+    monkeypatch.setattr(ReusePolicy, "merge_peer_statistics", merge)
+    requests = trace([(1, 2), (3, 4), (1, 2, 5), (3, 4, 6), (1, 2, 5, 7), (8,), (3, 4, 6, 9)])
+    report = cluster_replay(requests, ClusterSpec(3, 10, block_tokens=BLOCK, policy_share_s=share_s), fetch=None)
+    assert len(merges) == 3 * exchanges and len({policy for policy, _ in merges}) == (3 if exchanges else 0)
+    assert all(len(peers) == 2 for _, peers in merges)
+    assert report.as_dict()["policy_share_s"] == share_s
+
+
+def test_nodes_of_another_policy_or_a_single_node_exchange_nothing(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("merge_peer_statistics called")
+
+    monkeypatch.setattr(ReusePolicy, "merge_peer_statistics", fail)
+    requests = trace([(1, 2), (3, 4), (1, 2, 5)])
+    simulate_cluster(requests, ClusterSpec(2, 10, block_tokens=BLOCK, policy="lru"), fetch=None)
+    simulate_cluster(requests, ClusterSpec(1, 10, block_tokens=BLOCK), fetch=None)
+
+
 def test_bad_settings_are_refused_before_replaying():
     with pytest.raises(ValueError, match="nodes=0 must be an int >= 1"):
         ClusterSpec(0, 10)
+    for bad in (0, -1.0, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match=f"policy_share_s={bad!r} must be a positive finite number"):
+            ClusterSpec(2, 10, policy_share_s=bad)
     with pytest.raises(ValueError, match="device_blocks=0 must be an int in"):
         cluster_replay(TWO_CONVERSATIONS, ClusterSpec(2, 0))
     with pytest.raises(ValueError, match=r"prefill_tokens_per_s=0 must be a number > 0 \(tokens per second\)"):

@@ -24,6 +24,13 @@ model's rate), and count as served; the chosen node then caches them like the re
 prompt. The router credits a node with what it could fetch at the model's cost ratio
 (``RouterConfig.remote_fetch_cost``, unless the router config sets it).
 
+Shared reuse statistics (``ClusterSpec.policy_share_s``, every 2 s by default; None: off):
+nodes whose eviction policy is ``reuse`` exchange what their learners learned
+(``ReusePolicy.statistics`` / ``merge_peer_statistics``: per kind trial and reuse counts,
+horizon; never the history), as their publishers do through the directory at each heartbeat:
+every ``policy_share_s`` seconds of the trace clock, each node publishes its statistics, then
+merges the others'.
+
 Load comes from a service-time model (``ServiceModel``, printed with the results): a node
 prefills one request at a time, in arrival order, at ``prefill_tokens_per_s`` uncached prompt
 tokens a second; a request then decodes its ``output_length`` tokens at
@@ -52,6 +59,7 @@ import numpy as np
 
 from kvjax.cache.block_events import BlockEvent
 from kvjax.cache.block_keys import chained_block_keys
+from kvjax.cache.policies import ReusePolicy
 from kvjax.cluster.node_view import DEFAULT_BLOCK_TTL_S, NodeLoad, NodeView
 from kvjax.cluster.router import RECENT_PER_NODE, RouterConfig, RoutingPolicy
 from kvjax.tiers.kv_cache import KVCache
@@ -68,6 +76,7 @@ from kvjax.tools.replay_bounds import HitCounter, HitCounts, intern_block_paths,
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = [
+    "DEFAULT_POLICY_SHARE_S",
     "WINDOW_REQUESTS_PER_NODE",
     "ClusterReplayReport",
     "ClusterSpec",
@@ -82,6 +91,10 @@ __all__ = [
 
 WINDOW_REQUESTS_PER_NODE = 50
 """Arrivals per node in a window of ``p95_window_max_mean_requests``."""
+
+DEFAULT_POLICY_SHARE_S = 2.0
+"""Seconds between exchanges of reuse statistics in the replay: a node's default heartbeat
+(``DirectoryPublisher``: a third of the directory's 6 s node TTL)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,7 +166,9 @@ class FetchModel:
 class ClusterSpec:
     """The simulated cluster: ``nodes`` nodes of ``device_blocks`` / ``host_blocks`` /
     ``disk_blocks`` blocks each (write-through or write-back to the host), every cache with
-    eviction ``policy``; ``block_tokens`` tokens per trace block."""
+    eviction ``policy``; ``block_tokens`` tokens per trace block; ``policy_share_s``: seconds
+    between exchanges of reuse statistics (``reuse`` policy only; None: every node learns
+    alone)."""
 
     nodes: int
     device_blocks: int
@@ -162,10 +177,15 @@ class ClusterSpec:
     write_through: bool = False
     policy: str = DEFAULT_POLICY
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    policy_share_s: float | None = DEFAULT_POLICY_SHARE_S
 
     def __post_init__(self) -> None:
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
             raise ValueError(f"nodes={self.nodes!r} must be an int >= 1")
+        share = self.policy_share_s
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share < float("inf")):  # fmt: skip
+            raise ValueError(f"policy_share_s={share!r} must be a positive finite number of seconds, or None")
 
     def cache(self) -> tuple[KVCache, list[float]]:
         """One node's cache and its clock (``replay_cache``; ValueError for a bad capacity)."""
@@ -218,6 +238,7 @@ class ClusterReplayReport:
         return {
             **single_node_keys,
             "nodes": spec.nodes,
+            "policy_share_s": spec.policy_share_s,
             "router": self.router.strategy,
             "share_slack_abs": self.router.share_slack_abs,
             "share_slack_rel": self.router.share_slack_rel,
@@ -277,8 +298,14 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
     chosen = np.zeros(len(requests), np.int64)
     remote_blocks = fetched_blocks = 0
     reasons: collections.Counter[str] = collections.Counter()
+    learners = [cache.trie.policy for cache, _ in caches]
+    share_s = spec.policy_share_s if all(isinstance(learner, ReusePolicy) for learner in learners) else None
+    next_share = -float("inf")
     for index, (request, path) in enumerate(zip(requests, paths)):
         now = request.timestamp_ms / 1000.0
+        if share_s is not None and spec.nodes > 1 and now >= next_share:
+            next_share = now + share_s
+            _share_statistics(learners)
         blocks = path[: spec.device_blocks]
         held = []
         for cache, clock in caches:
@@ -318,6 +345,13 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
         p95_window_max_mean=window_max_mean(chosen, spec.nodes, WINDOW_REQUESTS_PER_NODE * spec.nodes),
         reasons=dict(sorted(reasons.items())),
     )  # fmt: skip
+
+
+def _share_statistics(learners: list[ReusePolicy]) -> None:
+    """One exchange: every node publishes its statistics, then merges the others'."""
+    published = [learner.statistics() for learner in learners]
+    for node, learner in enumerate(learners):
+        learner.merge_peer_statistics(published[:node] + published[node + 1 :])
 
 
 class _FirstBlockDrops:
