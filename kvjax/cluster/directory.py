@@ -16,6 +16,10 @@ key                            type    TTL             holds (written by)
 ``{prefix}:node:{id}``         hash    ``node_ttl_s``  epoch, address, inflight, prefill_tokens,
                                                        started (register, heartbeat, the node's
                                                        step writes; routers HINCRBY the load)
+``{prefix}:node:{id}:learned`` string  ``node_ttl_s``  JSON {"epoch": e, "statistics": {...}}: what
+                                                       the node's eviction policy learned, for its
+                                                       peers (``ReuseStatistics.as_dict``; the
+                                                       node's heartbeat)
 ``{prefix}:b:{ns}:{key}``      hash    ``block_ttl_s`` node id -> "{epoch}:{tier mask}" (each node
                                                        from its block events; mask: device 1,
                                                        host 2, disk 4), or "{epoch}:0:{ms}" for a
@@ -61,6 +65,7 @@ Not for Redis Cluster: the scripts read keys they do not declare (node records, 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -227,6 +232,36 @@ class Directory:
             for namespace, key in blocks:
                 pipe.pexpire(self.block_key(namespace, key), ttl_ms)
             pipe.execute()
+
+    def write_learned(self, node_id: str, epoch: int, statistics: Mapping) -> None:
+        """Publish what the node's eviction policy learned (a JSON-safe mapping) under its
+        epoch; it expires with the node's record unless written again."""
+        _check_node_id(node_id)
+        self.client.set(f"{self.node_key(node_id)}:learned", json.dumps({"epoch": int(epoch), "statistics": statistics}),
+                        px=self._ms(self.node_ttl_s))  # fmt: skip
+
+    def peers_learned(self, node_id: str) -> dict[str, dict]:
+        """What every other live node published with ``write_learned``, by node id: only a
+        record written under the node's live epoch (a dead node's, or a previous epoch's, is
+        left out); malformed records are left out too."""
+        others = sorted(_text(other) for other in self.client.smembers(f"{self.prefix}:nodes"))
+        others = [other for other in others if other != node_id]
+        with self.client.pipeline(transaction=False) as pipe:
+            for other in others:
+                pipe.hget(self.node_key(other), "epoch")
+                pipe.get(f"{self.node_key(other)}:learned")
+            replies = pipe.execute()
+        learned = {}
+        for other, epoch, record in zip(others, replies[::2], replies[1::2]):
+            if epoch is None or record is None:
+                continue
+            try:
+                record = json.loads(record)
+                if int(record["epoch"]) == int(epoch) and isinstance(record["statistics"], dict):
+                    learned[other] = record["statistics"]
+            except (ValueError, KeyError, TypeError):
+                continue
+        return learned
 
     def deregister(self, node_id: str, epoch: int) -> None:
         """Drop the node's record now (a clean shutdown), if ``epoch`` is still the live one."""

@@ -15,6 +15,12 @@ request whose pages are being pulled waits outside the engine until the pull end
 keeps stepping), then its verified pages join the cache and it is added; its usage reports
 the fetch (``take_remote_report``). As the owner, the pages a peer asks for are read here,
 between steps (``export``; ``kvjax.cluster.remote_offers``).
+
+Learned reuse (with a publisher and the ``reuse`` eviction policy): once per heartbeat the
+engine thread hands its policy's statistics to the publisher and merges the peers' statistics
+the publisher read at its last heartbeat (``share_learned``), so each node's eviction order
+uses what the whole cluster learned (``kvjax.cache.policies``, "Sharing what a cluster
+learned").
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 
 from kvjax.cache.block_events import Subscription
 from kvjax.cache.block_keys import Namespace
+from kvjax.cache.policies import ReusePolicy, ReuseStatistics
 from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad
 from kvjax.cluster.openai_api import CompletionRequest, RequestError
 from kvjax.cluster.publisher import DirectoryPublisher
@@ -41,7 +48,7 @@ from kvjax.serving.engine_events import FinishEvent, TokenEvent
 from kvjax.serving.sampling import SamplingParams
 from kvjax.tiers.kv_cache_remote import ExportedPages
 
-__all__ = ["EngineWorker", "cluster_info_of", "start_worker"]
+__all__ = ["EngineWorker", "cluster_info_of", "share_learned", "start_worker"]
 
 _LOG = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its queue before looking again
@@ -80,6 +87,7 @@ class EngineWorker:
         self._prefill_tokens: dict[str, int] = {}  # requests without a first token yet
         self._load = NodeLoad()
         self._stop = threading.Event()
+        self._next_share = 0.0  # monotonic s: next exchange of the policy's statistics
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
 
@@ -252,10 +260,17 @@ class EngineWorker:
         if sink is not None:
             sink(event)
 
+    def _share_learned(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_share:
+            self._next_share = now + self.publisher.heartbeat_s
+            share_learned(self.engine.cache.trie.policy, self.publisher)
+
     def _publish(self) -> None:
         load, self._load = self._load, NodeLoad(len(self._sinks), sum(self._prefill_tokens.values()))
         if self.publisher is None:
             return
+        self._share_learned()
         batches = self._events.poll()
         if self._events.lost_batches:  # fell behind: start again from the holdings
             self._events.close()
@@ -264,6 +279,26 @@ class EngineWorker:
             batches = []
         if batches or self._load != load:
             self.publisher.submit(batches, self._load)
+
+
+def share_learned(policy: object, publisher: DirectoryPublisher) -> bool:
+    """Hand ``policy``'s statistics to ``publisher`` and merge the peers' it read last (a
+    ``ReusePolicy`` only; peers' records that do not parse are skipped with a warning).
+    True if a merge happened."""
+    if not isinstance(policy, ReusePolicy):
+        return False
+    publisher.submit_learned(policy.statistics().as_dict())
+    peers = publisher.take_peers_learned()
+    if peers is None:
+        return False
+    merged = []
+    for peer, fields in peers.items():
+        try:
+            merged.append(ReuseStatistics.from_dict(fields))
+        except ValueError as error:
+            _LOG.warning("peer %s published malformed reuse statistics: %s", peer, error)
+    policy.merge_peer_statistics(merged)
+    return True
 
 
 def start_worker(engine: Engine, *, node_id: str, address: str, model: str,

@@ -17,6 +17,11 @@ Failures and what follows them:
 * The cache's subscription lost batches: the node calls ``reset`` with the cache's full
   holdings (a fresh ``KVCache.subscribe()``'s ``initial``), then as above.
 
+What the node's eviction policy learned (``submit_learned``: a JSON-safe mapping, e.g.
+``ReuseStatistics.as_dict()``) is written at each heartbeat, and the peers' latest records
+read back (``Directory.peers_learned``: live epochs only); ``take_peers_learned`` hands
+them to the node's engine thread, which merges them into its policy.
+
 Block entries carry a TTL; the heartbeat refreshes a slice of the held blocks each time so
 that every one is refreshed twice per ``block_ttl_s`` and entries nobody live holds expire.
 
@@ -83,6 +88,8 @@ class DirectoryPublisher:
         self._stop = threading.Event()
         self._registered = threading.Event()
         self._fatal: BaseException | None = None
+        self._learned: dict | None = None  # the node's latest statistics, to write at the heartbeat
+        self._peers_learned: dict[str, dict] | None = None  # read at the last heartbeat, not taken yet
         self._thread = threading.Thread(target=self._run, name=f"kvjax-publisher-{node_id}", daemon=True)
 
     # --- the node's calls (any thread) -----------------------------------------------------
@@ -119,6 +126,18 @@ class DirectoryPublisher:
             self._pending_reset = list(holdings)
             self._pending.clear()
         self._wake.set()
+
+    def submit_learned(self, statistics: dict) -> None:
+        """The node's latest learned statistics (JSON-safe), written at the next heartbeat."""
+        with self._lock:
+            self._learned = statistics
+
+    def take_peers_learned(self) -> dict[str, dict] | None:
+        """The peers' statistics read at the last heartbeat (node id -> mapping), once; None
+        when nothing new was read since the last call."""
+        with self._lock:
+            peers, self._peers_learned = self._peers_learned, None
+        return peers
 
     def close(self, deregister: bool = True) -> None:
         """Stop the thread; with ``deregister`` drop the node's record so routers stop
@@ -269,6 +288,13 @@ class DirectoryPublisher:
             return
         self._written_load = load
         self._refresh_slice()
+        with self._lock:
+            learned = self._learned
+        if learned is not None:
+            self.directory.write_learned(self.node_id, self.epoch, learned)
+            peers = self.directory.peers_learned(self.node_id)
+            with self._lock:
+                self._peers_learned = peers
 
     def _refresh_slice(self) -> None:
         """Extend the TTL of the next slice of held blocks (all of them every block_ttl_s / 2)."""
