@@ -94,7 +94,7 @@ the node's own cache) is pulled to the geometric mean of its own and the peers' 
 weighted by boundary events, from where it goes on learning. Each merge replaces the last
 (statistics are snapshots, not deltas: one lost or repeated exchange changes nothing, and a
 dead node's statistics are simply left out of the next merge). On the shared Mooncake trace
-at 2,000 blocks per node, exchanging every 2 s closes 0.4-0.6 point of the gap to one cache
+at 2,000 blocks per node, exchanging every 2 s closes 0.4-0.9 point of the gap to one cache
 of the cluster's size (``benchmarks/bench_cluster_replay.py``).
 
 Priorities are stamped when a node becomes evictable (``time_invariant``); a later change of
