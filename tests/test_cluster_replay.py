@@ -10,6 +10,7 @@ from kvjax.__main__ import main
 from kvjax.cache.policies import ReusePolicy
 from kvjax.cluster.router import RouterConfig
 from kvjax.tools.cluster_replay import (
+    DEFAULT_POLICY_SHARE_S,
     ClusterSpec,
     FetchModel,
     ServiceModel,
@@ -210,6 +211,15 @@ def test_cli_cluster_replay_ends_with_the_cluster_fields(tmp_path, capsys):
     assert "unlimited_block_hit_rate" in summary and "offline_block_hit_rate" in summary
 
 
+@pytest.mark.parametrize("extra, share_s", [([], DEFAULT_POLICY_SHARE_S), (["--policy-share-s", "0.5"], 0.5),
+                                             (["--no-policy-sharing"], None)])
+def test_cli_sets_how_often_nodes_share_what_their_policies_learned(tmp_path, capsys, extra, share_s):
+    argv = ["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--nodes", "2", "--device-blocks", "10",
+            "--block-tokens", str(BLOCK), "--json", *extra]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["policy_share_s"] == share_s
+
+
 def test_cli_without_nodes_is_the_single_node_replay(tmp_path, capsys):
     assert main(["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--device-blocks", "10", "--block-tokens",
                  str(BLOCK), "--json"]) == 0  # fmt: skip
@@ -226,6 +236,10 @@ def test_cli_without_nodes_is_the_single_node_replay(tmp_path, capsys):
         (["--nodes", "2", "--imbalance-abs", "-1"], "imbalance_abs=-1.0 and imbalance_rel=0.5 must be >= 0"),
         (["--nodes", "2", "--share-slack-rel", "-1"], "share_slack_abs=2.0 must be >= 1 (requests) and "
                                                       "share_slack_rel=-1.0 >= 0"),
+        (["--no-policy-sharing"], "kvjax replay: error: --no-policy-sharing: cluster options; add --nodes N"),
+        (["--nodes", "2", "--policy-share-s", "0"], "policy_share_s=0.0 must be a positive finite number of seconds"),
+        (["--nodes", "2", "--policy-share-s", "1", "--no-policy-sharing"],
+         "--policy-share-s 1 and --no-policy-sharing contradict each other"),
     ],
 )
 def test_cli_refuses_bad_cluster_options_with_one_line(tmp_path, capsys, extra, message):

@@ -14,7 +14,14 @@ from collections.abc import Sequence
 
 from kvjax.cluster.router import STRATEGIES, RouterConfig
 from kvjax.cluster.router_options import ROUTER_OPTIONS, add_router_options, router_config
-from kvjax.tools.cluster_replay import ClusterSpec, FetchModel, ServiceModel, cluster_replay, format_cluster_report
+from kvjax.tools.cluster_replay import (
+    DEFAULT_POLICY_SHARE_S,
+    ClusterSpec,
+    FetchModel,
+    ServiceModel,
+    cluster_replay,
+    format_cluster_report,
+)
 from kvjax.tools.trace import TraceRequest
 
 __all__ = ["add_cluster_arguments", "cluster_options_without_nodes", "run_cluster_replay"]
@@ -22,7 +29,8 @@ __all__ = ["add_cluster_arguments", "cluster_options_without_nodes", "run_cluste
 _DEFAULTS, _SERVICE, _FETCH = RouterConfig(), ServiceModel(), FetchModel()
 _SERVICE_OPTIONS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 _FETCH_OPTIONS = ("kv_bytes_per_token", "link_bytes_per_s")
-_CLUSTER_ONLY = ("router", *ROUTER_OPTIONS, *_SERVICE_OPTIONS, *_FETCH_OPTIONS, "no_remote_fetch")
+_CLUSTER_ONLY = ("router", *ROUTER_OPTIONS, *_SERVICE_OPTIONS, *_FETCH_OPTIONS, "no_remote_fetch",
+                 "policy_share_s", "no_policy_sharing")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +45,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"service model: one request's decode rate (default: {_SERVICE.decode_tokens_per_s:g})")
     group.add_argument("--no-remote-fetch", action="store_const", const=True,
                        help="nodes never fetch blocks another node holds (they recompute them)")
+    group.add_argument("--policy-share-s", type=float, metavar="S",
+                       help="seconds of trace time between the nodes' exchanges of learned reuse statistics "
+                            f"(reuse policy; default: {DEFAULT_POLICY_SHARE_S:g})")  # fmt: skip
+    group.add_argument("--no-policy-sharing", action="store_const", const=True,
+                       help="each node's eviction policy learns from its own traffic only")
     group.add_argument("--kv-bytes-per-token", type=int, metavar="B",
                        help=f"remote fetch: bytes of KV a token (default: {_FETCH.kv_bytes_per_token:,}, an 8B model)")
     group.add_argument("--link-bytes-per-s", type=float, metavar="R",
@@ -56,8 +69,11 @@ def run_cluster_replay(args: argparse.Namespace, requests: Sequence[TraceRequest
     range."""
     router = router_config(args, args.router or _DEFAULTS.strategy)
     service = ServiceModel(**_given(args, _SERVICE_OPTIONS))
+    if args.no_policy_sharing and args.policy_share_s is not None:
+        raise ValueError(f"--policy-share-s {args.policy_share_s:g} and --no-policy-sharing contradict each other")
+    share = args.policy_share_s if args.policy_share_s is not None else DEFAULT_POLICY_SHARE_S
     spec = ClusterSpec(args.nodes, args.device_blocks, args.host_blocks, args.disk_blocks, args.write_through,
-                       args.policy, args.block_tokens)  # fmt: skip
+                       args.policy, args.block_tokens, None if args.no_policy_sharing else share)  # fmt: skip
     fetch = None if args.no_remote_fetch else FetchModel(**_given(args, _FETCH_OPTIONS))
     report = cluster_replay(requests, spec, router=router, service=service, fetch=fetch)
     print(format_cluster_report(args.trace, report), file=out)
