@@ -368,6 +368,8 @@ def test_add_and_step_protocol_errors_change_nothing():
         scheduler.on_step_done(plan, {"a": 50})
     with pytest.raises(ValueError, match=r"token 1.0 for request 'a' must be an integer"):
         scheduler.on_step_done(plan, {"a": 1.0})
+    with pytest.raises(ValueError, match=r"token 'x' for request 'a' must be an integer"):
+        scheduler.on_step_done(plan, {"a": "x"})
     with pytest.raises(ValueError, match="plan of step 7 is not the step in flight"):
         scheduler.on_step_done(type(plan)(7), {})
     scheduler.check_invariants()

@@ -251,7 +251,7 @@ class Scheduler:
                 missing = -(-num_tokens // page_size) * page_size - handle.num_tokens
                 if not extend(handle, missing) and not self._make_room(request, missing, plan):
                     continue
-            append(ScheduledSeq(request_id, num_tokens - 1, 1, request.token_buffer, request.handle.block_ids, True))
+            append(ScheduledSeq(request_id, num_tokens - 1, 1, request.token_buffer, handle.block_ids, True))
         self.stats.decode_tokens += len(decodes)
 
     def _make_room(self, request: Request, missing: int, plan: StepPlan) -> bool:

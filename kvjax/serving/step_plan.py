@@ -143,7 +143,11 @@ def _sampling_ids(plan: StepPlan) -> set[str]:
 def _check_token_range(new_tokens: Mapping[str, int], limit: int) -> None:
     if not new_tokens:
         return
-    if set(map(type, new_tokens.values())) != {int}:  # numpy ints take this path
+    try:  # one C-level pass: the sum of Python ints is an int; a numpy int or a float is not
+        plain = type(sum(new_tokens.values())) is int
+    except TypeError:  # e.g. a str among them
+        plain = False
+    if not plain:  # numpy ints, and anything that is not an integer, take this path
         for request_id, token in new_tokens.items():
             try:
                 operator.index(token)
