@@ -17,16 +17,27 @@ sampled-token dicts are built outside the timed region (that is the engine's wor
         [--repeats 3] [--policy lru]
 
 The eviction policy matters where sequences finish and blocks become evictable (churn): the
-default ``reuse`` does more per node than ``lru``. Against the pre-restructure ``PrefixCache``
-(which ran lru; its tree at commit 35b1355), 8 alternating pairs of whole runs
-(``farm-bench -n 8 --vs 'sh -c "cd BASE && ... bench_scheduler.py --steps 150 --repeats 3"'
--- sh -c '... bench_scheduler.py --steps 150 --repeats 3 --policy lru'``), p50 per step,
-ratio main / before pair by pair: decode of 256 0.995 (range 0.94-1.14), decode + 1,000
-waiting 1.032 (0.98-1.09) and 1.015 without the rank refresh (0.93-1.17), churn 1.029
-(0.95-1.13): within the spread, churn about 3% slower at the median (9 pairs of the churn
-row alone, thread CPU time per step: 1.03). Per call, nothing stands out (admission alone is
-faster than before: 22 vs 25 us admit + release of a 512-token prompt on a device hit): the
-rest is one more call layer (``KVCache`` over ``DeviceIndex``) on extend, commit and lookup.
+default ``reuse`` does more per node than ``lru``.
+
+Against the pre-restructure ``PrefixCache`` (which ran lru; its tree at commit 35b1355). Times on
+this 2-core machine move by 5-15% from run to run, so the comparison that decides is the count
+of machine instructions per step, which load does not change: run a scenario for N and for 3N
+timed steps under ``valgrind --tool=callgrind`` and divide the difference of the two totals by
+2N (setup and warm-up cancel out; the OpenBLAS worker's spin loop, which callgrind counts too,
+is left out of both). For churn:
+
+    valgrind --tool=callgrind --callgrind-out-file=OUT python -c "import sys; sys.path[:0] = ['.', 'benchmarks'];
+        import numpy as np, bench_scheduler as b; b.run_churn(np.random.default_rng(0), 256, 1000, N, policy='lru')"
+
+(``policy=`` dropped for the old tree; ``callgrind_annotate OUT`` gives the totals). Per churn
+step: before 5,081,626 instructions, now 4,994,923 (0.983); decode of 256 + 1,000 waiting with
+the rank refresh (``run_decode``, N = 30): before 4,636,266, now 4,583,271 (0.989). Same steps,
+same scheduling decisions (the mean scheduled tokens per step match). Timed, 8 alternating pairs
+of whole runs (``farm-bench -n 8 --vs 'sh -c "cd BASE && ... bench_scheduler.py --steps 150
+--repeats 3"' -- sh -c '... bench_scheduler.py --steps 150 --repeats 3 --policy lru'``) before
+the last trim, p50 per step, ratio now / before pair by pair: decode of 256 0.995 (range
+0.94-1.14), decode + 1,000 waiting 1.032 (0.98-1.09) and 1.015 without the rank refresh
+(0.93-1.17), churn 1.029 (0.95-1.13).
 """
 
 from __future__ import annotations
