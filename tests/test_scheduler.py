@@ -349,6 +349,27 @@ def test_request_validation_messages(args, message):
         Request(args[0], np.asarray(args[1]), args[2])
 
 
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        ({"a": np.int64(3), "b": 10**400}, r"token 1000.* for request 'b' is out of range"),  # numpy + huge int
+        ({"a": np.uint64(3), "b": -1}, r"token -1 for request 'b' is out of range"),
+        ({"a": 1.0, "b": 10**400}, r"token 1.0 for request 'a' must be an integer"),  # float + huge int
+        ({"a": 10**400, "b": 1.0}, r"token 1.0 for request 'b' must be an integer"),
+    ],
+)
+def test_sampled_tokens_whose_sum_overflows_are_named(tokens, message):
+    """The type probe sums the tokens: an OverflowError there is a token error, not a crash."""
+    scheduler, _, _ = make()
+    scheduler.add(request("a", [1, 2], max_new_tokens=2))
+    scheduler.add(request("b", [3, 4], max_new_tokens=2))
+    plan = scheduler.schedule()
+    with pytest.raises(ValueError, match=message):
+        scheduler.on_step_done(plan, tokens)
+    scheduler.check_invariants()
+    assert scheduler.on_step_done(plan, {"a": 1, "b": 2}) == {}
+
+
 def test_add_and_step_protocol_errors_change_nothing():
     scheduler, engine, _ = make()
     scheduler.add(request("a", [1, 2], max_new_tokens=2))

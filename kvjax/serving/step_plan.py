@@ -145,8 +145,8 @@ def _check_token_range(new_tokens: Mapping[str, int], limit: int) -> None:
         return
     try:  # one C-level pass: the sum of Python ints is an int; a numpy int or a float is not
         plain = type(sum(new_tokens.values())) is int
-    except TypeError:  # e.g. a str among them
-        plain = False
+    except Exception:  # noqa: BLE001 - only a probe: a str (TypeError), a float or numpy int beside
+        plain = False  # a huge int (OverflowError), ...; the exact check below names the token
     if not plain:  # numpy ints, and anything that is not an integer, take this path
         for request_id, token in new_tokens.items():
             try:
