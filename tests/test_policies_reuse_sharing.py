@@ -85,20 +85,45 @@ def test_the_horizon_moves_to_the_geometric_mean_weighted_by_boundary_events():
     [
         ({"trials": (1.0,) * 7}, r"trials=.* must be a tuple of 8 counts"),
         ({"trials": [1.0] * 8}, r"trials=.* must be a tuple of 8 counts"),
-        ({"trials": (1.0,) * 7 + (-1.0,)}, r"every count must be a finite number >= 0, not -1.0"),
-        ({"reused": (math.nan,) * 8}, r"every count must be a finite number >= 0, not nan"),
+        ({"trials": (1.0,) * 7 + (-1.0,)}, r"every count must be a number in \[0, 2\*\*53\], not -1.0"),
+        ({"reused": (math.nan,) * 8}, r"every count must be a number in \[0, 2\*\*53\], not nan"),
         ({"trials": (1.0,) * 8, "reused": (0.0,) * 7 + (2.0,)}, r"kind 7: reused=2.0 > trials=1.0"),
-        ({"closed": -1}, r"closed=-1 must be an int >= 0"),
-        ({"closed": True}, r"closed=True must be an int >= 0"),
-        ({"boundary_events": 1.5}, r"boundary_events=1.5 must be an int >= 0"),
-        ({"horizon": 0.0}, r"horizon=0.0 must be a positive finite number of seconds"),
-        ({"horizon": math.inf}, r"horizon=inf must be a positive finite"),
+        ({"closed": -1}, r"closed=-1 must be an int in \[0, 2\*\*53\]"),
+        ({"closed": True}, r"closed=True must be an int in \[0, 2\*\*53\]"),
+        ({"boundary_events": 1.5}, r"boundary_events=1.5 must be an int in \[0, 2\*\*53\]"),
+        ({"horizon": 0.0}, r"horizon=0.0 must be a positive number of seconds <= 2\*\*53"),
+        ({"horizon": math.inf}, r"horizon=inf must be a positive number"),
     ],
 )
 def test_bad_statistics_raise_value_error_naming_the_value(kwargs, message):
     fields = {"trials": (1.0,) * 8, "reused": (0.0,) * 8, "closed": 1, "horizon": 10.0, "boundary_events": 0}
     with pytest.raises(ValueError, match=message):
         ReuseStatistics(**{**fields, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"trials": [10**400] * 8},  # was an OverflowError comparing with reused
+        {"closed": 10**400},  # was an OverflowError in the merge's trust ramp
+        {"boundary_events": 10**400},  # was an OverflowError weighing the horizon
+        {"closed": 2**1023},  # accepted, and two such peers overflowed the trust ramp
+        {"trials": [1.5e308] * 8, "reused": [1.5e308] * 8},  # two such peers: inf / inf, NaN offsets
+        {"horizon": 1.7e308, "boundary_events": 10**6},  # H * ln p = -inf, trust 0: NaN offsets
+    ],
+)
+def test_peer_records_a_merge_cannot_take_are_a_value_error(fields):
+    """A peer's record (another version's, a broken node's) out of any real range is rejected
+    where the node skips bad records (ValueError), never raised from the merge in the engine
+    thread, nor merged into NaN offsets."""
+    base = {"trials": [0.0] * 8, "reused": [0.0] * 8, "closed": 0, "horizon": 10.0, "boundary_events": 0}
+    with pytest.raises(ValueError, match=r"2\*\*53"):
+        ReuseStatistics.from_dict({**base, **fields})
+    edge = ReuseStatistics.from_dict({key: [2**53] * 8 if key in ("trials", "reused") else 2**53
+                                      for key in base})  # fmt: skip
+    policy = _bound(ReusePolicy())
+    policy.merge_peer_statistics([edge] * 3)
+    policy.check_invariants()
 
 
 def test_statistics_travel_as_json_and_bad_records_are_named():

@@ -347,6 +347,8 @@ _REFRESH = 256  # trials between recomputations of W (O(kinds) each); sooner at 
 # again often is (segmented LRU's assumption, softened); real trials outweigh it after a few.
 _PRIOR_TRIALS = 4.0
 _PRIOR_FRESH_RATE, _PRIOR_SEEN_RATE = 0.1, 0.9
+_MAX_STATISTIC = 2.0**53  # bound of every shared count and horizon: exact as a float, summed over
+# any number of peers without overflow; no node comes near it (2**53 closed trials: centuries)
 _PRIOR_REUSED = tuple(_PRIOR_TRIALS * (_PRIOR_FRESH_RATE if kind % 4 == _ROOT_FRESH else _PRIOR_SEEN_RATE)
                       for kind in range(_NUM_KINDS))  # fmt: skip
 
@@ -358,8 +360,9 @@ class ReuseStatistics:
     ``trials`` / ``reused``: per kind (``ReusePolicy.NUM_KINDS`` of them), the weighted trials
     closed and those reused within the horizon, prior left out, halved by the policy's
     ``memory``; ``closed``: trials closed (never halved); ``horizon``: H (seconds);
-    ``boundary_events``: the steps of H so far (its evidence). ValueError naming the value for
-    anything out of range; ``from_dict`` reads ``as_dict``'s output (JSON-safe).
+    ``boundary_events``: the steps of H so far (its evidence). Every number is at most 2**53
+    (a peer's record must not overflow the merge); ValueError naming the value for anything
+    out of range; ``from_dict`` reads ``as_dict``'s output (JSON-safe).
     """
 
     trials: tuple[float, ...]
@@ -374,18 +377,18 @@ class ReuseStatistics:
             if not isinstance(values, tuple) or len(values) != _NUM_KINDS:
                 raise ValueError(f"{name}={values!r} must be a tuple of {_NUM_KINDS} counts, one per kind")
             for value in values:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
-                    raise ValueError(f"{name}={values!r}: every count must be a finite number >= 0, not {value!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= _MAX_STATISTIC:
+                    raise ValueError(f"{name}={values!r}: every count must be a number in [0, 2**53], not {value!r}")
         for kind, (reused, trials) in enumerate(zip(self.reused, self.trials)):
             if reused > trials * (1 + 1e-9) + 1e-9:
                 raise ValueError(f"kind {kind}: reused={reused!r} > trials={trials!r}")
         for name in ("closed", "boundary_events"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be an int >= 0")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_STATISTIC:
+                raise ValueError(f"{name}={value!r} must be an int in [0, 2**53]")
         if isinstance(self.horizon, bool) or not isinstance(self.horizon, (int, float)) or \
-                not 0.0 < self.horizon < math.inf:  # fmt: skip
-            raise ValueError(f"horizon={self.horizon!r} must be a positive finite number of seconds")
+                not 0.0 < self.horizon <= _MAX_STATISTIC:  # fmt: skip
+            raise ValueError(f"horizon={self.horizon!r} must be a positive number of seconds <= 2**53")
 
     def as_dict(self) -> dict[str, Any]:
         return {"trials": list(self.trials), "reused": list(self.reused), "closed": self.closed,
