@@ -126,6 +126,15 @@ def test_peer_records_a_merge_cannot_take_are_a_value_error(fields):
     policy.check_invariants()
 
 
+def test_peers_each_within_the_rounding_tolerance_keep_the_invariants():
+    """Each record may carry reused a hair above trials (float rounding); summed over three
+    peers that once exceeded check_invariants' own tolerance."""
+    policy = _bound(ReusePolicy())
+    policy.merge_peer_statistics([_stats(trials=(0.0,) * 8, reused=(1e-9,) * 8)] * 3)
+    policy.check_invariants()
+    assert policy.learned_offsets() == pytest.approx(ReusePolicy().learned_offsets())
+
+
 def test_statistics_travel_as_json_and_bad_records_are_named():
     stats = _trained().statistics()
     assert ReuseStatistics.from_dict(json.loads(json.dumps(stats.as_dict()))) == stats

@@ -521,7 +521,8 @@ class ReusePolicy(EvictionPolicy):
             if not isinstance(peer, ReuseStatistics):
                 raise TypeError(f"peer statistics must be ReuseStatistics, not {type(peer).__name__}: {peer!r}")
         self._peer_trials = [sum(peer.trials[kind] for peer in peers) for kind in range(_NUM_KINDS)]
-        self._peer_reused = [sum(peer.reused[kind] for peer in peers) for kind in range(_NUM_KINDS)]
+        self._peer_reused = [min(sum(peer.reused[kind] for peer in peers), trials)  # each peer's within
+                             for kind, trials in enumerate(self._peer_trials)]  # tolerance: not the sum's
         self._peer_closed = sum(peer.closed for peer in peers)
         if horizon and peers:
             weights = [self._boundary_events + 1.0, *(peer.boundary_events + 1.0 for peer in peers)]
