@@ -78,6 +78,14 @@ def test_the_horizon_moves_to_the_geometric_mean_weighted_by_boundary_events():
     policy.merge_peer_statistics([_stats(horizon=1000.0, boundary_events=2), _stats(horizon=100.0)])
     assert policy.horizon == pytest.approx(math.exp((math.log(10) + 3 * math.log(1000) + math.log(100)) / 5))
     assert policy.learned_offsets()[ROOT_FRESH] == pytest.approx(policy.horizon * math.log(PRIOR_FRESH))
+    assert policy.own_horizon == 10.0 and policy.statistics().horizon == 10.0  # peers never change its own
+    blended = policy.horizon
+    for _ in range(3):  # the same statistics again (a stalled peer's publisher rewrites them): no drift
+        policy.merge_peer_statistics([_stats(horizon=1000.0, boundary_events=2), _stats(horizon=100.0)])
+        assert policy.horizon == pytest.approx(blended)
+    policy.merge_peer_statistics([])  # the peers left: back to its own
+    assert policy.horizon == 10.0
+    policy.check_invariants()
 
 
 @pytest.mark.parametrize(
