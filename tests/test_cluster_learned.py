@@ -28,6 +28,8 @@ def test_peers_learned_reads_live_epochs_only_and_never_the_own(directory):
     assert directory.peers_learned("n3") == {}
     directory.client.set(f"{directory.node_key('n1')}:learned", json.dumps({"epoch": e1, "statistics": 3}))
     assert directory.peers_learned("n3") == {}
+    directory.client.set(f"{directory.node_key('n1')}:learned", "[" * 100_000 + "]" * 100_000)  # too deep for json
+    assert directory.peers_learned("n3") == {}
 
 
 def test_learned_records_expire_with_the_node_ttl(directory):

@@ -220,6 +220,14 @@ def test_cli_sets_how_often_nodes_share_what_their_policies_learned(tmp_path, ca
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["policy_share_s"] == share_s
 
 
+@pytest.mark.parametrize("extra", [["--policy", "lru"], ["--nodes", "1"]])
+def test_the_report_says_nothing_was_shared_where_no_exchange_happens(tmp_path, capsys, extra):
+    argv = ["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--nodes", "2", "--device-blocks", "10",
+            "--block-tokens", str(BLOCK), "--json", "--policy-share-s", "0.5", *extra]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["policy_share_s"] is None
+
+
 def test_cli_without_nodes_is_the_single_node_replay(tmp_path, capsys):
     assert main(["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--device-blocks", "10", "--block-tokens",
                  str(BLOCK), "--json"]) == 0  # fmt: skip

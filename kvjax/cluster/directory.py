@@ -259,7 +259,7 @@ class Directory:
                 record = json.loads(record)
                 if int(record["epoch"]) == int(epoch) and isinstance(record["statistics"], dict):
                     learned[other] = record["statistics"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
                 continue
         return learned
 

@@ -187,6 +187,11 @@ class ClusterSpec:
                                   or not 0 < share < float("inf")):  # fmt: skip
             raise ValueError(f"policy_share_s={share!r} must be a positive finite number of seconds, or None")
 
+    @property
+    def shares_statistics_s(self) -> float | None:
+        """``policy_share_s`` where an exchange happens (several nodes under ``reuse``), else None."""
+        return self.policy_share_s if self.nodes > 1 and self.policy == ReusePolicy.name else None
+
     def cache(self) -> tuple[KVCache, list[float]]:
         """One node's cache and its clock (``replay_cache``; ValueError for a bad capacity)."""
         return replay_cache(self.device_blocks, policy=self.policy, host_blocks=self.host_blocks,
@@ -238,7 +243,7 @@ class ClusterReplayReport:
         return {
             **single_node_keys,
             "nodes": spec.nodes,
-            "policy_share_s": spec.policy_share_s,
+            "policy_share_s": spec.shares_statistics_s,  # None where nothing was shared
             "router": self.router.strategy,
             "share_slack_abs": self.router.share_slack_abs,
             "share_slack_rel": self.router.share_slack_rel,
@@ -299,11 +304,11 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
     remote_blocks = fetched_blocks = 0
     reasons: collections.Counter[str] = collections.Counter()
     learners = [cache.trie.policy for cache, _ in caches]
-    share_s = spec.policy_share_s if all(isinstance(learner, ReusePolicy) for learner in learners) else None
+    share_s = spec.shares_statistics_s
     next_share = -float("inf")
     for index, (request, path) in enumerate(zip(requests, paths)):
         now = request.timestamp_ms / 1000.0
-        if share_s is not None and spec.nodes > 1 and now >= next_share:
+        if share_s is not None and now >= next_share:
             next_share = now + share_s
             _share_statistics(learners)
         blocks = path[: spec.device_blocks]
