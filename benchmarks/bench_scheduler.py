@@ -32,7 +32,13 @@ is left out of both). For churn:
 (``policy=`` dropped for the old tree; ``callgrind_annotate OUT`` gives the totals). Per churn
 step: before 5,081,626 instructions, now 4,994,923 (0.983); decode of 256 + 1,000 waiting with
 the rank refresh (``run_decode``, N = 30): before 4,636,266, now 4,583,271 (0.989). Same steps,
-same scheduling decisions (the mean scheduled tokens per step match). Timed, 8 alternating pairs
+same scheduling decisions (the mean scheduled tokens per step match). Yet timed, the churn row
+is slower: 13 alternating pairs of ``run_churn`` (best of 3, thread CPU time per step, p50) on
+a quiet machine gave a median ratio of 1.076 (0.95-1.22; before 571-636 us, now 573-734 us).
+The same run under callgrind's cache model has 1% more L1 data misses and about 140 more
+last-level misses per step (a few percent of the step at most); not garbage collection (as
+many collections; the gap stays with ``gc.disable()``), other threads (the process's CPU time
+is the main thread's) or system calls (none counted in the timed steps). Timed, 8 alternating pairs
 of whole runs (``farm-bench -n 8 --vs 'sh -c "cd BASE && ... bench_scheduler.py --steps 150
 --repeats 3"' -- sh -c '... bench_scheduler.py --steps 150 --repeats 3 --policy lru'``) before
 the last trim, p50 per step, ratio now / before pair by pair: decode of 256 0.995 (range
