@@ -31,15 +31,24 @@ is left out of both). For churn:
 
 (``policy=`` dropped for the old tree; ``callgrind_annotate OUT`` gives the totals). Per churn
 step: before 5,081,626 instructions, now 4,994,923 (0.983); decode of 256 + 1,000 waiting with
-the rank refresh (``run_decode``, N = 30): before 4,636,266, now 4,583,271 (0.989). Same steps,
-same scheduling decisions (the mean scheduled tokens per step match). Yet timed, the churn row
-is slower: 13 alternating pairs of ``run_churn`` (best of 3, thread CPU time per step, p50) on
-a quiet machine gave a median ratio of 1.076 (0.95-1.22; before 571-636 us, now 573-734 us).
-The same run under callgrind's cache model has 1% more L1 data misses and about 140 more
-last-level misses per step (a few percent of the step at most); not garbage collection (as
-many collections; the gap stays with ``gc.disable()``), other threads (the process's CPU time
-is the main thread's) or system calls (none counted in the timed steps). Timed, 8 alternating pairs
-of whole runs (``farm-bench -n 8 --vs 'sh -c "cd BASE && ... bench_scheduler.py --steps 150
+the rank refresh (``run_decode``, N = 30): before 4,636,266, now 4,583,271 (0.989). Repeated
+callgrind runs differ by about 1% (5.03M and 5.09M now, 5.06M and 5.05M before, in another
+pair), so read these as "about equal". Same steps, same scheduling decisions (the mean
+scheduled tokens per step match). Timed, the churn row is slower: 13 alternating pairs of
+``run_churn`` (best of 3, thread CPU time per step, p50) on a quiet machine gave a median
+ratio of 1.076 (0.95-1.22); separate processes of one tree range 545 to 1,000 us per step,
+so pairs of processes resolve little. Both trees loaded into one process and stepped in
+alternating blocks of 15 steps (same heap, hash seed and threads) resolve it: the whole step
+1.03-1.06 of before, ``on_step_done`` equal, ``schedule`` 10-17% slower, and in it
+``KVCache.admit`` about 10 us more per admission than the old ``PrefixCache.admit`` (its
+device-index part costs the same; the rest is the tier layer's bookkeeping around it: fetch
+plan, reclaim and write-back calls, hit sources, counters), ~2 admissions a step, plus
+``KVCache.match`` in the rank refresh. Skipping the fetch plan's on-disk slice and sum when
+nothing is fetched brought an admission to 0.84-0.87 of its cost, leaving the step 1.03 of before in that
+harness. Ruled out by measurement: huge pages, hash seed and address randomisation, the
+JAX backend's threads, page faults (the fault-free steps show the same gap), branch
+mispredictions and L2 misses (equal under callgrind), garbage collection. Earlier, 8 alternating
+pairs of whole runs (``farm-bench -n 8 --vs 'sh -c "cd BASE && ... bench_scheduler.py --steps 150
 --repeats 3"' -- sh -c '... bench_scheduler.py --steps 150 --repeats 3 --policy lru'``) before
 the last trim, p50 per step, ratio now / before pair by pair: decode of 256 0.995 (range
 0.94-1.14), decode + 1,000 waiting 1.032 (0.98-1.09) and 1.015 without the rank refresh
