@@ -178,7 +178,8 @@ class TierMover:
             if located is None:  # making room dropped the page (a host copy before it went)
                 continue
             after = None
-            if row >= fit or index.is_handed(key):
+            # a page whose dropped copy is still in flight adopts its slot: no room or hand-over
+            if (row >= fit or index.is_handed(key)) and not index.is_adoptable(key):
                 if not sources or index.is_handed(key):
                     index.forget_dropped(trie.clear_tier(*located, Tier.HOST))
                     continue

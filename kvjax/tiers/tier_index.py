@@ -351,6 +351,12 @@ class TierIndex:
         entry = self.host_entries.get(key)
         return entry is not None and entry.handed
 
+    def is_adoptable(self, key: bytes) -> bool:
+        """Whether ``key`` left the trie while a transfer still used its host copy: a new copy
+        of it adopts that entry and its slot (``add_host``), taking no free slot."""
+        entry = self.host_entries.get(key)
+        return entry is not None and entry.dropped and not entry.handed
+
     def hold_host(self, keys: Iterable[bytes]) -> None:
         """Mark ready host blocks as read by a transfer (not evictable until released)."""
         for key in keys:
