@@ -244,6 +244,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.cache.evict_host(num_blocks)
 
     @rule(tokens=tokens_st, namespace=namespace_st)
+    def lookup_counts(self, tokens, namespace):
+        """A lookup's counts (read off the walk, as the scheduler ranks by them) agree with the
+        MatchResult built from the same walk and with a fresh match."""
+        lookup = self.cache.lookup(tokens, namespace)
+        counts = (lookup.num_hit_blocks, lookup.num_device_blocks)
+        match = self.cache.match(tokens, namespace)
+        assert counts == (lookup.match.num_hit_blocks, lookup.match.num_device_blocks)
+        assert counts == (match.num_hit_blocks, match.num_device_blocks)
+        assert lookup.tiers.tolist() == match.tiers.tolist()
+
+    @rule(tokens=tokens_st, namespace=namespace_st)
     def prefetch(self, tokens, namespace):
         self.cache.prefetch(tokens, namespace)
         self.cache.poll()

@@ -14,9 +14,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvjax.cache.device_index import MatchResult
+from kvjax.cache.records import MatchResult
 from kvjax.serving.request import Request
 from kvjax.serving.step_plan import PrefetchIntent
+from kvjax.tiers.kv_cache import Lookup
 
 __all__ = ["PrefetchPlanner"]
 
@@ -33,8 +34,9 @@ class PrefetchPlanner:
         """Whether any waiting request has host/disk hits (the common no-tier case is False)."""
         return bool(self._pending)
 
-    def note(self, request_id: str, match: MatchResult) -> None:
-        """Record the host/disk-only pages after the device prefix of a fresh match."""
+    def note(self, request_id: str, match: Lookup | MatchResult) -> None:
+        """Record the host/disk-only pages after the device prefix of a fresh match (its
+        ``tiers`` are read only when there are such pages)."""
         num_lower = match.num_hit_blocks - match.num_device_blocks
         if num_lower > 0:
             first = match.num_device_blocks

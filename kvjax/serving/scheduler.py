@@ -42,7 +42,6 @@ import collections
 import time
 from collections.abc import Callable, Mapping
 
-from kvjax.cache.records import MatchResult
 from kvjax.serving.preemption import SwapSpace, choose_preemption
 from kvjax.serving.prefetch import PrefetchPlanner
 from kvjax.serving.request import Request, RequestStatus
@@ -50,7 +49,7 @@ from kvjax.serving.scheduler_config import SchedulerConfig, SchedulerStats
 from kvjax.serving.step_plan import ScheduledSeq, StepPlan, pair_tokens
 from kvjax.serving.wait_queue import WaitQueue, hit_rank
 from kvjax.text.tokens import validate_tokens
-from kvjax.tiers.kv_cache import KVCache
+from kvjax.tiers.kv_cache import KVCache, Lookup
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -107,7 +106,7 @@ class Scheduler:
             self.stats.rejected += 1
             return False
         self._requests[request.request_id] = request
-        self._note_match(request, self.cache.match(request.token_ids, request.namespace), urgent=False)
+        self._note_match(request, self.cache.lookup(request.token_ids, request.namespace), urgent=False)
         self._waiting.push(request)
         self._queue_refresh(request.request_id)
         return True
@@ -321,14 +320,13 @@ class Scheduler:
             if request is None:
                 break
             lookup = cache.lookup(request.token_ids, request.namespace)
-            match = lookup.match
             urgent = waiting.is_urgent(request.request_id)
-            if hit_rank(match.num_hit_blocks) != request.hit_rank and request.request_id not in rekeyed:
+            if hit_rank(lookup.num_hit_blocks) != request.hit_rank and request.request_id not in rekeyed:
                 rekeyed.add(request.request_id)  # its rank changed: let the queue re-decide
-                self._note_match(request, match, urgent)
+                self._note_match(request, lookup, urgent)
                 continue
             num_pages = -(-request.num_tokens // self.page_size)
-            num_hit = min(match.num_device_blocks, (request.num_tokens - 1) // self.page_size)
+            num_hit = min(lookup.num_device_blocks, (request.num_tokens - 1) // self.page_size)
             held = allocator.num_blocks - allocator.num_free - cache.num_reclaimable
             if self._running and held + num_pages - num_hit > high:
                 break  # high watermark: leave the headroom to running decodes
@@ -427,14 +425,14 @@ class Scheduler:
 
     # --- helpers: ranks, prefetch, watermark ---------------------------------------------------
 
-    def _note_match(self, request: Request, match: MatchResult, urgent: bool) -> None:
-        """Store a fresh match's rank (re-keying the queue) and host/disk hits to prefetch."""
-        rank = hit_rank(match.num_hit_blocks)
+    def _note_match(self, request: Request, lookup: Lookup, urgent: bool) -> None:
+        """Store a fresh lookup's rank (re-keying the queue) and host/disk hits to prefetch."""
+        rank = hit_rank(lookup.num_hit_blocks)
         if rank != request.hit_rank:
             request.hit_rank = rank
             if request.request_id in self._waiting:
                 self._waiting.push(request, urgent=urgent)
-        self._prefetch.note(request.request_id, match)
+        self._prefetch.note(request.request_id, lookup)
 
     def _queue_refresh(self, request_id: str) -> None:
         if request_id not in self._in_refresh:
@@ -449,8 +447,8 @@ class Scheduler:
             if request is None or request_id not in waiting:
                 self._in_refresh.discard(request_id)  # admitted or gone: queued again if it is requeued
                 continue
-            match = self.cache.match(request.token_ids, request.namespace)
-            self._note_match(request, match, waiting.is_urgent(request_id))
+            self._note_match(request, self.cache.lookup(request.token_ids, request.namespace),
+                             waiting.is_urgent(request_id))  # fmt: skip
             refresh.append(request_id)
 
     def _emit_prefetch(self, plan: StepPlan) -> None:
@@ -460,8 +458,8 @@ class Scheduler:
         # the request arrived may have reached the device (or left every tier) since.
         due = self._prefetch.due(self._waiting.best(self.config.prefetch_window))
         for request in due:
-            match = self.cache.match(request.token_ids, request.namespace)
-            self._note_match(request, match, self._waiting.is_urgent(request.request_id))
+            self._note_match(request, self.cache.lookup(request.token_ids, request.namespace),
+                             self._waiting.is_urgent(request.request_id))  # fmt: skip
         plan.prefetch = self._prefetch.intents(due)
 
     def _check_watermark(self, plan: StepPlan) -> None:

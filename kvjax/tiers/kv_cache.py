@@ -114,6 +114,29 @@ class Lookup:
             self._match = self._index.match_result(self.matched)
         return self._match
 
+    # The counts a scheduler ranks and admits by, read off the walk without building the
+    # MatchResult's arrays (most lookups of a queued request need nothing else).
+
+    @property
+    def num_hit_blocks(self) -> int:
+        """Pages cached in any tier (``MatchResult.num_hit_blocks``)."""
+        return sum(k for _, k in self.matched)
+
+    @property
+    def num_device_blocks(self) -> int:
+        """Leading pages with a device copy (``MatchResult.num_device_blocks``)."""
+        count = 0
+        for node, k in self.matched:
+            if not node.on_device:
+                break
+            count += k
+        return count
+
+    @property
+    def tiers(self) -> np.ndarray:
+        """Tier bits of each hit page (``MatchResult.tiers``)."""
+        return self.match.tiers
+
 
 class KVCache:
     """The tiered cache; see the module docstring. Use as a context manager or call close().
