@@ -75,14 +75,22 @@ class ManualTransfer:
         self.closed = False
 
     def offload(self, kv_pages, block_ids, slots, *, priority, after=()):
-        future = self.engine.offload(kv_pages, block_ids, slots, priority=priority, after=after)
         if not after:
-            result = future.result()
+            result = self.engine.offload(kv_pages, block_ids, slots, priority=priority).result()
             return self._queue(Link.DEVICE_TO_HOST, lambda: result, lambda: None)
-        # Gathered now; the slots are written when the reads ``after`` finished (the test
-        # completes those fetches): completed before them, the copy fails.
-        return self._queue(Link.DEVICE_TO_HOST, lambda: future.result() if future.done() else TransferResult(
-            Link.DEVICE_TO_HOST, 0, ok=False, error="completed before the reads of its slots"), lambda: None)
+        # Gathered now; the slots are written at completion if the reads ``after`` finished
+        # by then (the test completes those fetches). Completed before them, the copy fails
+        # and never writes the slots (as the real engine's copy writes only once they are done).
+        gate = concurrent.futures.Future()
+        future = self.engine.offload(kv_pages, block_ids, slots, priority=priority, after=[gate])
+
+        def run():
+            if not all(read.done() for read in after):
+                return TransferResult(Link.DEVICE_TO_HOST, 0, ok=False, error="completed before the reads of its slots")
+            gate.set_result(None)
+            return future.result()
+
+        return self._queue(Link.DEVICE_TO_HOST, run, lambda: None)
 
     def fetch(self, slots, *, priority):
         return self._queue(Link.HOST_TO_DEVICE, lambda: self.engine.fetch(slots, priority=priority).result(),

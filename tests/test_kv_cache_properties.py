@@ -425,3 +425,24 @@ def test_write_back_of_a_page_whose_dropped_copy_is_in_flight_takes_no_slot():
         getattr(state, name)(**kwargs)
         state.invariants_hold()
     state.teardown()
+
+
+def test_a_failed_copy_into_a_handed_slot_gives_the_slot_back():
+    """Found by the machine above: a page evicted with write-back took the host slot of a page
+    being fetched (handed over); its copy failed before the fetch read the slot. The slot then
+    went back to the free list while the fetching page's copy still used it, and the next
+    copy overwrote that page's KV. The page it was handed from now keeps it."""
+    state = QuantizedPoolMachine()
+    state.setup(write_policy="write_back", cost=0, host_blocks=2, variant=0)
+    a, b = "tenant-a", "tenant-b"
+    steps = [
+        ("serve", dict(accept_lossy=None, evict=0, namespace=a, tokens=[0, 1, 2, 0])),
+        ("serve", dict(accept_lossy=None, evict=2, namespace=b, tokens=[0, 1, 2, 0, 1, 2, 0, 1])),
+        ("admit", dict(accept_lossy=None, namespace=a, tokens=[0, 1, 2, 0, 1, 2, 0, 1, 2])),
+        ("finish_transfer", dict(i=1, ok=True)),  # the copy into the handed slot, before the read
+        ("serve_again", dict(accept_lossy=None, i=0, to_disk=False)),
+    ]
+    for name, kwargs in steps:
+        getattr(state, name)(**kwargs)
+        state.invariants_hold()
+    state.teardown()

@@ -53,7 +53,7 @@ _HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
 class HostEntry:
     """One host block the index knows about (see the module docstring)."""
 
-    __slots__ = ("namespace", "slot", "ready", "busy", "dropped", "handed")
+    __slots__ = ("namespace", "slot", "ready", "busy", "dropped", "handed", "source")
 
     def __init__(self, namespace: bytes, slot: int, ready: bool):
         self.namespace = namespace  # namespace digest
@@ -62,6 +62,7 @@ class HostEntry:
         self.busy = 0  # transfers reading it (fetch, spill): never evicted meanwhile
         self.dropped = False  # its page left the trie; discard once no transfer reads it
         self.handed = False  # its slot was handed to another entry (see ``hand_over``)
+        self.source: bytes | None = None  # the handed entry whose slot this one took
 
 
 class TierIndex:
@@ -280,6 +281,7 @@ class TierIndex:
         self._handed.append(source)
         self.undisked.pop(source, None)  # never spilled: its slot is another page's now
         self._add_host(key, namespace, node, index, False, entry.slot)
+        self.host_entries[key].source = source
         return entry.slot
 
     def settle_handed(self) -> None:
@@ -524,10 +526,18 @@ class TierIndex:
             self._discard(key, entry)
 
     def _discard(self, key: bytes, entry: HostEntry) -> None:
-        """Delete ``entry``; its slot is free again unless it was handed over."""
+        """Delete ``entry``; its slot is free again unless it was handed over, or unless it
+        took a handed slot and its copy never wrote it (then the entry it was handed from
+        takes it back: those bytes are still that page's, and its fetch may be reading them)."""
         del self.host_entries[key]
+        source = None if entry.source is None or entry.ready else self.host_entries.get(entry.source)
         if entry.handed:
             self.num_handed -= 1
+        elif source is not None and source.handed and source.slot == entry.slot:
+            source.handed = False
+            self.num_handed -= 1
+            if not source.dropped and not self._bits(entry.source) & _DISK:
+                self.undisked[entry.source] = None
         else:
             self._free_slots.append(entry.slot)
 
