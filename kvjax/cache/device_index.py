@@ -219,8 +219,10 @@ class DeviceIndex:
             self._count_admission(handle, admission.lower_pages)
         return handle
 
-    def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
-        """Make room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
+    def extend(self, handle: SeqHandle, num_new_tokens: int, *, evict: bool = True) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot.
+        ``evict=False``: only free blocks may serve; False, counting no failure, if too few
+        are free (a tiered cache then evicts its own way and calls again)."""
         self._require_alive(handle)
         if num_new_tokens < 0:
             raise ValueError(f"{num_new_tokens=} must be >= 0")
@@ -231,6 +233,8 @@ class DeviceIndex:
             self.trie.expire_soft_pins(self.clock())
             free = allocator.num_free
             if missing > free:
+                if not evict:
+                    return False
                 if missing > free + self.trie.num_evictable:
                     self._stats.extend_failures += 1
                     return False

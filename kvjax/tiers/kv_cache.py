@@ -388,18 +388,15 @@ class KVCache:
     def extend(self, handle: SeqHandle, num_new_tokens: int) -> bool:
         """Room for ``num_new_tokens`` more tokens; False (nothing changed) if it cannot."""
         index = self.index
-        if not isinstance(handle, SeqHandle) or not handle.alive:
-            return index.extend(handle, num_new_tokens)  # its error names the handle; nothing evicted
-        missing = -(-(handle.num_tokens + num_new_tokens) // index.page_size) - len(handle.block_ids)
-        if missing <= 0 or num_new_tokens < 0:  # the usual case: room in the last page
-            return index.extend(handle, num_new_tokens)
+        if index.extend(handle, num_new_tokens, evict=False):  # the usual case: free blocks serve
+            return True  # (a bad handle or count raised its error there, nothing changed)
+        missing = index.blocks_missing(handle, num_new_tokens)
         free = index.allocator.num_free
-        short = missing - free
-        if 0 < short and missing <= free + index.num_reclaimable:
+        if missing <= free + index.num_reclaimable:  # evict with write-back, not the index's way
             self._version += 1
-            self._make_device_room(short)
+            self._make_device_room(missing - free)
             self._forget_dropped()
-        return self.index.extend(handle, num_new_tokens)
+        return index.extend(handle, num_new_tokens)
 
     def commit(self, handle: SeqHandle, tokens: TokensLike) -> int:
         """Insert the sequence's new full pages into the trie; return how many entered.
