@@ -14,50 +14,44 @@ Times are thread CPU time (time the OS gives other processes does not count), pe
 sampled-token dicts are built outside the timed region (that is the engine's work).
 
     .venv/bin/python benchmarks/bench_scheduler.py [--num-seqs 256] [--waiting 1000] [--steps 300]
-        [--repeats 3] [--policy lru]
+        [--repeats 3] [--policy lru] [--against TREE]
 
 The eviction policy matters where sequences finish and blocks become evictable (churn): the
 default ``reuse`` does more per node than ``lru``.
 
-Against the pre-restructure ``PrefixCache`` (which ran lru; its tree at commit 35b1355). Times on
-this 2-core machine move by 5-15% from run to run, so the comparison that decides is the count
-of machine instructions per step, which load does not change: run a scenario for N and for 3N
-timed steps under ``valgrind --tool=callgrind`` and divide the difference of the two totals by
-2N (setup and warm-up cancel out; the OpenBLAS worker's spin loop, which callgrind counts too,
-is left out of both). For churn:
+Against another tree (the pre-restructure ``PrefixCache`` at commit 35b1355, which ran lru):
 
-    valgrind --tool=callgrind --callgrind-out-file=OUT python -c "import sys; sys.path[:0] = ['.', 'benchmarks'];
-        import numpy as np, bench_scheduler as b; b.run_churn(np.random.default_rng(0), 256, 1000, N, policy='lru')"
+    git worktree add /tmp/before 35b1355
+    .venv/bin/python benchmarks/bench_scheduler.py --against /tmp/before --policy lru [--repeats 15]
 
-(``policy=`` dropped for the old tree; ``callgrind_annotate OUT`` gives the totals). Per churn
-step: before 5,081,626 instructions, now 4,994,923 (0.983); decode of 256 + 1,000 waiting with
-the rank refresh (``run_decode``, N = 30): before 4,636,266, now 4,583,271 (0.989). Repeated
-callgrind runs differ by about 1% (5.03M and 5.09M now, 5.06M and 5.05M before, in another
-pair), so read these as "about equal". Same steps, same scheduling decisions (the mean
-scheduled tokens per step match). Timed, the churn row is slower: 13 alternating pairs of
-``run_churn`` (best of 3, thread CPU time per step, p50) on a quiet machine gave a median
-ratio of 1.076 (0.95-1.22); separate processes of one tree range 545 to 1,000 us per step,
-so pairs of processes resolve little. Both trees loaded into one process and stepped in
-alternating blocks of 15 steps (same heap, hash seed and threads) resolve it: the whole step
-1.03-1.06 of before, ``on_step_done`` equal, ``schedule`` 10-17% slower, and in it
-``KVCache.admit`` about 10 us more per admission than the old ``PrefixCache.admit`` (its
-device-index part costs the same; the rest is the tier layer's bookkeeping around it: fetch
-plan, reclaim and write-back calls, hit sources, counters), ~2 admissions a step, plus
-``KVCache.match`` in the rank refresh. Skipping the fetch plan's on-disk slice and sum when
-nothing is fetched brought an admission to 0.84-0.87 of its cost, leaving the step 1.03 of before in that
-harness. Ruled out by measurement: huge pages, hash seed and address randomisation, the
-JAX backend's threads, page faults (the fault-free steps show the same gap), branch
-mispredictions and L2 misses (equal under callgrind), garbage collection. Earlier, 8 alternating
-pairs of whole runs (``farm-bench -n 8 --vs 'sh -c "cd BASE && ... bench_scheduler.py --steps 150
---repeats 3"' -- sh -c '... bench_scheduler.py --steps 150 --repeats 3 --policy lru'``) before
-the last trim, p50 per step, ratio now / before pair by pair: decode of 256 0.995 (range
-0.94-1.14), decode + 1,000 waiting 1.032 (0.98-1.09) and 1.015 without the rank refresh
-(0.93-1.17), churn 1.029 (0.95-1.13).
+loads that tree's kvjax and benchmark into this process beside this one and steps both, set up
+from the same seed, in alternating blocks of 15 steps (the first 2 of each turn untimed): same
+heap, hash seed, threads and machine load, so a few percent resolve. Separate processes of one
+tree range 545 to 1,000 us per churn step on this 2-core machine, so pairs of whole runs
+resolve little. Figures on a quiet machine (ratio this / before: the median of 15 repeats
+in each of three runs; in brackets the range of their 45 repeats):
+
+    | scenario                                  | this / before             |
+    | decode, 256 running                       | 0.991-1.008 (0.74-1.12)   | (1.010-1.015 before
+                                                                              KVCache.extend's change)
+    | decode, 256 + 1,000 waiting (refresh 4)   | 0.945-0.972 (0.82-1.04)   |
+    | churn, 256 + 1,000 waiting                | 0.963-0.979 (0.91-1.08)   |
+
+Same steps, same scheduling decisions (the tokens per step match). The earlier churn gap lay in
+``KVCache.admit``'s tier bookkeeping and in building a ``MatchResult`` for every queued
+request; the scheduler now ranks and admits by a ``Lookup``'s counts, and ``KVCache.extend``
+tries free blocks first. Machine instructions per step, which load does not change, agree:
+run a scenario for N and for 3N timed steps under ``valgrind --tool=callgrind`` and divide the
+difference of the totals by 2N (churn before the last changes: 5,081,626 before, 4,994,923
+now).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -89,9 +83,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="passes per scenario; the pass with "
                         "the least total CPU time is reported (the others met a busier machine)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--against", metavar="TREE", help="another kvjax checkout: step both in one process, "
+                        "alternating, and print their ratio per scenario (see the docstring)")  # fmt: skip
     parser.add_argument("--policy", default=DEFAULT_POLICY, help="the cache's eviction policy (default: %(default)s; "
                         "lru to compare with a cache that ran lru)")  # fmt: skip
     args = parser.parse_args()
+    if args.against:
+        compare_trees(args.against, args)
+        return
     rng, policy = np.random.default_rng(args.seed), args.policy
     n, w, steps = args.num_seqs, args.waiting, args.steps
     scenarios = [
@@ -146,26 +145,48 @@ def step(scheduler: Scheduler, rng) -> tuple[float, float, int]:
 
 
 def run_decode(rng, num_seqs: int, waiting: int, refresh: int, steps: int, policy: str = DEFAULT_POLICY):
-    system = rng.integers(0, VOCAB, SYSTEM_LEN, dtype=np.int32)
-    scheduler = make_scheduler(num_seqs, waiting, refresh, policy)
-    for request in make_requests(rng, "run", num_seqs, system, np.full(num_seqs, 100_000)):
-        scheduler.add(request)
-    while any(request.is_prefill for request in scheduler.running.values()) or scheduler.num_waiting:
-        step(scheduler, rng)  # prefill everything first: the timed steps are pure decode
-    for request in make_requests(rng, "wait", waiting, system, np.full(waiting, 64)):
-        scheduler.add(request)
-    return timed(scheduler, rng, steps)
+    return timed(setup_decode(_THIS, rng, num_seqs, waiting, refresh, policy), rng, steps)
 
 
 def run_churn(rng, num_seqs: int, waiting: int, steps: int, policy: str = DEFAULT_POLICY):
-    system = rng.integers(0, VOCAB, SYSTEM_LEN, dtype=np.int32)
-    scheduler = make_scheduler(num_seqs, waiting, 4, policy)
-    total = num_seqs + waiting
-    for request in make_requests(rng, "r", total, system, rng.integers(16, 257, total)):
+    return timed(setup_churn(_THIS, rng, num_seqs, waiting, policy), rng, steps)
+
+
+# The setups take the benchmark module of a tree (``bench``): this one, or another checkout's
+# loaded by ``--against`` (which needs only its make_scheduler, make_requests, step, VOCAB and
+# SYSTEM_LEN).
+
+
+def setup_decode(bench, rng, num_seqs: int, waiting: int, refresh: int, policy: str):
+    """``num_seqs`` sequences past their prefill, decoding; ``waiting`` requests queued behind."""
+    system = rng.integers(0, bench.VOCAB, bench.SYSTEM_LEN, dtype=np.int32)
+    scheduler = _make_scheduler(bench, num_seqs, waiting, refresh, policy)
+    for request in bench.make_requests(rng, "run", num_seqs, system, np.full(num_seqs, 100_000)):
         scheduler.add(request)
-    for _ in range(200):  # warm up into the steady state
-        step(scheduler, rng)
-    return timed(scheduler, rng, steps)
+    while any(request.is_prefill for request in scheduler.running.values()) or scheduler.num_waiting:
+        bench.step(scheduler, rng)  # prefill everything first: the timed steps are pure decode
+    for request in bench.make_requests(rng, "wait", waiting, system, np.full(waiting, 64)):
+        scheduler.add(request)
+    return scheduler
+
+
+def setup_churn(bench, rng, num_seqs: int, waiting: int, policy: str):
+    """``num_seqs`` running with 16-256 new tokens each and ``waiting`` queued, after 200 steps
+    into the steady state."""
+    system = rng.integers(0, bench.VOCAB, bench.SYSTEM_LEN, dtype=np.int32)
+    scheduler = _make_scheduler(bench, num_seqs, waiting, 4, policy)
+    total = num_seqs + waiting
+    for request in bench.make_requests(rng, "r", total, system, rng.integers(16, 257, total)):
+        scheduler.add(request)
+    for _ in range(200):
+        bench.step(scheduler, rng)
+    return scheduler
+
+
+def _make_scheduler(bench, num_seqs: int, waiting: int, refresh: int, policy: str):
+    if "policy" in inspect.signature(bench.make_scheduler).parameters:
+        return bench.make_scheduler(num_seqs, waiting, refresh, policy)
+    return bench.make_scheduler(num_seqs, waiting, refresh)  # a tree with one policy (lru)
 
 
 def timed(scheduler: Scheduler, rng, steps: int):
@@ -192,6 +213,100 @@ def run_baseline(rng, num_seqs: int, steps: int):
         per_step.append((time.thread_time_ns() - start) / 1e3)
     return np.array(per_step), np.zeros(steps), num_seqs, num_seqs
 
+
+# --- one process, two trees ---------------------------------------------------------------
+
+_TREE_PACKAGES = ("kvjax", "pallas_kernels", "bench_scheduler", "bench_host_path")
+_BLOCK_STEPS = 15  # steps a tree runs before the other takes its turn (the first 2 untimed)
+
+
+def _tree_modules() -> dict:
+    return {name: module for name, module in sys.modules.items() if name.split(".")[0] in _TREE_PACKAGES}
+
+
+class _Tree:
+    """A tree's benchmark module and the modules it imported, put in ``sys.modules`` while it
+    runs (a function-level import then finds its own tree's module)."""
+
+    def __init__(self, bench, modules: dict):
+        self.bench, self.modules = bench, modules
+
+    def __enter__(self):
+        for name in _tree_modules():
+            del sys.modules[name]
+        sys.modules.update(self.modules)
+        return self.bench
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
+def load_tree(root: str) -> _Tree:
+    """The benchmark of the checkout at ``root`` (its own kvjax and pallas_kernels), loaded
+    beside this one."""
+    if not (Path(root) / "benchmarks" / "bench_scheduler.py").is_file():
+        raise SystemExit(f"--against {root!r}: expected a kvjax checkout with benchmarks/bench_scheduler.py")
+    own = _tree_modules()
+    for name in own:
+        del sys.modules[name]
+    sys.path[:0] = [root, str(Path(root) / "benchmarks")]
+    try:
+        bench = importlib.import_module("bench_scheduler")
+        return _Tree(bench, _tree_modules())
+    finally:
+        del sys.path[:2]
+        for name in _tree_modules():
+            del sys.modules[name]
+        sys.modules.update(own)
+
+
+def compare_trees(other_root: str, args) -> None:
+    """Both trees stepped in one process, in alternating blocks of ``_BLOCK_STEPS`` steps (same
+    heap, hash seed, threads and machine load): per scenario, the p50 step of each and their
+    ratio, one per repeat (each repeat sets both up afresh from the same seed)."""
+    this = _Tree(_THIS, _tree_modules())
+    other = load_tree(other_root)
+    n, w, policy = args.num_seqs, args.waiting, args.policy
+    scenarios = [
+        (f"decode, {n} running", lambda b, rng: setup_decode(b, rng, n, 0, 4, policy)),
+        (f"decode, {n} running + {w} waiting (refresh 4/step)", lambda b, rng: setup_decode(b, rng, n, w, 4, policy)),
+        (f"churn, {n} running + {w} waiting", lambda b, rng: setup_churn(b, rng, n, w, policy)),
+    ]
+    print(f"this tree against {other_root}, one process, blocks of {_BLOCK_STEPS} steps alternating, "
+          f"{args.steps} timed steps each per repeat, thread CPU time; policy {policy} here "
+          "(a tree without policies runs lru)\n")  # fmt: skip
+    print("| scenario | this p50 us/step | other p50 us/step | ratio this/other, median (range) | tokens/step this / other |")
+    print("|---|---:|---:|---:|---:|")
+    for name, setup in scenarios:
+        ratios, medians, tokens = [], {this: [], other: []}, {this: [], other: []}
+        for _ in range(args.repeats):
+            states = {}
+            for tree in (this, other):
+                with tree as bench:
+                    rng = np.random.default_rng(args.seed)
+                    states[tree] = (setup(bench, rng), rng)
+            samples = {this: [], other: []}
+            for block in range(max(1, args.steps // (_BLOCK_STEPS - 2))):
+                for tree in (this, other) if block % 2 == 0 else (other, this):
+                    scheduler, rng = states[tree]
+                    with tree as bench:
+                        for j in range(_BLOCK_STEPS):
+                            schedule_us, done_us, num_tokens = bench.step(scheduler, rng)
+                            if j >= 2:  # the first steps of a turn refill caches the other tree used
+                                samples[tree].append(schedule_us + done_us)
+                                tokens[tree].append(num_tokens)
+            for tree in (this, other):
+                medians[tree].append(float(np.median(samples[tree])))
+            ratios.append(medians[this][-1] / medians[other][-1])
+            del states
+        print(f"| {name} | {min(medians[this]):.0f} | {min(medians[other]):.0f} | {statistics.median(ratios):.3f} "
+              f"({min(ratios):.3f}-{max(ratios):.3f}) | {np.mean(tokens[this]):.1f} / {np.mean(tokens[other]):.1f} |")  # fmt: skip
+    with this:  # this tree's modules back in place
+        pass
+    print(f"command: {' '.join(sys.argv)}")
+
+
+_THIS = sys.modules[__name__]
 
 if __name__ == "__main__":
     main()

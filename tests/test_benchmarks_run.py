@@ -41,6 +41,27 @@ def test_scheduler_bench_times_every_scenario():
     assert all(re.fullmatch(NUMBER, cell) for row in rows for cell in row[1:]), rows
 
 
+def test_scheduler_bench_against_another_tree_steps_both_alike():
+    """``--against`` loads a second copy of a tree beside this one (here: this tree again):
+    both make the same scheduling decisions, so their tokens per step agree."""
+    out = run_bench("benchmarks/bench_scheduler.py", "--against", str(ROOT), "--num-seqs", "8", "--waiting", "8",
+                    "--steps", "13", "--repeats", "1")  # fmt: skip
+    rows = table_rows(out, "decode") + table_rows(out, "churn")
+    assert len(rows) == 3, out
+    for row in rows:
+        assert all(re.fullmatch(NUMBER, cell) for cell in row[1:3]), row
+        this, other = row[4].split(" / ")
+        assert this == other, row
+
+
+def test_scheduler_bench_against_a_path_that_is_no_tree_says_so():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "benchmarks/bench_scheduler.py", "--against", "/nonexistent"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode != 0
+    assert "--against '/nonexistent': expected a kvjax checkout" in done.stderr.strip().splitlines()[-1]
+
+
 def test_engine_overhead_bench_splits_a_step_into_phases():
     out = run_bench("benchmarks/bench_engine_overhead.py", "--num-seqs", "4", "--steps", "2")
     for phase in ("schedule", "inputs", "model", "on_step_done", "events + metrics", "host total"):
