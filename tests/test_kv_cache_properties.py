@@ -401,30 +401,41 @@ TestQuantizedPoolMachine = QuantizedPoolMachine.TestCase
 TestLossyOffloadMachine = LossyOffloadMachine.TestCase
 
 
+A, B = NAMESPACES
+# The opening every replayed failure below shares: tenant-a's two pages cached, then
+# tenant-b's four evict them with write-back (their host copies still in flight), then
+# tenant-a's longer prompt admitted over them (fetching those pages, evicting tenant-b's).
+_OPENING = [
+    ("serve", dict(accept_lossy=None, evict=0, namespace=A, tokens=[0, 1, 2, 0])),
+    ("serve", dict(accept_lossy=None, evict=2, namespace=B, tokens=[0, 1, 2, 0, 1, 2, 0, 1])),
+    ("admit", dict(accept_lossy=None, namespace=A, tokens=[0, 1, 2, 0, 1, 2, 0, 1, 2])),
+]
+
+
+def _replay(machine: KVCacheMachine, steps: list, **setup) -> None:
+    """Run ``steps`` (rule name, arguments) on ``machine`` as hypothesis would, every invariant
+    checked after each, then its teardown's content check."""
+    machine.setup(**setup)
+    for name, kwargs in steps:
+        getattr(machine, name)(**kwargs)
+        machine.invariants_hold()
+    machine.teardown()
+
+
 def test_write_back_of_a_page_whose_dropped_copy_is_in_flight_takes_no_slot():
     """Found by the machine above: a page evicted with write-back while its previous host copy
     (the page had left the trie meanwhile) is still being written adopts that copy's slot.
     It used to be counted short of room and handed another page's slot, which then belonged
     to nobody: host slots leaked."""
-    state = QuantizedPoolMachine()
-    state.setup(write_policy="write_back", cost=0, host_blocks=4, variant=0)
-    a, b = "tenant-a", "tenant-b"
-    steps = [
-        ("serve", dict(accept_lossy=None, evict=0, namespace=a, tokens=[0, 1, 2, 0])),
-        ("serve", dict(accept_lossy=None, evict=2, namespace=b, tokens=[0, 1, 2, 0, 1, 2, 0, 1])),
-        ("admit", dict(accept_lossy=None, namespace=a, tokens=[0, 1, 2, 0, 1, 2, 0, 1, 2])),
+    _replay(QuantizedPoolMachine(), _OPENING + [
         ("release", dict(i=862)),
-        ("admit", dict(accept_lossy=None, namespace=a, tokens=[0, 1, 1, 2, 2, 0, 1])),
+        ("admit", dict(accept_lossy=None, namespace=A, tokens=[0, 1, 1, 2, 2, 0, 1])),
         ("finish_transfer", dict(i=501, ok=False)),
-        ("serve", dict(accept_lossy=None, evict=1, namespace=a, tokens=[0, 1])),
+        ("serve", dict(accept_lossy=None, evict=1, namespace=A, tokens=[0, 1])),
         ("evict", dict(num_blocks=1)),
         ("serve_again", dict(accept_lossy=None, i=562, to_disk=False)),
-        ("admit", dict(accept_lossy=None, namespace=a, tokens=[0, 1, 2, 0, 1, 2, 0, 1])),
-    ]
-    for name, kwargs in steps:
-        getattr(state, name)(**kwargs)
-        state.invariants_hold()
-    state.teardown()
+        ("admit", dict(accept_lossy=None, namespace=A, tokens=[0, 1, 2, 0, 1, 2, 0, 1])),
+    ], write_policy="write_back", cost=0, host_blocks=4, variant=0)  # fmt: skip
 
 
 def test_a_failed_copy_into_a_handed_slot_gives_the_slot_back():
@@ -432,17 +443,7 @@ def test_a_failed_copy_into_a_handed_slot_gives_the_slot_back():
     being fetched (handed over); its copy failed before the fetch read the slot. The slot then
     went back to the free list while the fetching page's copy still used it, and the next
     copy overwrote that page's KV. The page it was handed from now keeps it."""
-    state = QuantizedPoolMachine()
-    state.setup(write_policy="write_back", cost=0, host_blocks=2, variant=0)
-    a, b = "tenant-a", "tenant-b"
-    steps = [
-        ("serve", dict(accept_lossy=None, evict=0, namespace=a, tokens=[0, 1, 2, 0])),
-        ("serve", dict(accept_lossy=None, evict=2, namespace=b, tokens=[0, 1, 2, 0, 1, 2, 0, 1])),
-        ("admit", dict(accept_lossy=None, namespace=a, tokens=[0, 1, 2, 0, 1, 2, 0, 1, 2])),
+    _replay(QuantizedPoolMachine(), _OPENING + [
         ("finish_transfer", dict(i=1, ok=True)),  # the copy into the handed slot, before the read
         ("serve_again", dict(accept_lossy=None, i=0, to_disk=False)),
-    ]
-    for name, kwargs in steps:
-        getattr(state, name)(**kwargs)
-        state.invariants_hold()
-    state.teardown()
+    ], write_policy="write_back", cost=0, host_blocks=2, variant=0)  # fmt: skip
