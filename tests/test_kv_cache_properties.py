@@ -393,9 +393,9 @@ def _settings(max_examples: int):
                     suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 
 
-KVCacheMachine.TestCase.settings = _settings(60)
-QuantizedPoolMachine.TestCase.settings = _settings(20)
-LossyOffloadMachine.TestCase.settings = _settings(30)
+KVCacheMachine.TestCase.settings = _settings(100)
+QuantizedPoolMachine.TestCase.settings = _settings(40)
+LossyOffloadMachine.TestCase.settings = _settings(50)
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestQuantizedPoolMachine = QuantizedPoolMachine.TestCase
 TestLossyOffloadMachine = LossyOffloadMachine.TestCase
