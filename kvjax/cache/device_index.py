@@ -43,10 +43,25 @@ from kvjax.cache.prefix_trie import DroppedNode, Node, PrefixTrie, Tier
 from kvjax.cache.records import CacheStats, MatchResult, SeqHandle
 from kvjax.text.tokens import TOKEN_DTYPE, token_bytes, validate_tokens
 
-__all__ = ["Admission", "CacheStats", "DeviceIndex", "Eviction", "MatchResult", "SeqHandle"]
+__all__ = ["Admission", "CacheStats", "DeviceIndex", "Eviction", "MatchResult", "SeqHandle", "device_pages", "hit_pages"]
 
 TokensLike = Sequence[int] | np.ndarray
 NamespaceLike = Namespace | str | None
+
+
+def hit_pages(path: list[tuple[Node, int]]) -> int:
+    """Pages a trie walk matched, in any tier (``MatchResult.num_hit_blocks``)."""
+    return sum(k for _, k in path)
+
+
+def device_pages(path: list[tuple[Node, int]]) -> int:
+    """Leading pages of a trie walk with a device copy (``MatchResult.num_device_blocks``)."""
+    count = 0
+    for node, k in path:
+        if not node.on_device:
+            break
+        count += k
+    return count
 _NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
 
 
@@ -135,14 +150,13 @@ class DeviceIndex:
         blocks = [node.blocks[:k] for node, k in path]
         tiers = [node.page_tiers()[:k] for node, k in path]
         lossy = [node.page_lossy()[:k] for node, k in path]
-        num_device = sum(k for node, k in itertools.takewhile(lambda p: p[0].on_device, path))
-        num_hit = sum(k for _, k in path)
+        num_hit = hit_pages(path)
         return MatchResult(
             blocks=np.concatenate(blocks) if blocks else _NO_BLOCKS.copy(),
             tiers=np.concatenate(tiers) if tiers else np.zeros(0, np.uint8),
             hit_tokens=num_hit * self.page_size,
             num_hit_blocks=num_hit,
-            num_device_blocks=num_device,
+            num_device_blocks=device_pages(path),
             lossy=np.concatenate(lossy) if lossy else np.zeros(0, bool),
         )
 

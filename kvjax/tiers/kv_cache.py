@@ -66,7 +66,7 @@ from kvjax.cache.allocator import BlockAllocator
 from kvjax.cache.block_events import BlockIndex, EventLog, Subscription
 from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import DeviceIndex, Eviction, NamespaceLike, TokensLike
+from kvjax.cache.device_index import DeviceIndex, Eviction, NamespaceLike, TokensLike, device_pages, hit_pages
 from kvjax.cache.records import KVCacheStats, MatchResult, SeqHandle
 from kvjax.cache.trie_node import Node, Tier
 from kvjax.text.tokens import token_bytes
@@ -120,17 +120,12 @@ class Lookup:
     @property
     def num_hit_blocks(self) -> int:
         """Pages cached in any tier (``MatchResult.num_hit_blocks``)."""
-        return sum(k for _, k in self.matched)
+        return hit_pages(self.matched)
 
     @property
     def num_device_blocks(self) -> int:
         """Leading pages with a device copy (``MatchResult.num_device_blocks``)."""
-        count = 0
-        for node, k in self.matched:
-            if not node.on_device:
-                break
-            count += k
-        return count
+        return device_pages(self.matched)
 
     @property
     def tiers(self) -> np.ndarray:
