@@ -24,18 +24,19 @@ def test_peers_learned_reads_live_epochs_only_and_never_the_own(directory):
     directory.register("n3", "http://c", CLUSTER)  # n3 restarted: its record of the old epoch is stale
     directory.deregister("n2", e2)  # n2 left
     assert directory.peers_learned("n1") == {}
-    directory.client.set(f"{directory.node_key('n1')}:learned", "not json")  # malformed: left out
+    directory.client.set(directory.learned_key("n1"), "not json")  # malformed: left out
     assert directory.peers_learned("n3") == {}
-    directory.client.set(f"{directory.node_key('n1')}:learned", json.dumps({"epoch": e1, "statistics": 3}))
+    directory.client.set(directory.learned_key("n1"), json.dumps({"epoch": e1, "statistics": 3}))
     assert directory.peers_learned("n3") == {}
-    directory.client.set(f"{directory.node_key('n1')}:learned", "[" * 100_000 + "]" * 100_000)  # too deep for json
+    directory.client.set(directory.learned_key("n1"), "[" * 100_000 + "]" * 100_000)  # too deep for json
     assert directory.peers_learned("n3") == {}
 
 
 def test_learned_records_expire_with_the_node_ttl(directory):
     epoch = directory.register("n1", "http://a", CLUSTER)
     directory.write_learned("n1", epoch, STATS)
-    ttl_ms = directory.client.pttl(f"{directory.node_key('n1')}:learned")
+    assert directory.learned_key("n1") == f"{directory.prefix}:node:n1:learned"  # the documented layout
+    ttl_ms = directory.client.pttl(directory.learned_key("n1"))
     assert 0 < ttl_ms <= directory.node_ttl_s * 1000
 
 

@@ -165,6 +165,9 @@ class Directory:
     def node_key(self, node_id: str) -> str:
         return f"{self.prefix}:node:{node_id}"
 
+    def learned_key(self, node_id: str) -> str:
+        return f"{self.node_key(node_id)}:learned"
+
     def block_key(self, namespace: bytes, key: bytes) -> str:
         return block_key(self.prefix, namespace, key)
 
@@ -237,7 +240,7 @@ class Directory:
         """Publish what the node's eviction policy learned (a JSON-safe mapping) under its
         epoch; it expires with the node's record unless written again."""
         _check_node_id(node_id)
-        self.client.set(f"{self.node_key(node_id)}:learned", json.dumps({"epoch": int(epoch), "statistics": statistics}),
+        self.client.set(self.learned_key(node_id), json.dumps({"epoch": int(epoch), "statistics": statistics}),
                         px=self._ms(self.node_ttl_s))  # fmt: skip
 
     def peers_learned(self, node_id: str) -> dict[str, dict]:
@@ -249,7 +252,7 @@ class Directory:
         with self.client.pipeline(transaction=False) as pipe:
             for other in others:
                 pipe.hget(self.node_key(other), "epoch")
-                pipe.get(f"{self.node_key(other)}:learned")
+                pipe.get(self.learned_key(other))
             replies = pipe.execute()
         learned = {}
         for other, epoch, record in zip(others, replies[::2], replies[1::2]):
