@@ -110,6 +110,23 @@ def test_extend_fails_cleanly_when_the_pool_is_full():
     assert cache.stats.extend_failures == 1
 
 
+def test_extend_without_eviction_uses_free_blocks_only_and_counts_no_failure():
+    """``evict=False`` (a tiered cache evicting its own way first): free blocks serve; short of
+    them it answers False with nothing evicted and no failure counted, where ``evict=True``
+    reclaims the cached page."""
+    cache = DeviceIndex(3, 2, clock=Clock())
+    cached(cache, [5, 5])  # one cached, evictable page
+    handle = cache.admit([1, 2, 3])  # two blocks; the pool has none free now
+    assert cache.extend(handle, 1, evict=False)  # room in its last page: no block needed
+    before = state(cache)
+    assert not cache.extend(handle, 1, evict=False)
+    assert state(cache) == before and handle.num_tokens == 4
+    assert cache.stats.extend_failures == 0 and cache.stats.evicted_blocks == 0
+    assert cache.extend(handle, 1)  # evicting the cached page
+    assert cache.stats.evicted_blocks == 1 and len(handle.block_ids) == 3
+    cache.check_invariants()
+
+
 def test_admit_returns_none_and_changes_nothing_when_it_cannot_fit():
     cache = DeviceIndex(5, 2, clock=Clock())
     holder = cache.admit([1, 2, 3, 4, 5, 6])
