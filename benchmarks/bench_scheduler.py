@@ -232,20 +232,18 @@ def _tree_modules() -> dict:
 
 
 class _Tree:
-    """A tree's benchmark module and the modules it imported, put in ``sys.modules`` while it
-    runs (a function-level import then finds its own tree's module)."""
+    """A tree's benchmark module and the modules it imported; ``activate`` puts them in
+    ``sys.modules`` (a function-level import then finds its own tree's module) and returns
+    the benchmark module."""
 
     def __init__(self, bench, modules: dict):
         self.bench, self.modules = bench, modules
 
-    def __enter__(self):
+    def activate(self):
         for name in _tree_modules():
             del sys.modules[name]
         sys.modules.update(self.modules)
         return self.bench
-
-    def __exit__(self, *exc_info) -> None:
-        pass
 
 
 def load_tree(root: str) -> _Tree:
@@ -289,27 +287,25 @@ def compare_trees(other_root: str, args) -> None:
         for _ in range(args.repeats):
             states = {}
             for tree in (this, other):
-                with tree as bench:
-                    rng = np.random.default_rng(args.seed)
-                    states[tree] = (setup(bench, rng), rng)
+                rng = np.random.default_rng(args.seed)
+                states[tree] = (setup(tree.activate(), rng), rng)
             samples = {this: [], other: []}
             for block in range(max(1, args.steps // (_BLOCK_STEPS - 2))):
                 for tree in (this, other) if block % 2 == 0 else (other, this):
                     scheduler, rng = states[tree]
-                    with tree as bench:
-                        for j in range(_BLOCK_STEPS):
-                            schedule_us, done_us, num_tokens = bench.step(scheduler, rng)
-                            if j >= 2:  # the first steps of a turn refill caches the other tree used
-                                samples[tree].append(schedule_us + done_us)
-                                tokens[tree].append(num_tokens)
+                    bench = tree.activate()
+                    for j in range(_BLOCK_STEPS):
+                        schedule_us, done_us, num_tokens = bench.step(scheduler, rng)
+                        if j >= 2:  # the first steps of a turn refill caches the other tree used
+                            samples[tree].append(schedule_us + done_us)
+                            tokens[tree].append(num_tokens)
             for tree in (this, other):
                 medians[tree].append(float(np.median(samples[tree])))
             ratios.append(medians[this][-1] / medians[other][-1])
             del states
         print(f"| {name} | {min(medians[this]):.0f} | {min(medians[other]):.0f} | {statistics.median(ratios):.3f} "
               f"({min(ratios):.3f}-{max(ratios):.3f}) | {np.mean(tokens[this]):.1f} / {np.mean(tokens[other]):.1f} |")  # fmt: skip
-    with this:  # this tree's modules back in place
-        pass
+    this.activate()  # this tree's modules back in place
     print(f"command: {' '.join(sys.argv)}")
 
 
