@@ -105,14 +105,17 @@ def main() -> None:
     parser.add_argument("--no-follow-dropped", action="store_true",
                         help="requests nobody holds go by fair turns, not to the node that dropped them last")
     parser.add_argument("--policy", default=DEFAULT_POLICY, help="eviction policy of every cache")
-    parser.add_argument("--policy-share-s", type=float, default=DEFAULT_POLICY_SHARE_S,
-                        help="seconds between exchanges of reuse statistics between nodes")
-    parser.add_argument("--no-policy-sharing", action="store_true",
-                        help="every node's reuse policy learns from its own traffic alone")
+    sharing = parser.add_mutually_exclusive_group()
+    sharing.add_argument("--policy-share-s", type=float, default=DEFAULT_POLICY_SHARE_S,
+                         help="seconds between exchanges of reuse statistics between nodes")
+    sharing.add_argument("--no-policy-sharing", action="store_true",
+                         help="every node's reuse policy learns from its own traffic alone")
     parser.add_argument("--shape", choices=SHAPES, help="a generated trace of this shape instead (trace_family)")
     parser.add_argument("--shape-requests", type=int, default=4000, help="requests of the generated --shape trace")
     parser.add_argument("--share-slack-rel", type=float, nargs="+", help="print the frontier of these share slacks")
     args = parser.parse_args()
+    if not 0 < args.policy_share_s < float("inf"):
+        parser.error(f"--policy-share-s {args.policy_share_s:g}: expected a positive finite number of seconds")
     service, fetch = ServiceModel(), None if args.no_remote_fetch else FetchModel()
     share_s = None if args.no_policy_sharing else args.policy_share_s
     print(f"cluster replay, eviction policy {args.policy}, reuse statistics shared "
