@@ -81,6 +81,8 @@ def test_tiers_bench_moves_without_compiling_while_timed():
                     "--move-blocks", "4", "--pool-blocks", "8", "--latency-trials", "200")  # fmt: skip
     assert "TransferEngine.offload" in out and "TransferEngine.fetch" in out, out
     assert re.search(r"XLA compilations: \d+ in set-up and warm-up, 0 in the timed part", out), out
+    for link in ("device->host TransferEngine.offload", "host->device TransferEngine.fetch"):  # paired figure too
+        assert re.search(rf"{link}: \d+% / \d+% of .*; paired \d+%\)", out), out
 
 
 def test_policies_bench_splits_a_trace_into_per_node_streams():
