@@ -29,8 +29,9 @@ blocks and a host pool of as many slots, block ids and slots scattered at random
 
 Columns against the plain move: best over best, median over median, and paired: the median over
 rounds of the plain move's time over the path's in the same round (the rows run in turn each
-round, so a slow stretch of the machine hits a pair alike; the two plain moves themselves differ
-by up to 20% at best here). The goal line's verdict reads the best and the median.
+round, so a slow stretch of the machine hits a pair alike; the two plain moves of the same bytes
+came within 74-96% of each other at best in five runs here). The goal line's verdict reads the
+best and the median.
 
 On CPU (2 cores shared with other work, load 1-2; 9 runs, 6 before) the 64-block fetch came to
 68-84% of the plain move at best and 69-95% at the median, ``to_device`` alone 85-93% / 79-112%
