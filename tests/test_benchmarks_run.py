@@ -95,3 +95,30 @@ def test_policies_bench_splits_a_trace_into_per_node_streams():
     [whole] = [line.split() for line in out.splitlines() if line.startswith("  100000")]
     assert whole[1] == f"{unlimited}%" and whole[5] == whole[7] == whole[9] == f"{unlimited}%", whole
     assert re.search(r"^verdict: reuse >= lru: (yes|NO)", out, re.M), out
+
+
+def test_cluster_replay_bench_resamples_the_trace_and_summarizes_the_copies():
+    """``--resample 2``: the trace and two copies each missing a random 10% of it, then the
+    copies' mean and range, which must be those of the copies' own rows."""
+    out = run_bench("benchmarks/bench_cluster_replay.py", "--shape", "chat", "--shape-requests", "200", "--nodes", "2",
+                    "--device-blocks", "40", "--resample", "2", "--drop-fraction", "0.1")  # fmt: skip
+    rows = table_rows(out, "2 | 40")
+    assert [row[2] for row in rows] == ["the trace", "1", "2", "mean of copies", "range of copies"], out
+    assert rows[0][3] == "200" and all(150 <= int(row[3]) < 200 for row in rows[1:3]), rows
+    local = [float(row[4]) for row in rows[1:3]]
+    assert float(rows[3][4]) == pytest.approx(sum(local) / 2, abs=0.006), rows
+    assert rows[4][4] == f"{min(local):+.2f} to {max(local):+.2f}", rows
+
+
+@pytest.mark.parametrize("flags, complaint", [
+    (["--resample", "0"], "--resample 0: expected a number of copies >= 1"),
+    (["--resample", "2", "--drop-fraction", "1"], "--drop-fraction 1: expected a fraction"),
+    (["--resample", "2", "--share-slack-rel", "0.1"], "give one of them"),
+    (["--policy-share-s", "2", "--no-policy-sharing"], "not allowed with argument"),
+    (["--policy-share-s", "0"], "--policy-share-s 0: expected a positive finite number"),
+])  # fmt: skip
+def test_cluster_replay_bench_refuses_bad_flags_in_one_line(flags, complaint):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "benchmarks/bench_cluster_replay.py", "--shape", "chat", *flags], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and complaint in done.stderr and "Traceback" not in done.stderr, done.stderr
