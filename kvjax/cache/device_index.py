@@ -203,7 +203,7 @@ class DeviceIndex:
         """
         num_pages = -(-len(buf) // self.trie.page_bytes)
         path = list(itertools.takewhile(lambda p: p[0].on_device, matched))
-        num_hit = sum(k for _, k in path)
+        num_hit = hit_pages(path)
         locked_away = sum(k for node, k in path if self.trie.is_candidate(node))
         available = self.allocator.num_free + self.trie.num_evictable - locked_away
         if available < num_pages - num_hit:
@@ -211,7 +211,7 @@ class DeviceIndex:
             return None
         tail = self._lock_hit_path(path, now) if path else self.trie.root(ns, create=True)
         num_new = num_pages - num_hit
-        return Admission(ns, buf, path, tail, num_new, sum(k for _, k in matched) - num_hit,
+        return Admission(ns, buf, path, tail, num_new, hit_pages(matched) - num_hit,
                          max(0, num_new - self.allocator.num_free))  # fmt: skip
 
     def complete_admission(self, admission: Admission, *, count: bool = True) -> SeqHandle:
