@@ -19,7 +19,8 @@ blocks and a host pool of as many slots, block ids and slots scattered at random
   device array of the same bytes to ``pinned_host`` memory (``np.asarray`` where the device has
   no such memory kind);
 * host->device through the real fetch path (``TransferEngine.fetch``: ``HostPool.to_device`` of
-  the slots on the link's worker, submit to ready result), ``to_device`` alone, and the scatter
+  the slots, submit to ready result; run by the caller waiting on ``result()`` when the link's
+  worker has not taken it yet, as the serving loop's wait does), ``to_device`` alone, and the scatter
   into the pool shown apart; against one ``jax.device_put`` of a contiguous host array of the
   same bytes: from ``pinned_host`` memory on an accelerator, from numpy on CPU (at an address
   XLA cannot wrap, so bytes do move: on CPU a plain ``device_put`` of an aligned numpy array,
@@ -44,7 +45,10 @@ it from cache, as in these interleaved runs), and the hand-off to the link's wor
 adds 0.1 ms warm and 0.2-0.3 ms cold, more when the other core is busy; the plain move's best
 itself ranges 1.2-1.8 ms from run to run. Five later runs (plain move 2.9-3.4 ms at the median):
 the fetch at 66-85% best, 79-92% median, 81-93% paired; ``to_device`` 78-105% / 95-117% /
-94-107%.
+94-107%. Since a waiting caller runs its own queued fetch (no hand-off to the worker and back),
+five runs: the fetch at 68-90% best, 78-91% median, 77-92% paired, now 87-92% paired of
+``to_device`` alone (81-93% before); ``to_device`` itself 75-98% best, 86-102% paired: the
+host gather into the staging buffer is what remains between the fetch and the plain move.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Transfer engine: bit-exact tier round trips through host slots, priorities, budgets,
 failures, bucketed batches, shutdown."""
 
+import concurrent.futures
 import errno
 import glob
 import os
@@ -15,7 +16,7 @@ import tier_cases
 from tier_cases import DTYPES, same_bits
 from tier_cases import int_keys as keys
 
-from kvjax.tiers import disk_segments
+from kvjax.tiers import disk_segments, transfer
 from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.token_bucket import TokenBucket
@@ -183,16 +184,64 @@ def test_a_small_fetch_on_an_idle_link_runs_on_the_callers_thread(tmp_path, monk
         behind = engine.fetch([3])  # small, but the link is busy: queued behind it
         assert not behind.done()
         gate.set()
+        assert engine.wait_idle(WAIT_S)  # waits without running anything (result() might)
         assert same_bits(done(large).blocks, pool[[0, 1, 2]]) and same_bits(done(behind).blocks, pool[[3]])
         assert threads[1] is threads[2] is not caller
-        assert engine.wait_idle(WAIT_S) and engine.stats()["host_to_device"]["jobs"] == 3
-        prefetch = engine.fetch([1], priority=Priority.PREFETCH)  # nobody waits for it: the worker
+        assert engine.stats()["host_to_device"]["jobs"] == 3
+        prefetch = engine.fetch([1], priority=Priority.PREFETCH)  # never inline: the worker
+        assert engine.wait_idle(WAIT_S)
         assert same_bits(done(prefetch).blocks, pool[[1]]) and threads[-1] is not caller
     with TransferEngine(host, paused=True, inline_fetch_bytes=2 * block_bytes()) as engine:
         held = engine.fetch([1])
         assert not held.done()
         engine.resume()
+        assert engine.wait_idle(WAIT_S)
         assert same_bits(done(held).blocks, pool[[1]]) and threads[-1] is not caller
+
+
+def test_a_waiter_runs_its_job_itself_when_it_is_next_on_an_idle_link(tmp_path, monkeypatch):
+    """``result()`` and ``transfer.wait_any`` run a queued fetch or restore on the waiting thread when it
+    is next in line, nothing runs on its link and its budget pays for it now (the worker would
+    run it next); a job behind another, or one its budget does not pay for yet, is left to
+    the worker. The budget's clock is frozen and a starved worker sleeps until notified, so
+    which thread runs each job is certain."""
+    monkeypatch.setattr(transfer, "_POLL_S", 600.0)
+    now = [0.0]
+    pool = random_pool(4, "float32", seed=6)
+    host, disk = tiers(tmp_path)
+    host.write(np.arange(4), pool)
+    disk.put(keys(2, 50), pool[:2], NS)
+    threads, to_device, disk_get = [], host.to_device, disk.get
+    monkeypatch.setattr(host, "to_device", lambda *a: threads.append(threading.current_thread()) or to_device(*a))
+    monkeypatch.setattr(disk, "get", lambda *a: threads.append(threading.current_thread()) or disk_get(*a))
+    caller = threading.current_thread()
+    slow = LinkBudget(rate_bytes_per_s=block_bytes() / 1000, burst_bytes=block_bytes())  # a block per 1000 s
+    clock = lambda: now[0]
+    with TransferEngine(host, budgets={Link.HOST_TO_DEVICE: slow}, clock=clock, inline_fetch_bytes=0) as engine:
+        warm = engine.fetch([0], priority=Priority.PREFETCH)
+        assert engine.wait_idle(WAIT_S) and threads[-1] is not caller  # the full bucket paid
+        first = engine.fetch([1], priority=Priority.PREFETCH)
+        second = engine.fetch([2], priority=Priority.PREFETCH)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            first.result(timeout=0.05)  # next in line, but the budget does not pay yet
+        now[0] = 1000.0  # one block's tokens; the starved worker does not look
+        with pytest.raises(concurrent.futures.TimeoutError):
+            second.result(timeout=0.05)  # paid for, but behind the first
+        assert len(threads) == 1 and not first.done() and not second.done()
+        assert same_bits(done(first).blocks, pool[[1]]) and threads[-1] is caller
+        now[0] = 2000.0
+        assert same_bits(done(second).blocks, pool[[2]]) and same_bits(done(warm).blocks, pool[[0]])
+        assert engine.stats()["host_to_device"] == {"jobs": 3, "failed": 0, "bytes": 3 * block_bytes(), "queued": 0}
+    now[0], threads[:] = 0.0, []
+    with TransferEngine(host, disk, budgets={Link.DISK_TO_HOST: slow}, clock=clock) as engine:
+        done(engine.restore(keys(1, 50), NS, [10]))  # the full bucket pays: run here too
+        restore = engine.restore(keys(1, 51), NS, [11])
+        transfer.wait_any([restore], 0.05)
+        assert not restore.done()  # unpaid: waited, ran nothing
+        now[0] = 1000.0
+        transfer.wait_any([restore], WAIT_S)
+        assert restore.done() and threads == [caller, caller]
+        assert done(restore).done_keys == tuple(keys(1, 51)) and same_bits(host.read(np.array([11])), pool[[1]])
 
 
 def test_a_cancelled_fetch_does_not_stop_its_link(tmp_path):

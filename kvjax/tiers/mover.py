@@ -40,7 +40,7 @@ from kvjax.tiers.block_codec import BlockCodec
 from kvjax.tiers.fetch_jobs import FetchJob, Waiter, resolved_future
 from kvjax.tiers.page_pool import PagePool
 from kvjax.tiers.tier_index import TierIndex
-from kvjax.tiers.transfer import Priority, TransferResult, move_batches
+from kvjax.tiers.transfer import Priority, TransferResult, move_batches, wait_any
 from pallas_kernels.kv_format import QuantizedPages
 
 __all__ = ["TierMover", "TierReport"]
@@ -103,10 +103,11 @@ class TierMover:
         return finished
 
     def wait_any(self, timeout: float) -> None:
-        """Block until some transfer finishes or ``timeout`` seconds pass."""
+        """Block until some transfer finishes or ``timeout`` seconds pass (one next in line on
+        an idle link runs on this thread meanwhile: ``kvjax.tiers.transfer.wait_any``)."""
         futures = [future for future, _ in self._callbacks]
         if futures:
-            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+            wait_any(futures, timeout)
 
     @property
     def busy(self) -> bool:
