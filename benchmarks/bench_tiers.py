@@ -49,6 +49,9 @@ the fetch at 66-85% best, 79-92% median, 81-93% paired; ``to_device`` 78-105% / 
 five runs: the fetch at 68-90% best, 78-91% median, 77-92% paired, now 87-92% paired of
 ``to_device`` alone (81-93% before); ``to_device`` itself 75-98% best, 86-102% paired: the
 host gather into the staging buffer is what remains between the fetch and the plain move.
+With that gather split over two threads (``HostPool(copy_threads=2)``, the default on 2 cores
+or more), five runs: ``to_device`` 89-109% best, 89-131% median of the plain move; the fetch
+78-93% best, 83-108% median, 82-111% paired (the verdict met in four runs of five).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tier_cases import DTYPES, random_blocks, same_bits
+from tier_cases import DTYPES, block_bytes, random_blocks, same_bits
 
 from kvjax.tiers.host_pool import HostPool
 
@@ -83,6 +83,10 @@ def test_bad_input_raises_and_changes_nothing():
         HostPool(BLOCK_SHAPE, "float32", num_slots=-1)
     with pytest.raises(ValueError, match=r"block_shape=\(2, 0\) must be a non-empty shape of positive sizes"):
         HostPool((2, 0), "float32", num_slots=1)
+    with pytest.raises(ValueError, match=r"copy_threads=0 must be an int in \[1, 8\]"):
+        HostPool(BLOCK_SHAPE, "float32", num_slots=1, copy_threads=0)
+    with pytest.raises(ValueError, match=r"split_min_bytes=-1 must be an int >= 0"):
+        HostPool(BLOCK_SHAPE, "float32", num_slots=1, split_min_bytes=-1)
     assert same_bits(pool.read(np.array([0, 1])), before)
 
 
@@ -160,20 +164,45 @@ def check_concurrent_calls_on_disjoint_slots(num_threads, rounds, dtype, make_po
     return pool
 
 
-def _unsharded(dtype):
-    return HostPool(BLOCK_SHAPE, dtype, NUM_SLOTS)
+def _unsharded(copy_threads):
+    """Pools whose every gather of 2 rows or more is split over ``copy_threads`` threads."""
+    return lambda dtype: HostPool(BLOCK_SHAPE, dtype, NUM_SLOTS, copy_threads=copy_threads, split_min_bytes=0)
 
 
 @settings(max_examples=60, deadline=None)
-@given(steps=_steps(), dtype=st.sampled_from(DTYPES))
-def test_fetched_blocks_keep_their_bits_under_random_writes_and_fetches(steps, dtype):
-    check_fetches_keep_their_bits(steps, dtype, _unsharded)
+@given(steps=_steps(), dtype=st.sampled_from(DTYPES), copy_threads=st.integers(1, 4))
+def test_fetched_blocks_keep_their_bits_under_random_writes_and_fetches(steps, dtype, copy_threads):
+    check_fetches_keep_their_bits(steps, dtype, _unsharded(copy_threads))
 
 
 @settings(max_examples=15, deadline=None)
-@given(num_threads=st.integers(2, 4), rounds=st.integers(1, 8), dtype=st.sampled_from(DTYPES))
-def test_concurrent_calls_on_disjoint_slots_see_their_own_bits(num_threads, rounds, dtype):
-    check_concurrent_calls_on_disjoint_slots(num_threads, rounds, dtype, _unsharded)
+@given(num_threads=st.integers(2, 4), rounds=st.integers(1, 8), dtype=st.sampled_from(DTYPES),
+       copy_threads=st.integers(1, 4))
+def test_concurrent_calls_on_disjoint_slots_see_their_own_bits(num_threads, rounds, dtype, copy_threads):
+    check_concurrent_calls_on_disjoint_slots(num_threads, rounds, dtype, _unsharded(copy_threads))
+
+
+def test_a_large_gather_is_split_over_copy_threads_and_a_small_one_is_not(monkeypatch):
+    """A gather of at least split_min_bytes runs in copy_threads parts, the caller's first and
+    the others on copy threads, all done before to_device returns; below it, one part."""
+    blocks = random_blocks(NUM_SLOTS, BLOCK_SHAPE, "float32", seed=7)
+    four_blocks = 4 * block_bytes(BLOCK_SHAPE, "float32")
+    pool = HostPool(BLOCK_SHAPE, "float32", NUM_SLOTS, copy_threads=3, split_min_bytes=four_blocks)
+    pool.write(np.arange(NUM_SLOTS), blocks)
+    parts, take = [], np.take
+
+    def recording_take(source, indices, *args, **kwargs):
+        parts.append((threading.current_thread(), len(indices)))
+        return take(source, indices, *args, **kwargs)
+    monkeypatch.setattr(np, "take", recording_take)
+    slots = np.array([6, 1, 4, 0, 7, 2, 5])
+    assert same_bits(pool.to_device(slots, 8)[:7], blocks[slots])
+    caller = threading.current_thread()
+    assert sorted(n for _, n in parts) == [2, 2, 3]  # 7 rows in 3 parts
+    assert [n for t, n in parts if t is caller] == [2]  # the first part; the others on copy threads
+    parts.clear()
+    assert same_bits(pool.to_device(slots[:3]), blocks[slots[:3]])  # 3 blocks: under the threshold
+    assert parts == [(caller, 3)]
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""

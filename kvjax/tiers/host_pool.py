@@ -35,6 +35,13 @@ of faulting in fresh pages per move (about 0.5 ms of a 16 MiB fetch's 1.5 ms on 
 nothing fetched is ever overwritten. Nothing here compiles: blocks move as the pool's dtype
 viewed on host, never through a jitted conversion.
 
+Large gathers are split. A ``to_device`` of at least ``split_min_bytes`` (4 MiB by default)
+gathers its rows in ``copy_threads`` parts at once, the calling thread taking the first and a
+small shared pool of copy threads the rest (numpy lets go of the GIL while it copies): one
+thread does not reach the memory bandwidth a host has (on the 2-core CPU machine here a
+16 MiB gather took 0.65 ms alone and 0.36-0.42 ms in two halves), and the gather is the part
+of a fetch the device does not overlap.
+
 Calls on different slots may run concurrently (the transfer workers and the serving thread);
 the index never hands one slot to two transfers that write it. A staging buffer is taken out
 of the free list under a lock and serves one fetch at a time; a dying lease returns it
@@ -48,6 +55,8 @@ capacity and accounting, writes and reads of nothing.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import os
 import threading
 
 import jax
@@ -60,12 +69,26 @@ _BITS_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ALIGN = 64  # bytes: XLA's CPU client wraps host arrays aligned to this instead of copying
 _STAGING_SIZES = 16  # row counts whose free staging buffer is kept (the transfer buckets)
 _RETURNED = 4  # buffers let go since the last fetch kept for it at most (the latest; older ones freed)
+_MAX_COPY_THREADS = 8
+
+_copy_pool: concurrent.futures.ThreadPoolExecutor | None = None  # shared by every HostPool, made on first use
+_copy_pool_lock = threading.Lock()
+
+
+def _copy_executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _copy_pool
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = concurrent.futures.ThreadPoolExecutor(_MAX_COPY_THREADS - 1, "kvjax-host-copy")
+        return _copy_pool
 
 
 class HostPool:
     """``num_slots`` host blocks of ``block_shape`` / ``dtype``; see the module docstring.
 
-    ``sharding``: where fetched blocks land (default: the first device).
+    ``sharding``: where fetched blocks land (default: the first device). ``copy_threads``:
+    threads a gather of at least ``split_min_bytes`` is split over (default: 2 where the host
+    has 2 cores or more, else 1; at most 8).
 
     >>> pool = HostPool((2, 3), jnp.bfloat16, num_slots=4)
     >>> pool.write(np.array([2, 0]), jnp.ones((2, 2, 3), jnp.bfloat16))
@@ -74,7 +97,8 @@ class HostPool:
     """
 
     def __init__(self, block_shape, dtype, num_slots: int, *, sharding: jax.sharding.Sharding | None = None,
-                 store_bytes: bool = True):  # fmt: skip
+                 store_bytes: bool = True, copy_threads: int | None = None,
+                 split_min_bytes: int = 4 << 20):  # fmt: skip
         self.block_shape = tuple(int(d) for d in block_shape)
         if not self.block_shape or min(self.block_shape) <= 0:
             raise ValueError(f"block_shape={block_shape!r} must be a non-empty shape of positive sizes")
@@ -84,6 +108,14 @@ class HostPool:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
             raise ValueError(f"num_slots={num_slots!r} must be an int >= 0")
         self.num_slots = num_slots
+        if copy_threads is None:
+            copy_threads = min(2, os.cpu_count() or 1)
+        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) \
+                or not 1 <= copy_threads <= _MAX_COPY_THREADS:
+            raise ValueError(f"copy_threads={copy_threads!r} must be an int in [1, {_MAX_COPY_THREADS}]")
+        if isinstance(split_min_bytes, bool) or not isinstance(split_min_bytes, int) or split_min_bytes < 0:
+            raise ValueError(f"split_min_bytes={split_min_bytes!r} must be an int >= 0")
+        self.copy_threads, self.split_min_bytes = copy_threads, split_min_bytes
         self.block_nbytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
         self.store_bytes = store_bytes
         self._bits = _BITS_DTYPES[self.dtype.itemsize]
@@ -151,13 +183,28 @@ class HostPool:
             return None
         staging = np.frombuffer(_Lease(self._take_staging(num_rows), num_rows, self._returned), self._bits)
         staging = staging.reshape(num_rows, self._block_elems)  # the lease lives as long as its views
-        # The one gather on host. mode="clip" (the slots are checked already): with out= and
-        # the default mode="raise", numpy gathers into a temporary first, a second copy.
-        np.take(self._slots, slots, axis=0, out=staging[: len(slots)], mode="clip")
+        self._gather_rows(slots, staging)  # the one gather on host
         if num_rows > len(slots):
             staging[len(slots) :] = 0
         blocks = staging.view(self.dtype).reshape(num_rows, *self.block_shape)
         return jax.device_put(blocks, self._device)  # the one copy up (none if wrapped)
+
+    def _gather_rows(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """``out[i] = slot slots[i]``, split over ``copy_threads`` threads when large."""
+        # mode="clip" (the slots are checked already): with out= and the default
+        # mode="raise", numpy gathers into a temporary first, a second copy.
+        parts = min(self.copy_threads, len(slots))
+        if parts < 2 or len(slots) * self.block_nbytes < self.split_min_bytes:
+            np.take(self._slots, slots, axis=0, out=out[: len(slots)], mode="clip")
+            return
+        bounds = [len(slots) * i // parts for i in range(parts + 1)]
+        others = [_copy_executor().submit(np.take, self._slots, slots[lo:hi], 0, out[lo:hi], "clip")
+                  for lo, hi in zip(bounds[1:-1], bounds[2:])]  # fmt: skip
+        try:
+            np.take(self._slots, slots[: bounds[1]], axis=0, out=out[: bounds[1]], mode="clip")
+        finally:
+            for part in others:
+                part.result()  # every part done (or raised) before the buffer is handed on
 
     def _take_staging(self, num_rows: int) -> np.ndarray:
         """A free staging buffer of ``num_rows`` blocks: uint8, aligned to ``_ALIGN``."""
