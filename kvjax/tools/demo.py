@@ -42,11 +42,12 @@ from pallas_kernels.kv_format import FORMATS, GRANULARITIES
 __all__ = ["DEMO_SPEC", "DemoResult", "add_subcommand", "run_demo"]
 
 DEFAULT_PLOT = "kvjax_demo_ttft.png"
-# The built-in workload with replies long enough to read (32 bytes; few-shot labels 16).
 # The built-in workload with replies long enough to read (32 bytes; few-shot labels 16), and
 # more system prompts than the device pool holds, each visited in turn: later questions find
-# their prompt's KV on host or disk.
-DEMO_SPEC = WorkloadSpec(max_new_tokens=32, system_prompts=8, questions_per_system_prompt=4,
+# their prompt's KV on host or disk. Ten prompts, so that each revisit comes after more than
+# device and host hold together: with eight, whether a revisit found its prompt on host or on
+# disk hung on transfer timing (disk hit tokens 0-912 from run to run), with ten 960 each run.
+DEMO_SPEC = WorkloadSpec(max_new_tokens=32, system_prompts=10, questions_per_system_prompt=4,
                          system_prompt_chars=1200, rotate_prompts=True)
 DEMO_DISK_BYTES = 64 << 20
 
