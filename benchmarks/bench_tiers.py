@@ -46,8 +46,8 @@ adds 0.1 ms warm and 0.2-0.3 ms cold, more when the other core is busy; the plai
 itself ranges 1.2-1.8 ms from run to run. Five later runs (plain move 2.9-3.4 ms at the median):
 the fetch at 66-85% best, 79-92% median, 81-93% paired; ``to_device`` 78-105% / 95-117% /
 94-107%. Since a waiting caller runs its own queued fetch (no hand-off to the worker and back),
-five runs: the fetch at 68-90% best, 78-91% median, 77-92% paired, now 87-92% paired of
-``to_device`` alone (81-93% before); ``to_device`` itself 75-98% best, 86-102% paired: the
+five runs: the fetch at 68-90% best, 78-91% median, 77-92% paired, now 87-93% paired of
+``to_device`` alone (76-91% before); ``to_device`` itself 75-98% best, 86-102% paired: the
 host gather into the staging buffer is what remains between the fetch and the plain move.
 With that gather split over two threads (``HostPool(copy_threads=2)``, the default on 2 cores
 or more), five runs: ``to_device`` 89-109% best, 89-131% median of the plain move; the fetch
