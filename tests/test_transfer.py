@@ -234,13 +234,15 @@ def test_a_waiter_runs_its_job_itself_when_it_is_next_on_an_idle_link(tmp_path, 
         assert engine.stats()["host_to_device"] == {"jobs": 3, "failed": 0, "bytes": 3 * block_bytes(), "queued": 0}
     now[0], threads[:] = 0.0, []
     with TransferEngine(host, disk, budgets={Link.DISK_TO_HOST: slow}, clock=clock) as engine:
-        done(engine.restore(keys(1, 50), NS, [10]))  # the full bucket pays: run here too
+        first_restore = engine.restore(keys(1, 50), NS, [10])
+        assert engine.wait_idle(WAIT_S) and threads[-1] is not caller  # the full bucket paid
         restore = engine.restore(keys(1, 51), NS, [11])
         transfer.wait_any([restore], 0.05)
-        assert not restore.done()  # unpaid: waited, ran nothing
+        assert not restore.done() and len(threads) == 1  # unpaid: waited, ran nothing
         now[0] = 1000.0
         transfer.wait_any([restore], WAIT_S)
-        assert restore.done() and threads == [caller, caller]
+        assert restore.done() and len(threads) == 2 and threads[-1] is caller
+        assert done(first_restore).done_keys == tuple(keys(1, 50))
         assert done(restore).done_keys == tuple(keys(1, 51)) and same_bits(host.read(np.array([11])), pool[[1]])
 
 

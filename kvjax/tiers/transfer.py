@@ -146,9 +146,9 @@ class _Future(concurrent.futures.Future):
     """A job's future: ``result()`` first runs the job on the waiting thread when the engine
     lets it (``TransferEngine._help``)."""
 
-    def __init__(self, help_wait: Callable[[], bool] | None = None):
+    def __init__(self):
         super().__init__()
-        self.help_wait = help_wait  # None once finished or for jobs no waiter may run
+        self.help_wait: Callable[[], bool] | None = None  # None once finished, or for jobs no waiter may run
 
     def result(self, timeout: float | None = None):
         help_wait = self.help_wait
