@@ -34,11 +34,11 @@ def _bound(policy):
 PRIOR_TRIALS, PRIOR_FRESH, PRIOR_SEEN = 4.0, 0.1, 0.9  # the policy's prior, per kind
 
 
-def _trained(horizon_s=10.0, trust_trials=0.0):
+def _trained(horizon_s=10.0, trust_trials=0.0, offset_scale=1.0):
     """A policy that saw 128 one-off root nodes (t = 0..127 s), then 64 deeper nodes each hit
     1 s after insertion (t = 200..264 s): 256 one-page trials. Offsets recomputed at the end.
     By default it trusts what it learned in full (``trust_trials=0``)."""
-    policy = _bound(ReusePolicy(initial_horizon_s=horizon_s, trust_trials=trust_trials))
+    policy = _bound(ReusePolicy(initial_horizon_s=horizon_s, trust_trials=trust_trials, offset_scale=offset_scale))
     for i in range(128):
         policy.priority(FakeNode(b"one-off %d" % i, last_access=float(i)), float(i))
     for i in range(64):
@@ -258,11 +258,29 @@ def test_it_learns_to_keep_a_hot_prefix_through_a_flood_of_one_off_requests():
         ({"initial_horizon_s": math.inf}, r"initial_horizon_s=inf must be a positive number"),
         ({"trust_trials": -1.0}, r"trust_trials=-1.0 must be a finite number of trials >= 0"),
         ({"trust_trials": math.inf}, r"trust_trials=inf must be a finite number"),
+        ({"offset_scale": -0.5}, r"offset_scale=-0.5 must be a finite number >= 0"),
+        ({"offset_scale": math.inf}, r"offset_scale=inf must be a finite number >= 0"),
+        ({"offset_scale": True}, r"offset_scale=True must be a finite number >= 0"),
     ],
 )
 def test_bad_parameters_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ReusePolicy(**kwargs)
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5, 3.0])
+def test_offset_scale_multiplies_the_offsets_and_leaves_the_learning_alone(scale):
+    """The same observations with ``offset_scale`` K: the same rates, horizon and learned
+    offsets; the offsets in use K times those of the model (0: plain LRU, every priority the
+    node's last access)."""
+    plain, scaled = _trained(), _trained(offset_scale=scale)
+    assert scaled.reuse_rates() == plain.reuse_rates() and scaled.horizon == plain.horizon
+    assert scaled.learned_offsets() == plain.learned_offsets()
+    assert min(plain.offsets()) < -1.0  # the model separates the kinds: the scale has something to scale
+    assert scaled.offsets() == pytest.approx([scale * offset for offset in plain.offsets()])
+    node = FakeNode(b"one-off 3", last_access=1001.0)
+    assert scaled.priority(node, 1001.0) == pytest.approx(1001.0 + scale * plain.offsets()[ROOT_RETURNED])
+    scaled.check_invariants()
 
 
 def test_check_invariants_names_a_broken_count():

@@ -432,8 +432,10 @@ class ReusePolicy(EvictionPolicy):
     ``horizon_step``: the smallest log-space step of the horizon estimate per boundary event
     (the first ones are larger); ``memory``: trials between halvings of the counts;
     ``initial_horizon_s``: the horizon before any reuse is seen (seconds); ``trust_trials``:
-    closed trials at which the learned offsets count half (0: in full from the start). See
-    the module docstring for the model.
+    closed trials at which the learned offsets count half (0: in full from the start);
+    ``offset_scale``: a factor on every offset (1: the model; 0: plain LRU; between or above,
+    the kinds' order softened or sharpened: what ``bench_policies.py --reuse-offset-scales``
+    compares). See the module docstring for the model.
     """
 
     name = "reuse"
@@ -441,7 +443,7 @@ class ReusePolicy(EvictionPolicy):
 
     def __init__(self, *, history_nodes: int = 65536, horizon_step: float = 0.02,
                  memory: int = 16384, initial_horizon_s: float = 10.0,
-                 trust_trials: float = 200.0):  # fmt: skip
+                 trust_trials: float = 200.0, offset_scale: float = 1.0):  # fmt: skip
         if history_nodes < 1:
             raise ValueError(f"{history_nodes=} must be >= 1")
         if not 0.0 < horizon_step <= 1.0:
@@ -452,7 +454,11 @@ class ReusePolicy(EvictionPolicy):
             raise ValueError(f"{initial_horizon_s=} must be a positive number of seconds")
         if not 0.0 <= trust_trials < math.inf:
             raise ValueError(f"{trust_trials=} must be a finite number of trials >= 0")
+        if isinstance(offset_scale, bool) or not isinstance(offset_scale, (int, float)) or \
+                not 0.0 <= offset_scale < math.inf:  # fmt: skip
+            raise ValueError(f"{offset_scale=} must be a finite number >= 0 (1: the learned offsets as they are)")
         self.trust_trials = trust_trials
+        self.offset_scale = float(offset_scale)
         self._closed = 0  # trials closed so far (never halved): the evidence behind the order
         self.history_nodes = history_nodes
         self.horizon_step = horizon_step
@@ -492,7 +498,8 @@ class ReusePolicy(EvictionPolicy):
         return [reused / trials for reused, trials in zip(self._reused, self._trials)]
 
     def offsets(self) -> list[float]:
-        """``trust * W[kind]`` (seconds, <= 0) added to ``last_access`` by ``priority`` now."""
+        """``offset_scale * trust * W[kind]`` (seconds, <= 0) added to ``last_access`` by
+        ``priority`` now."""
         return list(self._offsets)
 
     def learned_offsets(self) -> list[float]:
@@ -646,7 +653,8 @@ class ReusePolicy(EvictionPolicy):
         self._learned = [horizon * math.log(max(min((reused + peer_reused) / (trials + peer_trials), 1.0), _MIN_RATE))
                          for reused, trials, peer_reused, peer_trials
                          in zip(self._reused, self._trials, self._peer_reused, self._peer_trials)]  # fmt: skip
-        self._offsets = [trust * offset for offset in self._learned]
+        scale = trust * self.offset_scale
+        self._offsets = [scale * offset for offset in self._learned]
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
