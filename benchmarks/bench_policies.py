@@ -30,10 +30,11 @@ two shared cores; the full table about two.
 learned offset times K (``ReusePolicy(offset_scale=K)``; 0 is LRU). No single K meets the
 goal: with ``--quick --fractions 0.01 0.03 0.1 0.15 0.5 --reuse-offset-scales 0.25 0.5 2 4``
 (4 minutes) small caches want sharper offsets and large ones softer. At 1% of the distinct
-blocks x4 is best on agent, chat, chat_scan, longtail, mixed and scan (chat 9.96% against
-8.92% at x1, mixed 23.43% against 20.51%); at 50% x0.25 or x0.5 is best on chat, chat_scan,
-mixed and the shared trace (chat at 15%: 62.43% against 62.37%, LRU 62.41%; mixed at 50%
-70.47% against 70.36%, LRU 70.47%), while scan at 15% still wants x4 and rag x1 everywhere.
+blocks x4 is best on seven of the nine generated shapes (chat 9.96% against 8.92% at x1, mixed
+23.43% against 20.51%); x0.25 or x0.5 is best on chat at 15% (62.43% against 62.37%, LRU
+62.41%) and at 50% on chat_scan, mixed (70.47% against 70.36%, LRU 70.47%) and the shared
+trace (59.66% against 59.37%, strict segmented 60.34%), while scan at 15% still wants x4 and
+rag x1 everywhere.
 Mean share of offline over the 50 cells: x0.25 0.787, x0.5 0.802, x1 0.813, x2 0.817, x4
 0.812 (LRU 0.760, segmented 0.788). The share of reuses that hit (cache pressure) does not
 pick K either: scan at 95% of reuses hit wants x4, chat at 93% x0.25. What K should be
