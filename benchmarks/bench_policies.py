@@ -144,8 +144,10 @@ def _parse_args() -> argparse.Namespace:
         if policy not in args.policies:
             args.policies.append(policy)
     for scale in args.reuse_offset_scales:
-        if not 0.0 <= scale < float("inf"):
-            parser.error(f"--reuse-offset-scales: {scale} must be a finite number >= 0")
+        try:
+            ReusePolicy(offset_scale=scale)  # the policy's own check, before anything replays
+        except ValueError as err:
+            parser.error(f"--reuse-offset-scales {scale:g}: {err}")
         args.policies.append(f"{_SCALED}{scale:g}")
     return args
 

@@ -97,6 +97,31 @@ def test_policies_bench_splits_a_trace_into_per_node_streams():
     assert re.search(r"^verdict: reuse >= lru: (yes|NO)", out, re.M), out
 
 
+def test_policies_bench_scaled_reuse_columns_span_lru_and_the_default():
+    """``--reuse-offset-scales 0 1``: ``reuse x0`` ranks by last access alone, so it hits what
+    ``lru`` hits in every row; ``reuse x1`` is the default policy, so it hits what ``reuse``
+    does; each column replays a fresh policy (one shared instance would differ from both)."""
+    out = run_bench("benchmarks/bench_policies.py", "--quick", "--no-trace", "--shapes", "chat", "--num-requests", "300",
+                    "--capacities", "20", "60", "--reuse-offset-scales", "0", "1")  # fmt: skip
+    header = next(line for line in out.splitlines() if line.startswith("capacity"))
+    columns = header.split("|")[1].split()
+    assert columns == ["reuse*", "lru", "segmented", "reuse", "x0", "reuse", "x1"], header
+    rows = [line.split("|")[1].split() for line in out.splitlines() if re.match(r" +(20|60) ", line)]
+    assert len(rows) == 2, out
+    for cells in rows:  # hit% (share) per policy: reuse*, lru, segmented, reuse x0, reuse x1
+        rates = cells[0::2]
+        assert rates[3] == rates[1] and rates[4] == rates[0], cells
+    assert any(row[0::2][0] != row[0::2][1] for row in rows), rows  # the default differs from lru here
+
+
+def test_policies_bench_refuses_a_bad_offset_scale_in_one_line():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "benchmarks/bench_policies.py", "--no-trace", "--reuse-offset-scales", "-1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "--reuse-offset-scales -1: offset_scale=-1.0 must be a finite number >= 0" \
+        in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_cluster_replay_bench_resamples_the_trace_and_summarizes_the_copies():
     """``--resample 2``: the trace and two copies each missing a random 10% of it, then the
     copies' mean and range, which must be those of the copies' own rows."""
