@@ -47,6 +47,7 @@ __all__ = ["Admission", "CacheStats", "DeviceIndex", "Eviction", "MatchResult", 
 
 TokensLike = Sequence[int] | np.ndarray
 NamespaceLike = Namespace | str | None
+_NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
 
 
 def hit_pages(path: list[tuple[Node, int]]) -> int:
@@ -62,7 +63,6 @@ def device_pages(path: list[tuple[Node, int]]) -> int:
             break
         count += k
     return count
-_NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
 
 
 @dataclasses.dataclass(slots=True)
