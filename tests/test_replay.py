@@ -109,6 +109,10 @@ def test_empty_trace_has_zero_rates():
         (lambda: replay_trace(CYCLE, 2, check_every=-1), r"check_every=-1 must be >= 0"),
         (lambda: offline_replay(CYCLE, 0), r"num_blocks=0 must be >= 1"),
         (lambda: replay_trace(CYCLE, 2, policy="nope"), r"unknown eviction policy 'nope'"),
+        (lambda: replay_trace(CYCLE, 2, warmup_requests=-1), r"warmup_requests=-1 must be an int >= 0"),
+        (lambda: offline_replay(CYCLE, 2, warmup_requests=True), r"warmup_requests=True must be an int >= 0"),
+        (lambda: unlimited_replay(CYCLE, warmup_requests=1.5), r"warmup_requests=1.5 must be an int >= 0"),
+        (lambda: reuse_oracle_lru_replay(CYCLE, 2, warmup_requests="2"), r"warmup_requests='2' must be an int"),
     ],
 )
 def test_bad_arguments_raise_value_error(call, message):
@@ -163,6 +167,29 @@ def test_no_policy_beats_the_offline_policy_or_unlimited_capacity(paths, capacit
     assert online.hit_blocks <= offline.hit_blocks <= unlimited.hit_blocks
     assert reuse_oracle_lru_replay(requests, capacity, block_tokens=BLOCK).hit_blocks <= unlimited.hit_blocks
     assert online.blocks == offline.blocks == unlimited.blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(paths=_paths, capacity=st.integers(1, 8), policy=st.sampled_from(sorted(POLICIES)), data=st.data())
+def test_a_warm_up_counts_exactly_the_requests_after_it(paths, capacity, policy, data):
+    """A replay is causal, so the first k requests run the same with or without the rest: the
+    requests after a warm-up of k hit and evict what the whole replay did minus what the first
+    k alone did. The offline yardstick looks ahead, so it only counts the same requests."""
+    requests = _trace(*paths)
+    warm = data.draw(st.integers(0, len(requests) + 2), label="warmup_requests")
+    head = requests[:warm]
+    for replay in (lambda reqs, **kw: replay_trace(reqs, capacity, policy=policy, block_tokens=BLOCK, **kw),
+                   lambda reqs, **kw: unlimited_replay(reqs, block_tokens=BLOCK, **kw)):  # fmt: skip
+        whole, first, rest = replay(requests), replay(head), replay(requests, warmup_requests=warm)
+        assert rest.requests == len(requests) - len(head)
+        for field in ("blocks", "hit_blocks", "tokens", "hit_tokens", "evicted_blocks"):
+            assert getattr(rest, field) == getattr(whole, field) - getattr(first, field), field
+    for replay in (offline_replay, reuse_oracle_lru_replay):
+        rest = replay(requests, capacity, block_tokens=BLOCK, warmup_requests=warm)
+        assert (rest.requests, rest.blocks) == (len(requests) - len(head), sum(len(p) for p in paths[warm:]))
+        assert rest.hit_blocks <= unlimited_replay(requests, block_tokens=BLOCK, warmup_requests=warm).hit_blocks
+    assert offline_replay(requests, capacity, block_tokens=BLOCK, warmup_requests=0) == \
+        offline_replay(requests, capacity, block_tokens=BLOCK)  # fmt: skip
 
 
 # --- the shared Mooncake trace: one full-trace test, the cheap unlimited bound ------------------

@@ -109,6 +109,7 @@ def replay_trace(
     write_through: bool = False,
     disk_segment_blocks: int = 1,
     check_every: int = 0,
+    warmup_requests: int = 0,
 ) -> HitCounts:
     """Replays ``requests`` (in the given order) through a ``KVCache`` of ``device_blocks``
     device blocks above host and disk tiers of ``host_blocks`` and ``disk_blocks`` (0: no such
@@ -116,22 +117,27 @@ def replay_trace(
     when committed, else when evicted from the device (write-back).
 
     ``check_every=k > 0`` runs the cache's ``check_invariants()`` after every k-th request (for
-    tests; it is O(cache size)). Raises ValueError naming the value for a capacity out of
-    range or an unknown policy name, before replaying anything.
+    tests; it is O(cache size)). ``warmup_requests``: the first that many requests warm the
+    cache and are not counted, nor their evictions (``kvjax.tools.replay_bounds``). Raises
+    ValueError naming the value for a capacity or warm-up out of range or an unknown policy
+    name, before replaying anything.
     """
-    cache, now = replay_cache(device_blocks, policy=policy, host_blocks=host_blocks, disk_blocks=disk_blocks,
-                              write_through=write_through, disk_segment_blocks=disk_segment_blocks)  # fmt: skip
     if check_every < 0:
         raise ValueError(f"{check_every=} must be >= 0")
-    counts = HitCounter(block_tokens)
+    counts = HitCounter(block_tokens, warmup_requests)
+    cache, now = replay_cache(device_blocks, policy=policy, host_blocks=host_blocks, disk_blocks=disk_blocks,
+                              write_through=write_through, disk_segment_blocks=disk_segment_blocks)  # fmt: skip
     paths, _ = intern_block_paths(requests)
+    warm_evictions = 0  # evictions of the warm-up, left out of the count
     with cache:
         for index, (request, path) in enumerate(zip(requests, paths)):
             now[0] = request.timestamp_ms / 1000.0
             counts.add(request, *serve_request(cache, path[:device_blocks]))
+            if index < warmup_requests:
+                warm_evictions = cache.stats.prefix.evicted_blocks
             if check_every and (index + 1) % check_every == 0:
                 cache.check_invariants()
-    return counts.result(evicted_blocks=cache.stats.prefix.evicted_blocks)
+    return counts.result(evicted_blocks=cache.stats.prefix.evicted_blocks - warm_evictions)
 
 
 def replay_cache(device_blocks: int, *, policy: str | EvictionPolicy = DEFAULT_POLICY, host_blocks: int = 0,

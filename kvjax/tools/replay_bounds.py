@@ -102,12 +102,12 @@ def intern_block_paths(requests: Sequence[TraceRequest]) -> tuple[list[list[int]
 
 
 def unlimited_replay(
-    requests: Sequence[TraceRequest], *, block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    requests: Sequence[TraceRequest], *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, warmup_requests: int = 0
 ) -> HitCounts:
     """Hits with room for every block: a block hits if any earlier request used its chain."""
+    counter = HitCounter(block_tokens, warmup_requests)
     paths, _ = intern_block_paths(requests)
     seen: set[int] = set()
-    counter = HitCounter(block_tokens)
     for request, path in zip(requests, paths):
         counter.add(request, _leading_run(path, seen))
         seen.update(path)
@@ -119,6 +119,7 @@ def offline_replay(
     num_blocks: int,
     *,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    warmup_requests: int = 0,
 ) -> HitCounts:
     """Hits of the offline farthest-next-use policy with room for ``num_blocks`` blocks.
 
@@ -126,7 +127,7 @@ def offline_replay(
     eviction heap drops stale entries lazily (an entry is live while it matches the block's
     current priority).
     """
-    return _keyed_replay(requests, num_blocks, block_tokens,
+    return _keyed_replay(requests, num_blocks, block_tokens, warmup_requests,
                          lambda next_use, index, depth: (-next_use, -depth))  # fmt: skip
 
 
@@ -135,6 +136,7 @@ def reuse_oracle_lru_replay(
     num_blocks: int,
     *,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    warmup_requests: int = 0,
 ) -> HitCounts:
     """Hits of LRU told which blocks will never be used again, with room for ``num_blocks``.
 
@@ -143,27 +145,28 @@ def reuse_oracle_lru_replay(
     block is always a leaf when it goes). It knows the future only as "used again or not",
     not when: the gap to ``offline_replay`` is what knowing the time of reuse is worth.
     """
-    return _keyed_replay(requests, num_blocks, block_tokens,
+    return _keyed_replay(requests, num_blocks, block_tokens, warmup_requests,
                          lambda next_use, index, depth: (next_use != _NEVER, index, -depth))  # fmt: skip
 
 
-def _keyed_replay(requests: Sequence[TraceRequest], num_blocks: int, block_tokens: int,
+def _keyed_replay(requests: Sequence[TraceRequest], num_blocks: int, block_tokens: int, warmup_requests: int,
                   priority) -> HitCounts:  # fmt: skip
     """Sequential replay evicting the cached block of least ``priority(next use, index of the
     request that last used it, depth)`` (a tuple; lowest goes first) that the current request
     does not use."""
     if num_blocks < 1:
         raise ValueError(f"{num_blocks=} must be >= 1")
+    counter = HitCounter(block_tokens, warmup_requests)
     paths, depth = intern_block_paths(requests)
     next_uses = _next_uses(paths)
     cached: dict[int, tuple] = {}  # node -> its priority, as last pushed
     heap: list[tuple[tuple, int]] = []  # (priority, node): lowest goes first
-    counter = HitCounter(block_tokens)
     evicted = 0
     for index, (request, path, path_next) in enumerate(zip(requests, paths, next_uses)):
         counter.add(request, _leading_run(path, cached))
         kept = path[:num_blocks]
-        evicted += _make_room(cached, heap, kept, num_blocks)
+        made_room = _make_room(cached, heap, kept, num_blocks)
+        evicted += made_room if index >= warmup_requests else 0  # the warm-up's evictions are not counted
         for node, next_use in zip(kept, path_next):
             key = priority(next_use, index, depth[node])
             cached[node] = key
@@ -218,16 +221,27 @@ def _leading_run(path: list[int], cached) -> int:
 
 
 class HitCounter:
-    """Accumulates block and token hits request by request (shared by every replay)."""
+    """Accumulates block and token hits request by request (shared by every replay); the first
+    ``warmup_requests`` requests added are left out (see the module docstring). ValueError
+    naming the value for a warm-up that is not an int >= 0."""
 
-    def __init__(self, block_tokens: int):
+    def __init__(self, block_tokens: int, warmup_requests: int = 0):
+        if isinstance(warmup_requests, bool) or not isinstance(warmup_requests, int) or warmup_requests < 0:
+            raise ValueError(f"warmup_requests={warmup_requests!r} must be an int >= 0 (requests replayed "
+                             "before any is counted)")  # fmt: skip
         self.block_tokens = block_tokens
+        self.warmup_requests = warmup_requests
+        self.added = 0  # requests added, the warm-up included
         self.requests = self.blocks = self.hit_blocks = self.tokens = self.hit_tokens = 0
         self.lower = {Tier.HOST: [0, 0], Tier.DISK: [0, 0]}  # tier -> [hit blocks, hit tokens]
 
     def add(self, request: TraceRequest, hit_blocks: int, lower_tiers: Sequence[Tier] = ()) -> None:
         """Counts a request whose first ``hit_blocks`` blocks hit; the last
-        ``len(lower_tiers)`` of those came from the named lower tiers, in order."""
+        ``len(lower_tiers)`` of those came from the named lower tiers, in order (once the
+        warm-up is over)."""
+        self.added += 1
+        if self.added <= self.warmup_requests:
+            return
         per_block = request.block_tokens(self.block_tokens)
         self.requests += 1
         self.blocks += len(per_block)
