@@ -27,6 +27,22 @@ def run_bench(*args: str) -> str:
     return done.stdout
 
 
+def run_refused(*args: str) -> str:
+    """The stderr of a benchmark run that must stop at its argument check: exit 2, no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    return done.stderr
+
+
+def every_policy_hits_unlimited(out: str, row: str) -> None:
+    """In the policy table row starting with ``row``, offline and the three ``--quick`` policies
+    hit what unlimited capacity does (the header's figure)."""
+    unlimited = re.search(r"unlimited capacity hits ([\d.]+)%", out).group(1)
+    [cells] = [line.split() for line in out.splitlines() if line.startswith(row)]
+    assert cells[1] == f"{unlimited}%" and cells[5] == cells[7] == cells[9] == f"{unlimited}%", cells
+
+
 def table_rows(text: str, first_cell: str) -> list[list[str]]:
     """Markdown table rows whose first cell starts with ``first_cell``, as cells."""
     rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith(f"| {first_cell}")]
@@ -91,9 +107,7 @@ def test_policies_bench_splits_a_trace_into_per_node_streams():
     out = run_bench("benchmarks/bench_policies.py", "--quick", "--no-trace", "--shapes", "chat", "--num-requests", "60",
                     "--streams", "3", "--capacities", "4", "100000")  # fmt: skip
     assert "chat (seed 0), 3 streams (capacity per stream)" in out, out
-    unlimited = re.search(r"unlimited capacity hits ([\d.]+)%", out).group(1)
-    [whole] = [line.split() for line in out.splitlines() if line.startswith("  100000")]
-    assert whole[1] == f"{unlimited}%" and whole[5] == whole[7] == whole[9] == f"{unlimited}%", whole
+    every_policy_hits_unlimited(out, "  100000")
     assert re.search(r"^verdict: reuse >= lru: (yes|NO)", out, re.M), out
 
 
@@ -114,12 +128,20 @@ def test_policies_bench_scaled_reuse_columns_span_lru_and_the_default():
     assert any(row[0::2][0] != row[0::2][1] for row in rows), rows  # the default differs from lru here
 
 
+def test_policies_bench_counts_after_the_warm_up_fraction():
+    """``--warmup-fraction 0.5``: the first half of each trace warms every cache and yardstick
+    and is not counted; fractions outside [0, 1) are refused in one line."""
+    out = run_bench("benchmarks/bench_policies.py", "--quick", "--no-trace", "--shapes", "chat", "--num-requests", "60",
+                    "--capacities", "8", "100000", "--warmup-fraction", "0.5")  # fmt: skip
+    assert "chat (seed 0): 30 requests counted after 30 warm-up requests" in out, out
+    every_policy_hits_unlimited(out, "  100000")
+    stderr = run_refused("benchmarks/bench_policies.py", "--no-trace", "--warmup-fraction", "1")
+    assert "--warmup-fraction 1: expected a share of the requests in [0, 1)" in stderr, stderr
+
+
 def test_policies_bench_refuses_a_bad_offset_scale_in_one_line():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "benchmarks/bench_policies.py", "--no-trace", "--reuse-offset-scales", "-1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 2 and "--reuse-offset-scales -1: offset_scale=-1.0 must be a finite number >= 0" \
-        in done.stderr and "Traceback" not in done.stderr, done.stderr
+    stderr = run_refused("benchmarks/bench_policies.py", "--no-trace", "--reuse-offset-scales", "-1")
+    assert "--reuse-offset-scales -1: offset_scale=-1.0 must be a finite number >= 0" in stderr, stderr
 
 
 def test_cluster_replay_bench_resamples_the_trace_and_summarizes_the_copies():
@@ -143,7 +165,5 @@ def test_cluster_replay_bench_resamples_the_trace_and_summarizes_the_copies():
     (["--policy-share-s", "0"], "--policy-share-s 0: expected a positive finite number"),
 ])  # fmt: skip
 def test_cluster_replay_bench_refuses_bad_flags_in_one_line(flags, complaint):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "benchmarks/bench_cluster_replay.py", "--shape", "chat", *flags], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 2 and complaint in done.stderr and "Traceback" not in done.stderr, done.stderr
+    stderr = run_refused("benchmarks/bench_cluster_replay.py", "--shape", "chat", *flags)
+    assert complaint in stderr, stderr
