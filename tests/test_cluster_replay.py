@@ -1,6 +1,7 @@
 """Cluster replay: hand-computed routing and hits on tiny traces, the service model's load,
 the balance figures, one node equal to the single-node replay, and the CLI."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -172,12 +173,45 @@ def test_nodes_of_another_policy_or_a_single_node_exchange_nothing(monkeypatch):
     simulate_cluster(requests, ClusterSpec(1, 10, block_tokens=BLOCK), fetch=None)
 
 
+def test_pooled_nodes_share_one_capacity_but_no_blocks():
+    """Round robin over 2 nodes of 3 blocks (LRU): n0 serves (1, 2) and (3, 4) in turn, 4 blocks
+    it cannot hold, n1 serves (9,) each time. Pooled into one cache of 6, n0 keeps all four
+    and hits like one cache of 6 does; n1 never hits n0's blocks: the first (1, 2) on n1's
+    side of the same pooled cache misses, as it does on a node of its own."""
+    paths = [(1, 2), (9,), (3, 4), (9,), (1, 2), (9,), (3, 4)]
+    spec = ClusterSpec(2, 3, block_tokens=BLOCK, policy="lru")
+    split = cluster_replay(trace(paths), spec, router=RouterConfig("round_robin"), fetch=None)
+    pooled = cluster_replay(trace(paths), dataclasses.replace(spec, pooled=True), router=RouterConfig("round_robin"),
+                            fetch=None)  # fmt: skip
+    assert pooled.local.hit_blocks == pooled.single_cache.hit_blocks == 6  # (1, 2), (9,) twice, (3, 4)
+    assert split.local.hit_blocks < pooled.local.hit_blocks
+    assert pooled.requests_per_node == split.requests_per_node == (4, 3)
+    same = cluster_replay(trace([(1, 2), (1, 2), (1, 2)]), dataclasses.replace(spec, pooled=True),
+                          router=RouterConfig("round_robin"), fetch=FREE_FETCH)  # fmt: skip
+    assert same.local.hit_blocks == 2 and same.remote_blocks == same.fetched_blocks == 2  # n1 fetched from n0
+    assert same.as_dict()["pooled"] is True and split.as_dict()["pooled"] is False
+
+
+def test_pooled_caches_follow_each_node_s_drops_and_share_nothing(monkeypatch):
+    """The returning-prefix rule sees each node's own drops in the pooled cache (the test
+    above's drop scenario gives the same decisions), and one pooled cache has one policy:
+    no statistics to exchange."""
+    paths = [(1, 2, 3), (10, 11, 12), (20, 21, 22), (30, 31, 32), (10, 11, 12)]
+    spec = ClusterSpec(2, 3, block_tokens=BLOCK, pooled=True)
+    monkeypatch.setattr(ReusePolicy, "merge_peer_statistics", lambda *args, **kwargs: pytest.fail("merged"))
+    report = cluster_replay(trace(paths), spec, router=RouterConfig(), fetch=None)
+    assert report.reasons == {"no_prefix": 4, "returning": 1} and report.requests_per_node == (2, 3)
+    assert report.as_dict()["policy_share_s"] is None
+
+
 def test_bad_settings_are_refused_before_replaying():
     with pytest.raises(ValueError, match="nodes=0 must be an int >= 1"):
         ClusterSpec(0, 10)
     for bad in (0, -1.0, float("inf"), True, "2"):
         with pytest.raises(ValueError, match=f"policy_share_s={bad!r} must be a positive finite number"):
             ClusterSpec(2, 10, policy_share_s=bad)
+    with pytest.raises(ValueError, match="pooled=1 must be a bool"):
+        ClusterSpec(2, 10, pooled=1)
     with pytest.raises(ValueError, match="device_blocks=0 must be an int in"):
         cluster_replay(TWO_CONVERSATIONS, ClusterSpec(2, 0))
     with pytest.raises(ValueError, match=r"prefill_tokens_per_s=0 must be a number > 0 \(tokens per second\)"):
@@ -220,6 +254,16 @@ def test_cli_sets_how_often_nodes_share_what_their_policies_learned(tmp_path, ca
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["policy_share_s"] == share_s
 
 
+def test_cli_pools_the_nodes_caches_on_request(tmp_path, capsys):
+    argv = ["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--nodes", "2", "--device-blocks", "10",
+            "--block-tokens", str(BLOCK), "--router", "round_robin", "--pooled", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any("pooled into one cache" in line for line in out)
+    summary = json.loads(out[-1])
+    assert summary["pooled"] is True and summary["block_hit_rate"] == pytest.approx(4 / 18)  # no node hits another's
+
+
 @pytest.mark.parametrize("extra", [["--policy", "lru"], ["--nodes", "1"]])
 def test_the_report_says_nothing_was_shared_where_no_exchange_happens(tmp_path, capsys, extra):
     argv = ["replay", write_trace(tmp_path, TWO_CONVERSATIONS), "--nodes", "2", "--device-blocks", "10",
@@ -245,6 +289,7 @@ def test_cli_without_nodes_is_the_single_node_replay(tmp_path, capsys):
         (["--nodes", "2", "--share-slack-rel", "-1"], "share_slack_abs=2.0 must be >= 1 (requests) and "
                                                       "share_slack_rel=-1.0 >= 0"),
         (["--no-policy-sharing"], "kvjax replay: error: --no-policy-sharing: cluster options; add --nodes N"),
+        (["--pooled"], "kvjax replay: error: --pooled: cluster options; add --nodes N"),
         (["--nodes", "2", "--policy-share-s", "0"], "policy_share_s=0.0 must be a positive finite number of seconds"),
         (["--nodes", "2", "--policy-share-s", "1", "--no-policy-sharing"],
          "--policy-share-s 1 and --no-policy-sharing contradict each other"),

@@ -24,6 +24,13 @@ model's rate), and count as served; the chosen node then caches them like the re
 prompt. The router credits a node with what it could fetch at the model's cost ratio
 (``RouterConfig.remote_fetch_cost``, unless the router config sets it).
 
+Pooled caches (``ClusterSpec.pooled``): the nodes' caches become one cache of the cluster's
+capacity with one eviction order, each node's blocks in a namespace of its own (no node hits
+another's): capacity goes wherever the pressure is, everything else as above. A yardstick,
+not a deployment: what cooperative caching (nodes handing what they drop to peers with colder
+pages) could add at most; its gap to ``single_cache_block_hit_rate`` is what routing costs,
+and the per-node replay's gap to it is what unpooled capacity costs.
+
 Shared reuse statistics (``ClusterSpec.policy_share_s``, every 2 s by default; None: off):
 nodes whose eviction policy is ``reuse`` exchange what their learners learned
 (``ReusePolicy.statistics`` / ``merge_peer_statistics``: per kind trial and reuse counts,
@@ -58,7 +65,7 @@ from typing import Any
 import numpy as np
 
 from kvjax.cache.block_events import BlockEvent
-from kvjax.cache.block_keys import chained_block_keys
+from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cache.policies import ReusePolicy
 from kvjax.cluster.node_view import DEFAULT_BLOCK_TTL_S, NodeLoad, NodeView
 from kvjax.cluster.router import RECENT_PER_NODE, RouterConfig, RoutingPolicy
@@ -168,7 +175,8 @@ class ClusterSpec:
     ``disk_blocks`` blocks each (write-through or write-back to the host), every cache with
     eviction ``policy``; ``block_tokens`` tokens per trace block; ``policy_share_s``: seconds
     between exchanges of reuse statistics (``reuse`` policy only; None: every node learns
-    alone)."""
+    alone); ``pooled``: the nodes' caches are one of the cluster's capacity (see the module
+    docstring; nothing to share then)."""
 
     nodes: int
     device_blocks: int
@@ -178,6 +186,7 @@ class ClusterSpec:
     policy: str = DEFAULT_POLICY
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     policy_share_s: float | None = DEFAULT_POLICY_SHARE_S
+    pooled: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
@@ -186,16 +195,29 @@ class ClusterSpec:
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
                                   or not 0 < share < float("inf")):  # fmt: skip
             raise ValueError(f"policy_share_s={share!r} must be a positive finite number of seconds, or None")
+        if not isinstance(self.pooled, bool):
+            raise ValueError(f"pooled={self.pooled!r} must be a bool")
 
     @property
     def shares_statistics_s(self) -> float | None:
-        """``policy_share_s`` where an exchange happens (several nodes under ``reuse``), else None."""
-        return self.policy_share_s if self.nodes > 1 and self.policy == ReusePolicy.name else None
+        """``policy_share_s`` where an exchange happens (several unpooled nodes under ``reuse``),
+        else None."""
+        shares = self.nodes > 1 and self.policy == ReusePolicy.name and not self.pooled
+        return self.policy_share_s if shares else None
 
-    def cache(self) -> tuple[KVCache, list[float]]:
-        """One node's cache and its clock (``replay_cache``; ValueError for a bad capacity)."""
-        return replay_cache(self.device_blocks, policy=self.policy, host_blocks=self.host_blocks,
-                            disk_blocks=self.disk_blocks, write_through=self.write_through)  # fmt: skip
+    def cache(self, nodes: int = 1) -> tuple[KVCache, list[float]]:
+        """A cache of ``nodes`` nodes' capacities (one node's by default) and its clock
+        (``replay_cache``; ValueError for a bad capacity)."""
+        return replay_cache(nodes * self.device_blocks, policy=self.policy, host_blocks=nodes * self.host_blocks,
+                            disk_blocks=nodes * self.disk_blocks, write_through=self.write_through)  # fmt: skip
+
+    def node_caches(self) -> list[tuple[KVCache, list[float], Namespace]]:
+        """Per node: its cache, the cache's clock and the namespace its blocks live in (one
+        cache and clock shared by every node, a namespace each, when ``pooled``)."""
+        if not self.pooled:
+            return [(*self.cache(), REPLAY_NAMESPACE) for _ in range(self.nodes)]
+        cache, clock = self.cache(self.nodes)
+        return [(cache, clock, Namespace(tenant=f"{REPLAY_NAMESPACE.tenant}/node{node}")) for node in range(self.nodes)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -244,6 +266,7 @@ class ClusterReplayReport:
             **single_node_keys,
             "nodes": spec.nodes,
             "policy_share_s": spec.shares_statistics_s,  # None where nothing was shared
+            "pooled": spec.pooled,
             "router": self.router.strategy,
             "share_slack_abs": self.router.share_slack_abs,
             "share_slack_rel": self.router.share_slack_rel,
@@ -292,9 +315,10 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
     router, service = router or RouterConfig(), service or ServiceModel()
     if fetch is not None and router.remote_fetch_cost is None:
         router = dataclasses.replace(router, remote_fetch_cost=fetch.cost_ratio(service))
-    caches = [spec.cache() for _ in range(spec.nodes)]
-    drops = [_FirstBlockDrops(cache) for cache, _ in caches] if router.follow_dropped else None
-    first_keys: dict[int, bytes] = {}
+    caches = spec.node_caches()
+    distinct = list({id(cache): cache for cache, _, _ in caches}.values())  # one when pooled
+    drops = [_FirstBlockDrops(cache, namespace) for cache, _, namespace in caches] if router.follow_dropped else None
+    first_keys: dict[tuple[Namespace, int], bytes] = {}
     node_ids = [f"n{index:0{len(str(spec.nodes - 1))}d}" for index in range(spec.nodes)]  # sort as the indices
     loads = _LoadModel(spec.nodes, service)
     routing = RoutingPolicy(router)
@@ -303,7 +327,7 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
     chosen = np.zeros(len(requests), np.int64)
     remote_blocks = fetched_blocks = 0
     reasons: collections.Counter[str] = collections.Counter()
-    learners = [cache.trie.policy for cache, _ in caches]
+    learners = [cache.trie.policy for cache in distinct]
     share_s = spec.shares_statistics_s
     next_share = -float("inf")
     for index, (request, path) in enumerate(zip(requests, paths)):
@@ -313,23 +337,25 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
             _share_statistics(learners)
         blocks = path[: spec.device_blocks]
         held = []
-        for cache, clock in caches:
+        for cache, clock, namespace in caches:
             clock[0] = now
-            held.append(matched_blocks(cache, blocks))
+            held.append(matched_blocks(cache, blocks, namespace))
         dropped = [0] * spec.nodes
         if drops is not None and blocks:
-            first = first_keys.get(blocks[0])
-            if first is None:
-                first = first_keys[blocks[0]] = chained_block_keys([blocks[0]], 1, REPLAY_NAMESPACE)[0]
             oldest = request.timestamp_ms - DEFAULT_BLOCK_TTL_S * 1000  # older marks expired with their key
-            dropped = [ms if (ms := drop.dropped_ms.get(first, 0)) >= oldest else 0 for drop in drops]
+            for node, (drop, (_, _, namespace)) in enumerate(zip(drops, caches)):
+                first = first_keys.get((namespace, blocks[0]))
+                if first is None:
+                    first = first_keys[namespace, blocks[0]] = chained_block_keys([blocks[0]], 1, namespace)[0]
+                ms = drop.dropped_ms.get(first, 0)
+                dropped[node] = ms if ms >= oldest else 0
         views = [NodeView(node_id, 1, "", loads.at(node, now), held[node], first_dropped_ms=dropped[node])
                  for node, node_id in enumerate(node_ids)]  # fmt: skip
         decision = routing.choose(views, request.input_length, spec.block_tokens)
         node = node_ids.index(decision.node_id)
-        hit_blocks, lower_tiers = serve_request(caches[node][0], blocks)
-        if drops is not None:
-            drops[node].update(max(1, round(request.timestamp_ms)))
+        hit_blocks, lower_tiers = serve_request(caches[node][0], blocks, caches[node][2])
+        for drop in drops or ():  # every node's: in a pooled cache a request evicts any node's blocks
+            drop.update(max(1, round(request.timestamp_ms)))
         counter.add(request, hit_blocks, lower_tiers)
         reachable = max([0, *(held[other] - hit_blocks for other in range(spec.nodes) if other != node)])
         block_tokens = request.block_tokens(spec.block_tokens)
@@ -340,8 +366,8 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
         loads.add(node, now, sum(block_tokens[hit_blocks + fetched :]), request.output_length)
         chosen[index] = node
         reasons[decision.reason] += 1
-    evicted = sum(cache.stats.prefix.evicted_blocks for cache, _ in caches)
-    for cache, _ in caches:
+    evicted = sum(cache.stats.prefix.evicted_blocks for cache in distinct)
+    for cache in distinct:
         cache.close()
     return ClusterReplayReport(
         spec=spec, router=router, service=service, local=counter.result(evicted_blocks=evicted),
@@ -360,11 +386,12 @@ def _share_statistics(learners: list[ReusePolicy]) -> None:
 
 
 class _FirstBlockDrops:
-    """When one node's cache dropped each first block (no parent) from its last tier, in ms
-    of the trace clock: what its publisher writes as dropped entries, folded from the cache's
-    block events."""
+    """When one node's cache dropped each first block (no parent) of ``namespace`` from its
+    last tier, in ms of the trace clock: what its publisher writes as dropped entries, folded
+    from the cache's block events."""
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, namespace: Namespace = REPLAY_NAMESPACE):
+        self._namespace = namespace.digest()
         self._subscription = cache.subscribe()
         self._tiers: dict[bytes, set[str]] = {}  # first blocks held: key -> tiers
         self.dropped_ms: dict[bytes, int] = {}
@@ -372,7 +399,8 @@ class _FirstBlockDrops:
     def update(self, now_ms: int) -> None:
         for batch in self._subscription.poll():
             for event in batch:
-                self._fold(event, now_ms)
+                if event.kind == "cleared" or event.namespace == self._namespace:
+                    self._fold(event, now_ms)
 
     def _fold(self, event: BlockEvent, now_ms: int) -> None:
         if event.kind == "cleared":
@@ -430,7 +458,8 @@ def format_cluster_report(trace: str, report: ClusterReplayReport) -> str:
     lines = [
         f"trace {trace}: {local.requests} requests, {local.blocks} blocks, {local.tokens} prompt tokens",
         (f"cluster: {spec.nodes} nodes x {spec.device_blocks} device blocks ({spec.host_blocks} host, "
-         f"{spec.disk_blocks} disk; {write}), policy {spec.policy}"),
+         f"{spec.disk_blocks} disk; {write}), policy {spec.policy}"
+         + (", pooled into one cache (one eviction order; a namespace per node)" if spec.pooled else "")),
         (f"router {router.strategy} (share_slack_abs={router.share_slack_abs:g}, "
          f"share_slack_rel={router.share_slack_rel:g}, long_prefix_slack={router.long_prefix_slack:g}, "
          f"long_prefix_units={router.long_prefix_units:g}, imbalance_abs={router.imbalance_abs:g}, "

@@ -30,7 +30,7 @@ _DEFAULTS, _SERVICE, _FETCH = RouterConfig(), ServiceModel(), FetchModel()
 _SERVICE_OPTIONS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 _FETCH_OPTIONS = ("kv_bytes_per_token", "link_bytes_per_s")
 _CLUSTER_ONLY = ("router", *ROUTER_OPTIONS, *_SERVICE_OPTIONS, *_FETCH_OPTIONS, "no_remote_fetch",
-                 "policy_share_s", "no_policy_sharing")
+                 "policy_share_s", "no_policy_sharing", "pooled")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +50,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                             f"(reuse policy; default: {DEFAULT_POLICY_SHARE_S:g})")  # fmt: skip
     group.add_argument("--no-policy-sharing", action="store_const", const=True,
                        help="each node's eviction policy learns from its own traffic only")
+    group.add_argument("--pooled", action="store_const", const=True,
+                       help="one cache of the cluster's capacity, a namespace per node: the ceiling of cooperative "
+                            "caching (a yardstick, see kvjax.tools.cluster_replay)")  # fmt: skip
     group.add_argument("--kv-bytes-per-token", type=int, metavar="B",
                        help=f"remote fetch: bytes of KV a token (default: {_FETCH.kv_bytes_per_token:,}, an 8B model)")
     group.add_argument("--link-bytes-per-s", type=float, metavar="R",
@@ -73,7 +76,8 @@ def run_cluster_replay(args: argparse.Namespace, requests: Sequence[TraceRequest
         raise ValueError(f"--policy-share-s {args.policy_share_s:g} and --no-policy-sharing contradict each other")
     share = args.policy_share_s if args.policy_share_s is not None else DEFAULT_POLICY_SHARE_S
     spec = ClusterSpec(args.nodes, args.device_blocks, args.host_blocks, args.disk_blocks, args.write_through,
-                       args.policy, args.block_tokens, None if args.no_policy_sharing else share)  # fmt: skip
+                       args.policy, args.block_tokens, None if args.no_policy_sharing else share,
+                       pooled=bool(args.pooled))  # fmt: skip
     fetch = None if args.no_remote_fetch else FetchModel(**_given(args, _FETCH_OPTIONS))
     report = cluster_replay(requests, spec, router=router, service=service, fetch=fetch)
     print(format_cluster_report(args.trace, report), file=out)

@@ -192,16 +192,18 @@ def replay_report(
     )
 
 
-def matched_blocks(cache: KVCache, blocks: list[int]) -> int:
-    """How many leading blocks of a request (its interned block ids) ``cache`` holds, any
-    tier, without changing anything: what a node would tell the cluster's directory."""
-    return cache.match(blocks, REPLAY_NAMESPACE).num_hit_blocks
+def matched_blocks(cache: KVCache, blocks: list[int], namespace: Namespace = REPLAY_NAMESPACE) -> int:
+    """How many leading blocks of a request (its interned block ids) ``cache`` holds in
+    ``namespace``, any tier, without changing anything: what a node would tell the cluster's
+    directory."""
+    return cache.match(blocks, namespace).num_hit_blocks
 
 
-def serve_request(cache: KVCache, blocks: list[int]) -> tuple[int, list[Tier]]:
+def serve_request(cache: KVCache, blocks: list[int],
+                  namespace: Namespace = REPLAY_NAMESPACE) -> tuple[int, list[Tier]]:  # fmt: skip
     """Admit, commit and release one request (its interned block ids, at most the device
-    capacity); (hit blocks, the tier of each lower-tier hit)."""
-    handle = cache.admit([*blocks, _SENTINEL], REPLAY_NAMESPACE)
+    capacity) in ``namespace``; (hit blocks, the tier of each lower-tier hit)."""
+    handle = cache.admit([*blocks, _SENTINEL], namespace)
     if handle is None:  # nothing else is running, so the pool (device_blocks + 1) must fit it
         raise RuntimeError(f"admission of {len(blocks)} blocks failed in a sequential replay")
     cache.wait_ready(handle)
