@@ -49,7 +49,7 @@ Nodes share what their reuse policies learned every ``--policy-share-s`` seconds
 heartbeat; ``kvjax.cache.policies``, "Sharing what a cluster learned"); ``--no-policy-sharing``
 lets each learn from its own traffic alone.
 
-Measured here (``PYTHONPATH=. .venv/bin/python benchmarks/bench_cluster_replay.py``, 15 s;
+Measured here (``PYTHONPATH=. .venv/bin/python benchmarks/bench_cluster_replay.py``, 41 s with the pooled rows;
 router defaults: share slack 0.10, 1.5x that for long prefixes, guard 16 units / 50%, a
 request nobody holds returns to the node that dropped its first block last), ``prefix`` rows
 on the shared trace with the default eviction policy (reuse), statistics shared every 2 s:
