@@ -307,6 +307,24 @@ def test_prefetch_restores_disk_pages_to_host_when_the_device_is_full():
         cache.check_invariants()
 
 
+def test_a_prefetch_whose_fetch_ends_before_it_returns_releases_its_hold_once():
+    # without moving bytes (the trace replay's mode) a fetch ends inside start_fetch: the
+    # commit that follows releases the prefetch's hold, which prefetch itself must not release
+    # again (that raised, and left the host copies held for good)
+    tokens = prompt(9)
+    with make(move_bytes=False) as cache:
+        compute(cache, tokens)
+        cache.evict(8)
+        cache.poll()
+        assert cache.match(tokens).tiers.tolist() == [Tier.HOST] * 2
+        cache.prefetch(tokens)
+        cache.poll()
+        cache.check_invariants()
+        assert cache.match(tokens).num_device_blocks == 2
+        assert cache.evict_host(8) == 2  # no transfer holds the host copies any more
+        cache.check_invariants()
+
+
 # --- isolation and bad input ------------------------------------------------------------------
 
 
@@ -363,6 +381,8 @@ def test_bad_requests_raise_and_change_nothing():
             cache.admit(cache.lookup(prompt(4), "a"), "b")
         with pytest.raises(ValueError, match=r"num_blocks=-1 must be >= 0"):
             cache.evict_host(-1)
+        with pytest.raises(ValueError, match=r"num_pages=-1 must be an int >= 0"):
+            cache.pages_in_other_namespaces(prompt(8), "a", -1)
         assert cache.num_sequences == 0 and cache.allocator.num_free == 8
         cache.check_invariants()
 

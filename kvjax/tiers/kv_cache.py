@@ -324,9 +324,11 @@ class KVCache:
         another namespace (the same tokens, another tenant, model, adapter or salt): a miss
         isolation forced, even for blocks a previous process wrote. ``bool[num_pages]``; the
         ``_OTHER_NAMESPACES_CHECKED`` namespaces holding most blocks are checked."""
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+            raise ValueError(f"num_pages={num_pages!r} must be an int >= 0")
         held = np.zeros(num_pages, bool)
         disk = self.disk_tier
-        if disk is None or num_pages <= 0:
+        if disk is None or num_pages == 0:
             return held
         own = as_namespace(namespace).digest()
         prefix = np.asarray(tokens)[: num_pages * self.page_size]
@@ -475,15 +477,18 @@ class KVCache:
             self._mover.restore_only([key for key, disk in zip(pages, on_disk) if disk], ns.digest())
             return
         held = self._mover.hold(pages)
-        prefix = buf[: (first + len(pages)) * page_bytes]
-        admission = self.index.begin_admission(ns, prefix, plan.matched, self.clock())
-        if admission is not None:  # it allocates len(pages) <= num_free blocks: no eviction
-            hold = self.index.complete_admission(admission, count=False)
-            waiter = Waiter(hold, first, on_disk[: len(pages)], prefetch=True)
-            self._mover.start_fetch(waiter, pages, ns.digest(), Priority.PREFETCH)
-            if self.is_ready(hold):  # nothing to wait for after all
-                self.index.release(hold)
-        self._mover.unhold(held)
+        try:
+            prefix = buf[: (first + len(pages)) * page_bytes]
+            admission = self.index.begin_admission(ns, prefix, plan.matched, self.clock())
+            if admission is not None:  # it allocates len(pages) <= num_free blocks: no eviction
+                hold = self.index.complete_admission(admission, count=False)
+                waiter = Waiter(hold, first, on_disk[: len(pages)], prefetch=True)
+                self._mover.start_fetch(waiter, pages, ns.digest(), Priority.PREFETCH)
+                if not waiter.outstanding:  # no job took it (no host room): nothing will release it
+                    self.index.release(hold)
+                # else the fetch's commit releases it (``_commit_fetched``), however soon it ends
+        finally:
+            self._mover.unhold(held)
 
     # --- pages between nodes ----------------------------------------------------------------
 
