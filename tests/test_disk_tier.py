@@ -218,6 +218,17 @@ def test_eviction_removes_the_least_recently_used_unpinned_segment(tmp_path):
     tier.check_invariants()
 
 
+def test_a_put_larger_than_the_tier_returns_only_the_keys_it_still_holds(tmp_path):
+    tier = make_tier(tmp_path, blocks_per_segment=2, use_ocdbt=False)
+    tier.put(keys(2, start=10), random_blocks(2), NS)
+    segment_size = tier.bytes_used
+    tier.close()
+    tier = make_tier(tmp_path, capacity=int(1.5 * segment_size), blocks_per_segment=2, use_ocdbt=False)
+    stored = tier.put(keys(4), random_blocks(4), NS)  # the second segment evicts the first
+    assert stored == keys(2, start=2) == [k for k in keys(4) if tier.contains(k, NS)]
+    tier.check_invariants()
+
+
 def test_a_batch_that_cannot_fit_is_rejected(tmp_path):
     tier = make_tier(tmp_path, capacity=block_bytes())
     assert tier.put(keys(2), random_blocks(2), NS) == []

@@ -227,7 +227,8 @@ class DiskTier:
 
     def put(self, keys: Sequence[bytes], blocks, namespaces: bytes | Sequence[bytes],
             parents: Sequence[bytes | None] | None = None) -> list[bytes]:
-        """Writes blocks `[n, *block_shape]` in committed segments; returns the keys stored.
+        """Writes blocks `[n, *block_shape]` in committed segments; returns the keys it holds
+        when it returns (a put larger than the tier evicts its own first segments for its last).
 
         namespaces: one namespace digest for all blocks, or one per block; parents: each
         block's parent key, kept in the manifest (None: unknown). Blocks already on disk are
@@ -263,11 +264,12 @@ class DiskTier:
             segment = payload[chunk[0]:chunk[-1] + 1] if contiguous else payload[chunk]
             if self._write(segment, [namespaces[r] for r in chunk], [keys[r] for r in chunk],
                            [parents[r] for r in chunk]):  # fmt: skip
-                stored.extend(keys[r] for r in chunk)
+                stored.extend(chunk)
             else:
                 with self._lock:
                     self._stats.rejected_blocks += len(chunk)
-        return stored
+        with self._lock:  # room for a later chunk may have evicted an earlier one
+            return [keys[r] for r in stored if (namespaces[r], keys[r]) in self._blocks]
 
     def get(self, keys: Sequence[bytes], namespace: bytes) -> DiskRead:
         """Reads blocks of one namespace; checksum-verified, misses where absent or broken.
