@@ -26,7 +26,7 @@ from kvjax.serving.engine_events import FinishEvent, RunSummary, TokenEvent
 from kvjax.serving.miss_attribution import MissAttributor
 from kvjax.serving.model import ModelConfig, load_weights, save_weights
 from kvjax.serving.preset import build_engine_parts, pool_config
-from kvjax.serving.sampling import SamplingBatch, SamplingParams, sample
+from kvjax.serving.sampling import SamplingBatch, SamplingParams, sample, sampling_batch
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.serving.swap_store import SwapStore
 from kvjax.text.canonicalize import CanonicalizeConfig
@@ -52,12 +52,43 @@ def engine():
     (dict(tokens=[1] * 380, max_new_tokens=8), "needs 380 prompt \\+ 8 new tokens; max_model_len=384"),
     (dict(tokens=[1], sampling="greedy"), "must be a kvjax SamplingParams"),
     (dict(prompt=b"bytes"), "prompt must be a str, got bytes"),
+    # refused before the request's token buffer is allocated (that raised MemoryError)
+    (dict(tokens=[1], max_new_tokens=10**12), r"needs 1 prompt \+ 1000000000000 new tokens; max_model_len=384"),
+    (dict(tokens=[1], max_new_tokens=0), r"max_new_tokens=0 must be an int >= 1"),
+    (dict(tokens=[1, -1]), r"token id -1 at index 1 is out of range; expected 0 <= id < 256 \(vocab_size=256\)"),
+    (dict(tokens=[1], stop_token_ids="ab"), r"stop_token_ids=\('a', 'b'\) must be a collection of token ids"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request("r", **kwargs)
     assert not engine.has_unfinished and engine.step() == []
     engine.check_invariants()
+
+
+def test_eviction_to_the_low_watermark_happens_once_when_scheduler_and_engine_both_ask():
+    # the scheduler's evict_to_low_watermark and the engine's spill_ahead read the same target:
+    # the engine evicts only what the scheduler has not, so the pool stops at the low mark
+    pool = pool_config(MODEL, 8, 20)
+    cache = KVCache(KVCacheConfig(pool=pool, host_bytes=64 * pool.bytes_per_block, vocab_size=MODEL.vocab_size))
+    scheduler = SchedulerConfig(max_num_seqs=4, token_budget=64, max_prefill_chunk=32, evict_to_low_watermark=True)
+    low = int(cache.allocator.low_watermark * cache.allocator.num_blocks)
+    with Engine(model(0), cache, scheduler, EngineConfig(token_buckets=BUCKETS, spill_ahead=True)) as engine:
+        rng = np.random.default_rng(0)
+        evicted_below_low = []
+        for i in range(5):
+            engine.add_request(f"r{i}", tokens=rng.integers(0, 256, 40).astype(np.int32), max_new_tokens=1)
+            while engine.has_unfinished:
+                engine.step()
+                used = cache.allocator.num_blocks - cache.allocator.num_free
+                evicted_below_low.append(used < low and cache.stats.prefix.evicted_blocks > 0)
+        assert cache.stats.prefix.evicted_blocks > 0 and not any(evicted_below_low)
+        engine.check_invariants()
+
+
+def test_a_top_k_past_int32_means_the_whole_vocabulary():
+    # the router accepts any top_k >= 0; one past int32 used to fail the whole step
+    batch = sampling_batch([(SamplingParams(temperature=1.0, top_k=2**63), 7, 0)], 2)
+    assert batch.top_k.tolist() == [2**31 - 1, 0]
 
 
 def test_duplicate_request_id_is_refused(engine):
@@ -300,6 +331,8 @@ def test_preset_rejects_unknown_sections_keys(tmp_path):
     (lambda: EngineConfig(canonicalize="yes"), "canonicalize='yes' must be a bool"),
     (lambda: EngineConfig(template_chars=0), "template_chars=0 must be an int >= 1"),
     (lambda: WorkloadSpec(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
+    (lambda: EngineConfig(token_buckets="32"), r"token_buckets='32' must be a sequence of ints"),
+    (lambda: EngineConfig(token_buckets=64), r"token_buckets=64 must be a sequence of ints"),
     (lambda: WorkloadSpec(tenants=()), "tenants must name at least one tenant"),
     (lambda: SwapStore(PagePool(pool_config(MODEL, PAGE, 4)), 0), r"num_slots=0 must be >= 1"),
     (lambda: make_engine(config=EngineConfig(token_buckets=(48,))),

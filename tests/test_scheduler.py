@@ -50,9 +50,11 @@ def test_budget_split_between_decodes_and_chunked_prefill():
     assert chunks(plan.prefills) == [("d0", 0, 3), ("d1", 0, 3), ("d2", 0, 2)]  # budget 8 = 3 + 3 + 2
     scheduler.add(request("long", list(range(10, 20))))
     plan, _ = engine.step()
-    # d2's last prompt token is a one-token step that samples: scheduled like a decode
-    assert chunks(plan.decodes) == [("d0", 3, 1), ("d1", 3, 1), ("d2", 2, 1)]
-    assert chunks(plan.prefills) == [("long", 0, 4)]  # 3 decodes + 4 <= 8: the chunk cap binds
+    # d2's last prompt token is a one-token step that samples: scheduled with the decodes (its
+    # budget is reserved first), counted as the prefill token it is
+    assert chunks(plan.decodes) == [("d0", 3, 1), ("d1", 3, 1)]
+    assert chunks(plan.prefills) == [("d2", 2, 1), ("long", 0, 4)]  # 3 + 4 <= 8: the chunk cap binds
+    assert scheduler.stats.prefill_tokens == 8 + 1 + 4 and scheduler.stats.decode_tokens == 2
     plan, _ = engine.step()
     assert chunks(plan.decodes) == [("d0", 4, 1), ("d1", 4, 1), ("d2", 3, 1)]
     assert chunks(plan.prefills) == [("long", 4, 4)]
@@ -62,6 +64,30 @@ def test_budget_split_between_decodes_and_chunked_prefill():
     scheduler.check_invariants()
 
 
+def test_a_prompts_last_token_alone_is_counted_as_prefill():
+    # chunked at 4, a 5-token prompt's last token runs alone, with the decodes: it is still a
+    # prompt token, so prefill + hit tokens add up to the prompt and decodes to the rest
+    scheduler, engine, _ = make(token_budget=8, max_num_seqs=2, max_prefill_chunk=4)
+    scheduler.add(request("r", [1, 2, 3, 4, 5], max_new_tokens=3))
+    drain(engine)
+    assert scheduler.stats.prefill_tokens == 5 and scheduler.stats.decode_tokens == 2
+
+
+@pytest.mark.parametrize("per_step", [0, 2])
+def test_the_rank_refresh_rotation_forgets_requests_that_left(per_step):
+    # ids of cancelled requests used to stay in the rotation (for good with 0 per step) and to
+    # use up the quota of the waiting ones
+    scheduler, engine, _ = make(max_num_seqs=1, rank_refresh_per_step=per_step)
+    for i in range(40):
+        scheduler.add(request(f"r{i}", [i + 1, 2, 3]))
+        scheduler.cancel(f"r{i}")
+    scheduler.add(request("live", [9, 9, 9]))
+    for _ in range(3):
+        engine.step()
+        scheduler.check_invariants()
+    assert len(scheduler._refresh) <= 1  # the rotation holds waiting requests only (here none left)
+
+
 def test_decodes_always_scheduled_even_when_prefill_wants_the_budget():
     scheduler, engine, _ = make(token_budget=4, max_num_seqs=4, max_prefill_chunk=64)
     for i in range(4):
@@ -69,7 +95,8 @@ def test_decodes_always_scheduled_even_when_prefill_wants_the_budget():
     for _ in range(20):
         running_decodes = {rid for rid, r in scheduler.running.items() if not r.is_prefill}
         plan, _ = engine.step()
-        assert running_decodes <= {seq.request_id for seq in plan.decodes}
+        # (a prompt's last token runs with the decodes, listed as a one-token prefill)
+        assert running_decodes <= {seq.request_id for seq in plan.sequences if seq.num_tokens == 1}
         assert plan.num_tokens <= 4
 
 
@@ -195,10 +222,11 @@ def test_auto_preemption_recomputes_when_host_space_is_short():
 
 def test_prompt_that_can_never_fit_is_rejected_with_sizes():
     scheduler, engine, _ = make(num_blocks=8, page_size=4)
-    assert not scheduler.add(request("huge", [1] * 50))
     rejected = Request("huge", np.ones(50, np.int32), 4)
-    scheduler.add(rejected)
+    assert not scheduler.add(rejected)
     assert rejected.status is RequestStatus.REJECTED
+    with pytest.raises(ValueError, match=r"request_id='huge' was just rejected"):
+        scheduler.add(request("huge", [1] * 8))  # the id is taken until its rejection is reported
     assert rejected.finish_reason == "prompt of 50 tokens needs 13 blocks of 4 tokens; the device pool has 8"
     plan = scheduler.schedule()
     assert plan.rejected == {"huge": rejected.finish_reason}
@@ -322,6 +350,11 @@ def test_evict_target_above_the_high_watermark():
         ({"max_waiting": 0}, "max_waiting=0 must be >= 1"),
         ({"rank_refresh_per_step": -1}, "rank_refresh_per_step=-1 must be >= 0"),
         ({"prefetch_window": -2}, "prefetch_window=-2 must be >= 0"),
+        ({"max_prefill_chunk": 7.5}, r"max_prefill_chunk=7.5 must be an int"),  # TOML floats used to pass
+        ({"max_num_seqs": True}, r"max_num_seqs=True must be an int"),
+        ({"host_swap_blocks": "2"}, r"host_swap_blocks='2' must be an int"),
+        ({"aging_seconds": "1"}, r"aging_seconds='1' must be a number of seconds"),
+        ({"evict_to_low_watermark": 1}, r"evict_to_low_watermark=1 must be a bool"),
     ],
 )
 def test_config_validation_messages(settings, message):

@@ -47,6 +47,7 @@ from kvjax.serving.swap_store import SwapStore
 from kvjax.text.canonicalize import CanonicalizeConfig, template_fingerprint
 from kvjax.text.canonicalize import canonicalize as canonicalize_text
 from kvjax.text.tokenizer import ByteTokenizer, as_tokenizer
+from kvjax.text.tokens import validate_tokens
 from kvjax.tiers.page_pool import PagePool
 
 __all__ = ["Engine"]
@@ -144,12 +145,17 @@ class Engine:
             fingerprint = template_fingerprint(prompt, self.canonicalize, max_chars=self.config.template_chars)
         if accept_lossy is not None and not isinstance(accept_lossy, bool):
             raise ValueError(f"accept_lossy={accept_lossy!r} must be None or a bool")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 1:  # fmt: skip
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        max_new_tokens = int(max_new_tokens)
+        tokens = validate_tokens(tokens, self.cache.vocab_size)  # names a bad id with the vocabulary
+        if len(tokens) + max_new_tokens > self.max_model_len:  # before the request's buffer is allocated
+            raise ValueError(f"request {request_id!r} needs {len(tokens)} prompt + {max_new_tokens} "
+                             f"new tokens; max_model_len={self.max_model_len}")  # fmt: skip
         request = Request(request_id, tokens, max_new_tokens, namespace, arrival_time=self.clock(),
                           stop_token_ids=tuple(stop_token_ids), sampling=sampling,
                           accept_lossy=accept_lossy)  # fmt: skip
-        if request.num_prompt_tokens + max_new_tokens > self.max_model_len:
-            raise ValueError(f"request {request_id!r} needs {request.num_prompt_tokens} prompt + {max_new_tokens} "
-                             f"new tokens; max_model_len={self.max_model_len}")  # fmt: skip
         seed = sampling.seed if sampling.seed is not None else (self.config.seed * 1_000_003 + self._num_added) % 2**32
         record = RequestRecord(request, sampling, seed, request.arrival_time, fingerprint, changes)
         accepted = self.scheduler.add(request)  # validates token ids; raises before anything is kept
@@ -291,8 +297,9 @@ class Engine:
             raise RuntimeError("the scheduler planned swaps but the engine has no swap store")
         for intent in plan.prefetch:
             self.cache.prefetch(intent.token_ids, intent.namespace)
-        if plan.evict_target and self.config.spill_ahead and self.cache.config.tiered:
-            self.cache.evict(plan.evict_target)
+        remaining = plan.evict_target - len(plan.evicted)  # the scheduler may have evicted them already
+        if remaining > 0 and self.config.spill_ahead and self.cache.config.tiered:
+            self.cache.evict(remaining)
 
     def _note_admitted(self, seqs: list[ScheduledSeq], records: list[RequestRecord]) -> None:
         """Record first runs (hits by tier, misses by cause). The scheduler runs a request

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvjax.config.from_mapping import config_from_dict
@@ -40,7 +40,14 @@ class EngineConfig:
                                                or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be None or an int >= 2")
         if self.token_buckets is not None:
-            object.__setattr__(self, "token_buckets", tuple(self.token_buckets))
+            buckets = self.token_buckets
+            if not isinstance(buckets, (str, bytes)) and isinstance(buckets, Iterable):
+                buckets = tuple(buckets)
+            if not isinstance(buckets, tuple) or not all(isinstance(b, int) and not isinstance(b, bool)
+                                                         for b in buckets):  # fmt: skip
+                raise ValueError(f"token_buckets={self.token_buckets!r} must be a sequence of ints (token counts), "
+                                 "or None")  # fmt: skip
+            object.__setattr__(self, "token_buckets", buckets)
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**32)")
         for flag in ("canonicalize", "spill_ahead"):

@@ -90,7 +90,11 @@ class Request:
         if prompt.size == 0:
             raise ValueError(f"request {self.request_id!r} has an empty prompt; expected >= 1 token")
         self.namespace = as_namespace(self.namespace)
-        self.stop_token_ids = frozenset(int(t) for t in self.stop_token_ids)
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                     for t in stop):  # fmt: skip
+            raise ValueError(f"stop_token_ids={stop!r} must be a collection of token ids (ints)")
+        self.stop_token_ids = frozenset(int(t) for t in stop)
         self.token_buffer = np.zeros(prompt.size + self.max_new_tokens, TOKEN_DTYPE)
         self.token_buffer[: prompt.size] = prompt
         self.prompt_token_ids = self.token_buffer[: prompt.size]  # read-only by convention

@@ -50,6 +50,7 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+_INT32_MAX = 2**31 - 1
 
 
 @jax.tree_util.register_dataclass
@@ -71,7 +72,8 @@ def sampling_batch(rows: list[tuple[SamplingParams, int, int]], max_num_seqs: in
     index = np.zeros(max_num_seqs, np.int32)
     for row, (params, row_seed, row_index) in enumerate(rows):
         if not params.is_greedy:  # greedy rows keep the zero defaults
-            temperature[row], top_k[row] = params.temperature, params.top_k
+            # a top_k past the vocabulary means all of it; int32 holds any vocabulary size
+            temperature[row], top_k[row] = params.temperature, min(params.top_k, _INT32_MAX)
             seed[row], index[row] = row_seed, row_index
     return SamplingBatch(temperature, top_k, seed, index)
 

@@ -94,6 +94,9 @@ class Scheduler:
         """
         if request.request_id in self._requests:
             raise ValueError(f"request_id={request.request_id!r} is already queued or running")
+        if request.request_id in self._rejected:
+            raise ValueError(f"request_id={request.request_id!r} was just rejected; its rejection is reported with "
+                             "the next schedule(), reuse the id after that")  # fmt: skip
         if request.status is not _WAITING or request.num_output_tokens:
             raise ValueError(f"request {request.request_id!r} is {request.status.value}; expected a new request")
         validate_tokens(request.prompt_token_ids, self.cache.vocab_size)
@@ -164,7 +167,7 @@ class Scheduler:
         if self._fetching:
             self._land_fetches()
         self._schedule_decodes(plan)
-        budget = self._schedule_prefills(plan, self.config.token_budget - len(plan.decodes))
+        budget = self._schedule_prefills(plan, self.config.token_budget - plan.num_tokens)  # decodes, last prompt tokens
         self._refresh_ranks()
         if not plan.preempted:  # memory ran short this step: admitting now would only churn
             self._admit(plan, budget)
@@ -233,7 +236,9 @@ class Scheduler:
         self._swap.check_invariants([request.swap_slots for request in self._waiting])
         waiting_ids = {request.request_id for request in self._waiting}
         self._prefetch.check_invariants(waiting_ids)
-        if len(self._refresh) != len(self._in_refresh) or not waiting_ids <= self._in_refresh:
+        rotating = waiting_ids if self.config.rank_refresh_per_step else set()  # 0: no rotation at all
+        if len(self._refresh) != len(self._in_refresh) or not rotating <= self._in_refresh or \
+                (not self.config.rank_refresh_per_step and self._refresh):  # fmt: skip
             raise RuntimeError("the rank refresh rotation lost a waiting request or holds one twice")
         _check_scheduler(self, self._requests, self._prefilling)
 
@@ -250,7 +255,12 @@ class Scheduler:
                 missing = -(-num_tokens // page_size) * page_size - handle.num_tokens
                 if not extend(handle, missing) and not self._make_room(request, missing, plan):
                     continue
-            append(ScheduledSeq(request_id, num_tokens - 1, 1, request.token_buffer, handle.block_ids, True))
+            seq = ScheduledSeq(request_id, num_tokens - 1, 1, request.token_buffer, handle.block_ids, True)
+            if num_tokens > request.num_prompt_tokens:
+                append(seq)
+            else:  # the prompt's last token, alone after a chunk or a hit: a one-token prefill
+                plan.prefills.append(seq)
+                self.stats.prefill_tokens += 1
         self.stats.decode_tokens += len(decodes)
 
     def _make_room(self, request: Request, missing: int, plan: StepPlan) -> bool:
@@ -302,7 +312,7 @@ class Scheduler:
         count = min(num_tokens - start, self.config.max_prefill_chunk, budget)
         seq = ScheduledSeq(request.request_id, start, count, request.token_buffer, request.handle.block_ids,
                            start + count == num_tokens)  # fmt: skip
-        if start + 1 == num_tokens:  # a swapped-in request resuming its decode
+        if start + 1 == num_tokens and start >= request.num_prompt_tokens:  # a swapped-in request resuming its decode
             plan.decodes.append(seq)
             self.stats.decode_tokens += 1
         else:
@@ -435,13 +445,18 @@ class Scheduler:
         self._prefetch.note(request.request_id, lookup)
 
     def _queue_refresh(self, request_id: str) -> None:
-        if request_id not in self._in_refresh:
+        if self.config.rank_refresh_per_step and request_id not in self._in_refresh:
             self._in_refresh.add(request_id)
             self._refresh.append(request_id)
 
     def _refresh_ranks(self) -> None:
-        refresh, waiting = self._refresh, self._waiting
-        for _ in range(min(self.config.rank_refresh_per_step, len(refresh))):
+        """Re-match up to ``rank_refresh_per_step`` waiting requests, in turn. Entries of
+        requests admitted or gone leave the rotation as they come up, without using the quota,
+        so the rotation holds waiting requests only, however fast requests come and go."""
+        refresh, waiting, quota = self._refresh, self._waiting, self.config.rank_refresh_per_step
+        for _ in range(len(refresh)):  # one turn of the rotation at most
+            if not quota:
+                return
             request_id = refresh.popleft()
             request = self._requests.get(request_id)
             if request is None or request_id not in waiting:
@@ -450,6 +465,7 @@ class Scheduler:
             self._note_match(request, self.cache.lookup(request.token_ids, request.namespace),
                              waiting.is_urgent(request_id))  # fmt: skip
             refresh.append(request_id)
+            quota -= 1
 
     def _emit_prefetch(self, plan: StepPlan) -> None:
         if not (self._prefetch and self.config.prefetch_window):

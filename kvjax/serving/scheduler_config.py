@@ -34,6 +34,14 @@ class SchedulerConfig:
     evict_to_low_watermark: bool = False  # evict (drop) cached blocks itself above the high mark
 
     def __post_init__(self):
+        for name in ("max_num_seqs", "token_budget", "max_prefill_chunk", "host_swap_blocks", "max_waiting",
+                     "rank_refresh_per_step", "prefetch_window"):  # fmt: skip
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool), f"{name}={value!r} must be an int")
+        _require(isinstance(self.aging_seconds, (int, float)) and not isinstance(self.aging_seconds, bool),
+                 f"aging_seconds={self.aging_seconds!r} must be a number of seconds")  # fmt: skip
+        _require(isinstance(self.evict_to_low_watermark, bool),
+                 f"evict_to_low_watermark={self.evict_to_low_watermark!r} must be a bool")  # fmt: skip
         _require(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs} must be >= 1")
         _require(self.token_budget >= self.max_num_seqs,
                  f"token_budget={self.token_budget} must be >= max_num_seqs={self.max_num_seqs} "
