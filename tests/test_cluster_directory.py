@@ -2,7 +2,13 @@
 event batches, lookups, TTLs, namespace isolation, and a lost Redis rebuilt from a node."""
 
 import contextlib
+import json
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -360,3 +366,34 @@ def test_registration_fails_clearly_without_redis(redis_prefix):
     with pytest.raises(RuntimeError, match=r"node 'n1' could not register in the directory within 0.3s: "
                                            r"ConnectionError"):  # fmt: skip
         publisher.start(timeout_s=0.3)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_the_redis_command_stops_its_server_on_sigterm_and_ctrl_c(stop, tmp_path):
+    # SIGTERM used to kill the command before it stopped redis-server (left running), and
+    # SIGINT never reached its wait (the command hung)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = subprocess.Popen([sys.executable, "-m", "kvjax.cluster", "redis", "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        ready = json.loads(command.stdout.readline())
+        assert f":{port}" in ready["ready"]
+        command.send_signal(stop)
+        assert command.wait(timeout=30) == 0
+        assert wait_until(lambda: not _running(ready["pid"]))
+    finally:
+        if command.poll() is None:
+            command.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie is not running
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    return True

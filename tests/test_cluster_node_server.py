@@ -82,12 +82,25 @@ def test_health_models_and_metrics(node_url):
         (b'{"model": "tiny", "prompt": "x", "best_of": 3}', 400, "best_of=3 is not supported"),
         (b'{"model": "tiny", "prompt": [1, 999]}', 400, "token id 999 at index 1 is out of range"),
         (b'{"model": "tiny", "prompt": "x", "max_tokens": 100000}', 400, "max_model_len=2048"),
+        # each of these used to stop the node's engine for good, the request itself unanswered
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 1000000000000}', 400, "max_model_len=2048"),
+        (b'{"model": "tiny", "prompt": [1, 2147483648]}', 400, "token id 2147483648 at index 1 is out of range"),
+        (b'{"model": "tiny", "prompt": [' + b"1, " * 40 + b'4294967296]}', 400, "token id 4294967296 at index 40"),
+        (b"[" * 100_000, 400, "nests JSON too deeply"),
     ],
 )
 def test_bad_requests_get_a_clear_error(node_url, body, status, message):
-    response = httpx.post(f"{node_url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    response = httpx.post(f"{node_url}/v1/completions", content=body, headers={"content-type": "application/json"},
+                          timeout=30)  # fmt: skip
     assert response.status_code == status
     assert message in response.json()["error"]["message"]
+    assert httpx.get(f"{node_url}/health").json()["status"] == "ok"  # and the node serves on
+
+
+def test_a_top_k_past_int32_samples_from_the_whole_vocabulary(client):
+    completion = client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=1.0, seed=3,
+                                           extra_body={"top_k": 2**63})  # fmt: skip
+    assert completion.usage.completion_tokens == 2
 
 
 def test_the_openai_client_sees_a_bad_request_error(client):

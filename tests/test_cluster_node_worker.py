@@ -1,6 +1,9 @@
 """The node's engine thread hands the cache's block event batches and its load to the
 directory publisher: events recorded into a real EventLog reach a real Redis, with the
-engine of the tiny preset (never stepped here, so nothing compiles)."""
+engine of the tiny preset; requests in, answers out (one test steps the engine)."""
+
+import concurrent.futures
+import time
 
 import pytest
 from cluster_fixtures import wait_until
@@ -9,8 +12,11 @@ from kvjax.cache.block_events import EventLog
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import NodeLoad
 from kvjax.cluster.node_worker import EngineWorker, cluster_info_of
+from kvjax.cluster.openai_api import CompletionRequest, RequestError
 from kvjax.cluster.publisher import DirectoryPublisher
+from kvjax.cluster.remote_fetch import FetchOutcome, FetchPlan, PeerHint
 from kvjax.serving.engine import Engine
+from kvjax.serving.engine_events import FinishEvent
 
 TENANT = Namespace("tenant-a")
 
@@ -62,5 +68,75 @@ def test_a_subscription_that_fell_behind_is_replaced_by_the_caches_holdings(engi
         # the engine's cache holds none of these blocks: the directory must not claim any either
         assert wait_until(lambda: publisher.counters["resyncs"] == 2)
         assert directory.lookup(TENANT.digest(), keys)[0].prefix_blocks == 0
+    finally:
+        worker.stop()
+
+
+def test_a_request_the_engine_refuses_is_answered_and_the_engine_serves_on(engine, directory):
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        answers = []
+        worker.submit("r1", CompletionRequest("tiny", None, (1, 2**31)), answers.append)  # past int32
+        assert wait_until(lambda: answers)
+        assert isinstance(answers[0], RequestError) and "token id 2147483648 at index 1" in str(answers[0])
+        assert worker.alive
+    finally:
+        worker.stop()
+
+
+def test_an_engine_that_breaks_answers_the_request_in_hand_and_leaves_the_directory(engine, directory, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(engine, "add_request", broken)
+    publisher = DirectoryPublisher(directory, "n1", "http://n1", cluster_info_of(engine, "tiny"), heartbeat_s=0.1)
+    publisher.start()
+    worker = EngineWorker(engine, publisher, EventLog().subscribe())
+    worker.start()
+    try:
+        assert wait_until(lambda: [view.node_id for view in directory.live_nodes()] == ["n1"])
+        answers = []
+        worker.submit("r1", CompletionRequest("tiny", "hi", None), answers.append)
+        assert wait_until(lambda: answers)  # the request whose command broke the engine is answered
+        assert isinstance(answers[0], RuntimeError) and "the engine failed: broken on purpose" in str(answers[0])
+        assert not worker.alive
+        assert wait_until(lambda: directory.live_nodes() == [])  # routers stop choosing it now, not after its TTL
+    finally:
+        worker.stop()
+
+
+class _FailingFetch:
+    """A remote fetcher whose every fetch ends at once, failed: the worker's bookkeeping of
+    reports without a peer (the real pull is tested with processes in test_cluster_remote)."""
+
+    def plan(self, hint, num_local_blocks, num_tokens):
+        now = time.monotonic()
+        return FetchPlan(hint, num_local_blocks, 1, 0.01, now, now + 0.02)
+
+    def start(self, plan, tokens, namespace):
+        future = concurrent.futures.Future()
+        future.set_result(None)
+        return future
+
+    def finish(self, plan, result):
+        return FetchOutcome(plan, None, "failed", 0.0)
+
+
+def test_remote_fetch_reports_are_kept_only_for_answers_that_carry_them(engine):
+    worker = EngineWorker(engine, remote=_FailingFetch())
+    worker.start()
+    hint = PeerHint("peer", "http://127.0.0.1:9", 8, 0)
+    try:
+        for request_id, stream, usage in (("plain", False, False), ("stream", True, False), ("usage", True, True)):
+            answers = []
+            request = CompletionRequest("tiny", "x" * 40, None, max_tokens=1, stream=stream, include_usage=usage)
+            worker.submit(request_id, request, answers.append, hint)
+            assert wait_until(lambda: any(isinstance(answer, FinishEvent) for answer in answers))
+        # a stream without usage never takes its report: none is kept for it (they piled up)
+        assert worker.take_remote_report("stream") is None
+        assert worker.take_remote_report("plain")["outcome"] == "failed"
+        assert worker.take_remote_report("usage")["outcome"] == "failed"
+        assert worker.take_remote_report("plain") is None  # taken once
     finally:
         worker.stop()

@@ -66,7 +66,8 @@ def test_bad_requests_name_the_field_and_what_was_expected(body, message):
 
 
 @pytest.mark.parametrize("raw, message", [(b"{", "not valid JSON"), (b"[1]", "must be a JSON object, got list"),
-                                          (b"\xff", "not valid JSON")])  # fmt: skip
+                                          (b"\xff", "not valid JSON"),
+                                          (b"[" * 100_000, "nests JSON too deeply")])  # fmt: skip
 def test_a_body_that_is_not_a_json_object_is_refused(raw, message):
     with pytest.raises(RequestError, match=message):
         parse_completion_request(raw)

@@ -9,6 +9,7 @@ never offered to another.
 Tests run in file order on the module's two nodes; the last one kills ``f``.
 """
 
+import json
 import os
 import signal
 import time
@@ -143,6 +144,17 @@ def test_a_tenant_never_gets_another_tenants_blocks(pair):
         assert reply["num_pages"] == pages, (namespace, reply)
         if pages:
             httpx.post(f"{pair.owner.url}/kv/ack", json={"offer_id": reply["offer_id"]}, timeout=10)
+
+
+def test_a_malformed_offer_request_gets_a_400(pair):
+    ask = {"tokens": encode_tokens(list(range(4 * PAGE_SIZE))), "first_page": 0, "num_pages": 4, "codec": "raw",
+           "block_nbytes": 16384, "namespace": None}  # fmt: skip
+    for body, message in ((b"{not json", "Expecting property name"),  # both used to be 500s
+                          (json.dumps({**ask, "wait_s": 1e10}).encode(), "wait_s=10000000000.0 must be a number"),
+                          (json.dumps({**ask, "wait_s": float("nan")}).encode(), "wait_s=nan must be")):  # fmt: skip
+        response = httpx.post(f"{pair.owner.url}/kv/offer", content=body, timeout=10,
+                              headers={"content-type": "application/json"})  # fmt: skip
+        assert response.status_code == 400 and message in response.json()["error"], response.text
 
 
 def test_an_owner_that_stalls_or_dies_costs_a_recompute_within_twice_the_expected_time(pair):

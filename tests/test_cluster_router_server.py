@@ -10,12 +10,13 @@ import httpx
 import openai
 import pytest
 from cluster_fixtures import start_router, wait_until
+from fastapi.testclient import TestClient
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.__main__ import main as cluster_main
 from kvjax.cluster.directory import ClusterInfo, tier_mask
 from kvjax.cluster.openai_api import CompletionRequest, RequestError
-from kvjax.cluster.router_server import RouterService
+from kvjax.cluster.router_server import RouterService, create_router_app
 
 PROMPT = "You are a terse assistant.\nQ: name a prime number.\nA:"
 
@@ -166,6 +167,38 @@ def test_a_node_that_breaks_off_its_answer_is_skipped(cluster):
             assert response.json()["choices"][0]["finish_reason"] == "length"
         finally:
             directory.client.delete(directory.node_key("broken"))
+
+
+def test_a_node_that_stays_silent_gets_the_client_a_504_not_a_retry(cluster):
+    """A node that takes the request and never answers: past the read timeout the client gets
+    a 504 naming it (the router used to wait for good); the request is not sent elsewhere."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        held = []
+        threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
+        directory = cluster.directory()
+        prompt = f"A prompt {uuid.uuid4().hex} whose blocks a silent node seems to hold.\nQ: hi\nA:"
+        directory.register("silent", f"http://127.0.0.1:{listener.getsockname()[1]}", ClusterInfo("tiny", 16))
+        try:
+            pretend_node_holds(directory, "silent", prompt)
+            app = create_router_app(RouterService(directory), read_timeout_s=0.5)
+            with TestClient(app) as client:
+                response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+            assert response.status_code == 504
+            assert response.json()["error"]["message"] == "node silent sent nothing for 0.5 s while answering"
+        finally:
+            directory.client.delete(directory.node_key("silent"))
+            for conn, _ in held:
+                conn.close()
+
+
+def test_a_read_timeout_that_is_not_a_positive_number_is_refused(directory):
+    for bad in (0, -1.0, float("inf"), "5"):
+        with pytest.raises(ValueError, match=r"read_timeout_s=.* must be a positive finite number of seconds"):
+            create_router_app(RouterService(directory), read_timeout_s=bad)
+    with pytest.raises(SystemExit, match=r"router: read_timeout_s=0.0 must be a positive finite number"):
+        cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--read-timeout-s", "0"])
 
 
 def test_health_lists_the_live_nodes_and_metrics_count_decisions(cluster):

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 import uvicorn
 
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     add_router_options(router)
     router.add_argument("--max-attempts", type=int, default=3, metavar="N",
                         help="nodes to try per request (default: %(default)s)")
+    router.add_argument("--read-timeout-s", type=float, default=600.0, metavar="S",
+                        help="longest a node may stay silent while answering (a whole non-streamed answer, or "
+                             "between two stream chunks) before the client gets a 504 (default: %(default)s)")
     router.set_defaults(func=_run_router)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command == "redis" else logging.WARNING,
@@ -95,10 +99,14 @@ def _common(parser: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def _run_redis(args) -> int:
+    stop = threading.Event()
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):  # from before the start: one during it stops too
+        signal.signal(stop_signal, lambda *_: stop.set())
     server = RedisProcess.start(port=args.port)
-    print(json.dumps({"ready": server.url, "pid": server.pid, "binary": server.binary}), flush=True)
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        print(json.dumps({"ready": server.url, "pid": server.pid, "binary": server.binary}), flush=True)
+        while not stop.wait(0.2):
+            pass
     finally:
         server.stop()
     return 0
@@ -153,12 +161,13 @@ def _run_router(args) -> int:
         raise SystemExit("router: --redis URL is required (the directory it routes by)")
     try:
         config = router_config(args, args.strategy)
+        service = RouterService(directory, RoutingPolicy(config), max_attempts=args.max_attempts)
+        app = create_router_app(service, read_timeout_s=args.read_timeout_s)
     except ValueError as error:
         raise SystemExit(f"router: {error}") from None
-    service = RouterService(directory, RoutingPolicy(config), max_attempts=args.max_attempts)
     sock = _listen(args.host, args.port)
     address = f"http://{args.host}:{sock.getsockname()[1]}"
-    _serve(create_router_app(service), sock, {"ready": address, "strategy": args.strategy})
+    _serve(app, sock, {"ready": address, "strategy": args.strategy})
     return 0
 
 

@@ -95,8 +95,8 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
 
         @app.post("/kv/offer")
         async def kv_offer(http_request: Request):
-            body = await http_request.json()
             try:
+                body = await http_request.json()
                 reply = await anyio.to_thread.run_sync(offers.offer, body)
             except PermissionError as error:
                 return JSONResponse({"error": str(error)}, status_code=503)

@@ -46,12 +46,14 @@ from kvjax.cluster.remote_offers import OfferRequest
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_events import FinishEvent, TokenEvent
 from kvjax.serving.sampling import SamplingParams
+from kvjax.text.tokens import validate_tokens
 from kvjax.tiers.kv_cache_remote import ExportedPages
 
 __all__ = ["EngineWorker", "cluster_info_of", "share_learned", "start_worker"]
 
 _LOG = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its queue before looking again
+_MAX_REPORTS = 4096  # remote-fetch reports kept for answers still to take them (oldest dropped)
 
 Sink = Callable[[object], None]  # receives TokenEvent / FinishEvent / an exception
 
@@ -149,6 +151,8 @@ class EngineWorker:
             for sink in self._sinks.values():
                 sink(failure)
             self._sinks.clear()
+            if self.publisher is not None:  # leave the directory now: routers stop choosing this node
+                self.publisher.close()
             while True:  # requests queued meanwhile get the same answer
                 try:
                     command = self._commands.get_nowait()
@@ -156,6 +160,8 @@ class EngineWorker:
                     break
                 if command[0] == "add":
                     command[3](failure)
+                elif command[0] == "export" and command[3].set_running_or_notify_cancel():
+                    command[3].set_exception(failure)
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -177,8 +183,12 @@ class EngineWorker:
             except ValueError as error:
                 sink(RequestError(str(error)))
                 return
+            except Exception as error:
+                sink(RuntimeError(f"the engine failed: {error}"))  # this request is in no list yet
+                raise
             self._sinks[request_id] = sink
         elif command[0] == "cancel":
+            self._remote_reports.pop(command[1], None)
             if self._parked.pop(command[1], None) is not None:  # its fetch ends unused
                 self._sinks.pop(command[1], None)
                 self._prefill_tokens.pop(command[1], None)
@@ -198,8 +208,8 @@ class EngineWorker:
         if request.prompt is not None:
             tokens = engine.prompt_tokens(request.prompt)
         else:
-            tokens = np.asarray(request.prompt_tokens, np.int32)
-        match = engine.cache.match(tokens, namespace)  # validates the ids too
+            tokens = validate_tokens(request.prompt_tokens, None)  # ValueError naming an id beyond int32
+        match = engine.cache.match(tokens, namespace)  # validates the ids against the vocabulary
         plan = None
         if hint is not None and self.remote is not None and request.remote_fetch:
             plan = self.remote.plan(hint, match.num_hit_blocks, len(tokens))
@@ -232,7 +242,10 @@ class EngineWorker:
                 imported = self.engine.cache.import_pages(parked.tokens, parked.request.namespace,
                                                           parked.plan.first_page, outcome.blocks)  # fmt: skip
             page_size = self.engine.pool.config.page_size
-            self._remote_reports[request_id] = _remote_report(outcome, imported * page_size, page_size)
+            if not parked.request.stream or parked.request.include_usage:  # its usage will carry it
+                self._remote_reports[request_id] = _remote_report(outcome, imported * page_size, page_size)
+                while len(self._remote_reports) > _MAX_REPORTS:  # answers that failed never took theirs
+                    del self._remote_reports[next(iter(self._remote_reports))]
             try:
                 self._start(request_id, parked.request)
             except ValueError as error:

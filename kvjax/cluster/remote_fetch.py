@@ -46,6 +46,7 @@ from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cache.cost_model import CostModel
 from kvjax.cluster.directory import Directory
 from kvjax.cluster.remote_offers import OfferReply, OfferRequest
+from kvjax.text.tokens import validate_tokens
 from kvjax.tiers.kv_cache import KVCache
 from kvjax.tiers.remote_transport import PullError, RemoteTransport, verified_blocks
 from kvjax.tiers.transfer import Priority, TransferResult
@@ -195,7 +196,7 @@ class RemoteFetcher:
         if len(tokens) <= self.page_size:
             return None
         ns = Namespace(namespace) if namespace else Namespace()
-        keys = chained_block_keys(np.asarray(tokens, np.int32)[: len(tokens) - 1], self.page_size, ns)
+        keys = chained_block_keys(validate_tokens(tokens, None)[: len(tokens) - 1], self.page_size, ns)
         try:
             views = self.directory.lookup(ns.digest(), keys)
         except Exception:  # noqa: BLE001 - no directory, no fetch: the request recomputes

@@ -43,6 +43,7 @@ __all__ = ["FAULTS", "OfferReply", "OfferRequest", "OfferService", "decode_token
 
 FAULTS = ("none", "hang", "corrupt", "wrong", "slow", "refuse")
 _MAX_PAGES = 1024  # per offer: bounds the memory one ask can pin until it is pulled or reclaimed
+_MAX_WAIT_S = 600.0  # per offer: a fetch worth waiting longer for is not worth fetching
 
 
 def encode_tokens(tokens) -> str:
@@ -84,6 +85,8 @@ class OfferRequest:
             raise ValueError(f"bad offer request: {type(error).__name__}: {error}") from None
         if request.namespace is not None and (not isinstance(request.namespace, str) or not request.namespace):
             raise ValueError(f"namespace={request.namespace!r} must be a tenant name or null")
+        if not 0.0 <= request.wait_s <= _MAX_WAIT_S:  # also NaN; a deadline past any clock's range
+            raise ValueError(f"wait_s={request.wait_s!r} must be a number of seconds in [0, {_MAX_WAIT_S:g}]")
         if request.first_page < 0 or not 0 < request.num_pages <= _MAX_PAGES:
             raise ValueError(f"first_page={request.first_page} must be >= 0 and num_pages={request.num_pages} "
                              f"in [1, {_MAX_PAGES}]")  # fmt: skip

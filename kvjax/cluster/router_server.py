@@ -132,9 +132,18 @@ class RouterService:
             _LOG.warning("could not count a request on node %s: %s", decision.node_id, error)
 
 
-def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0) -> FastAPI:
-    """The router's FastAPI app: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``."""
-    timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=30.0, pool=30.0)
+def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
+                      read_timeout_s: float = 600.0) -> FastAPI:  # fmt: skip
+    """The router's FastAPI app: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+
+    ``read_timeout_s``: the longest a node may stay silent while answering (its whole
+    non-streamed answer, or between two chunks of a stream); past it the client gets a 504 and
+    the request is not sent elsewhere (the node may still be working on it). ValueError for a
+    timeout that is not a positive finite number of seconds."""
+    for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{name}={value!r} must be a positive finite number of seconds")
+    timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=30.0)
     client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000))
 
     @contextlib.asynccontextmanager
@@ -217,6 +226,8 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
     url = f"{decision.node.address}/v1/completions"
     try:
         upstream = await client.send(client.build_request("POST", url, content=raw, headers=headers), stream=True)
+    except httpx.ReadTimeout:
+        raise _silent(decision, client) from None
     except httpx.TransportError as error:
         raise _NodeFailed(type(error).__name__, unreachable=True) from None
     reply_headers = {"x-kvjax-node": decision.node_id,
@@ -227,6 +238,8 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
                                  background=BackgroundTask(upstream.aclose))  # fmt: skip
     try:
         body = await upstream.aread()
+    except httpx.ReadTimeout:
+        raise _silent(decision, client) from None
     except httpx.TransportError as error:
         raise _NodeFailed(f"{type(error).__name__} while answering", unreachable=True) from None
     finally:
@@ -234,6 +247,13 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
     if upstream.status_code == _RETRY_STATUS:
         raise _NodeFailed(body.decode(errors="replace")[:200], unreachable=False)
     return Response(body, status_code=upstream.status_code, headers=reply_headers, media_type=media_type)
+
+
+def _silent(decision: Decision, client: httpx.AsyncClient) -> RequestError:
+    """A node that accepted the request and said nothing for the read timeout: a 504, not a
+    retry (it may still be computing; sending the request again would double the work)."""
+    return RequestError(f"node {decision.node_id} sent nothing for {client.timeout.read:g} s while answering",
+                        status=504, kind="server_error")  # fmt: skip
 
 
 def _directory_down(error: Exception) -> RequestError:
