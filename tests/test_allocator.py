@@ -124,7 +124,7 @@ def test_constructor_validates_arguments():
         BlockAllocator(0)
     with pytest.raises(ValueError, match=r"watermarks must satisfy 0 <= low_watermark=0.95"):
         BlockAllocator(8, high_watermark=0.9, low_watermark=0.95)
-    with pytest.raises(ValueError, match=r"num_blocks=-2 must be >= 0"):
+    with pytest.raises(ValueError, match=r"num_blocks=-2 must be an int >= 0"):
         BlockAllocator(8).allocate(-2)
 
 
@@ -210,3 +210,18 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("count", [1.5, np.float64(2.0), True, -1, "2"])
+def test_a_count_that_is_not_an_int_is_refused_and_changes_nothing(count):
+    allocator = BlockAllocator(8)
+    with pytest.raises(ValueError, match=r"num_blocks=.* must be an int >= 0"):
+        allocator.allocate(count)  # 1.5 used to hand out 2 ids and leave num_free at 6.5
+    assert allocator.num_free == 8
+    allocator.check_invariants()
+
+
+def test_the_low_watermark_target_survives_float_rounding():
+    allocator = BlockAllocator(100, high_watermark=0.3, low_watermark=0.29)  # 0.29 * 100 = 28.999...
+    allocator.allocate(30)
+    assert allocator.blocks_to_low_watermark() == 1

@@ -74,3 +74,11 @@ def test_a_cache_reports_every_tier_with_keys_and_parents():
     cleared = [(e.tier, e.kind) for batch in events.poll() for e in batch]
     assert cleared == [("device", "cleared"), ("host", "cleared")]  # close: the disk keeps its blocks
     assert np.array_equal(sorted(disk.held_blocks()), sorted((digest, k) for k in keys))
+
+
+def test_a_refused_event_leaves_the_index_as_it_was():
+    index = BlockIndex()
+    key = chained_block_keys([1, 2], 2, None)[0]
+    with pytest.raises(ValueError, match="removed .* on device, which holds it: False"):
+        index.apply([BlockEvent(0, Namespace().digest(), key, None, "device", "removed")])
+    assert index == BlockIndex() and len(index) == 0  # no empty entry left behind (they compared unequal)

@@ -156,3 +156,15 @@ def test_keys_equal_the_reference_on_random_inputs(tokens, page_size, tenant, sa
     keys = chained_block_keys(np.asarray(tokens, np.int64), page_size, namespace, parent=parent)
     assert keys == reference_keys(tokens, page_size, namespace, parent)
     assert chained_block_keys(tokens, page_size, namespace, parent=parent) == keys
+
+
+@pytest.mark.parametrize("fields", [{"tenant": 1}, {"model": None}, {"adapter": b"a"}, {"salt": 3.0}])
+def test_namespace_fields_must_be_strings(fields):
+    # Namespace(tenant=1) used to be accepted and fail later, inside a commit, leaving it half done
+    with pytest.raises(ValueError, match=r"Namespace \w+=.* must be a str"):
+        Namespace(**fields)
+
+
+def test_a_token_id_past_int64_is_named_as_given():
+    with pytest.raises(ValueError, match=r"token id 18446744073709551617 at index 1 is out of range"):
+        validate_tokens([1, 2**64 + 1], 256)  # it used to be named as int64 wrapped it

@@ -201,7 +201,7 @@ def test_unknown_policy_lists_valid_names():
         assert f"'{name}'" in str(err.value)
     with pytest.raises(ValueError, match=r"unknown eviction policy 'fifo'"):
         DeviceIndex(8, 2, policy="fifo")
-    with pytest.raises(ValueError, match=r"half_life_s=0 must be > 0 seconds"):
+    with pytest.raises(ValueError, match=r"half_life_s=0 must be a finite number of seconds > 0"):
         make_policy("cost_aware", half_life_s=0)
 
 
@@ -256,3 +256,20 @@ def test_short_write_back_budget_keeps_the_pages_nearest_the_root():
     assert cache.match(prefix + [5, 6, 7, 8]).num_hit_blocks == 2  # the prefix, off device
     assert all(cache.trie.locate(key) is not None for key in eviction.offloaded_keys)
     cache.check_invariants()
+
+
+def test_a_host_copy_set_then_cleared_leaves_cost_aware_ranking_as_before():
+    # clear_tier did not re-rank the leaf set_tier had re-ranked: it kept the priority of a
+    # page with a host copy (cheaper to lose) and went first
+    def victim(touch_tier):
+        cache, clock = make_cache("cost_aware", num_blocks=16, page_size=16)
+        older, newer = [1] * 33, [2] * 33
+        run(cache, clock, older, at=0.0)
+        run(cache, clock, newer, at=10.0)
+        if touch_tier:
+            cache.set_tier(newer, None, 1, Tier.HOST)
+            cache.clear_tier(newer, None, 1, Tier.HOST)
+        cache.evict(1)
+        return "older" if cache.match(older).num_hit_blocks < 2 else "newer"
+
+    assert victim(touch_tier=True) == victim(touch_tier=False) == "older"

@@ -114,12 +114,12 @@ def test_a_late_comeback_leaves_omega_alone():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"ghost_pages": -1}, r"ghost_pages=-1 must be >= 0"),
+        ({"ghost_pages": -1}, r"ghost_pages=-1 must be an int >= 0"),
         ({"initial_omega": 5.0, "max_omega": 4.0}, r"need 0 <= initial_omega=5.0 <= max_omega=4.0"),
         ({"initial_omega": -1.0}, r"need 0 <= initial_omega=-1.0"),
-        ({"step": 0.0}, r"step=0.0 must be > 0"),
-        ({"near_miss": -1.0}, r"near_miss=-1.0 must be > 0"),
-        ({"smoothing": 0.0}, r"smoothing=0.0 must be > 0"),
+        ({"step": 0.0}, r"step=0.0 must be a finite number > 0"),
+        ({"near_miss": -1.0}, r"near_miss=-1.0 must be a finite number > 0"),
+        ({"smoothing": 0.0}, r"smoothing=0.0 must be a finite number > 0"),
         ({"smoothing": 1.5}, r"smoothing=1.5 must be in \(0, 1\]"),
     ],
 )

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
+from test_eviction import Clock
 from test_eviction_adaptive import AdaptiveCacheMachine
 
 from kvjax.cache.cost_model import CostModel
@@ -250,10 +251,10 @@ def test_it_learns_to_keep_a_hot_prefix_through_a_flood_of_one_off_requests():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"history_nodes": 0}, r"history_nodes=0 must be >= 1"),
+        ({"history_nodes": 0}, r"history_nodes=0 must be an int >= 1"),
         ({"horizon_step": 0.0}, r"horizon_step=0.0 must be in \(0, 1\]"),
         ({"horizon_step": 2.0}, r"horizon_step=2.0 must be in \(0, 1\]"),
-        ({"memory": 0}, r"memory=0 must be >= 1 trial"),
+        ({"memory": 0}, r"memory=0 must be an int >= 1 \(trials\)"),
         ({"initial_horizon_s": 0.0}, r"initial_horizon_s=0.0 must be a positive number of seconds"),
         ({"initial_horizon_s": math.inf}, r"initial_horizon_s=inf must be a positive number"),
         ({"trust_trials": -1.0}, r"trust_trials=-1.0 must be a finite number of trials >= 0"),
@@ -381,3 +382,33 @@ def test_trust_is_closed_trials_over_closed_plus_trust_trials_and_never_falls(
         policy._refresh()
         assert policy.offsets() == pytest.approx([trust * offset for offset in policy.learned_offsets()])
         policy.check_invariants()
+
+
+def test_counts_halved_for_ever_keep_every_reuse_rate_defined():
+    # a kind never observed halved to 0 trials after ~1,000 halvings: 0/0 in the middle of a
+    # release, which left the cache broken; its count now stops at a floor
+    clock = Clock()
+    cache = DeviceIndex(64, 2, policy=ReusePolicy(memory=1), clock=clock)
+    for i in range(1500):
+        clock.now += 1.0
+        tokens = [i, 7, 7, 7, 7]  # one-off prompts: one kind only
+        handle = cache.admit(tokens)
+        cache.commit(handle, tokens)
+        cache.release(handle)
+    policy = cache.trie.policy
+    assert all(0.0 <= rate <= 1.0 for rate in policy.reuse_rates())
+    assert all(math.isfinite(offset) for offset in policy.offsets())
+    policy.check_invariants()
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ReusePolicy(memory=float("nan")), r"memory=nan must be an int >= 1"),
+    (lambda: ReusePolicy(history_nodes=float("nan")), r"history_nodes=nan must be an int >= 1"),
+    (lambda: make_policy("cost_aware", half_life_s=float("nan")), r"half_life_s=nan must be a finite number"),
+    (lambda: make_policy("segmented", ghost_pages=float("nan")), r"ghost_pages=nan must be an int >= 0"),
+    (lambda: make_policy("adaptive", initial_omega=math.inf, max_omega=math.inf), r"max_omega=inf < inf"),
+])
+def test_policy_settings_that_are_nan_or_infinite_are_refused(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

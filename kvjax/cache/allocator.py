@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["BLOCK_DTYPE", "BlockAllocator", "fragmentation"]
+__all__ = ["BLOCK_DTYPE", "BlockAllocator", "count_arg", "fragmentation"]
 
 BLOCK_DTYPE = np.dtype(np.intp)
 """Host-side block id arrays use the platform index type: numpy scatters and gathers with it
@@ -68,8 +68,7 @@ class BlockAllocator:
 
     def allocate(self, num_blocks: int) -> np.ndarray | None:
         """Return ``num_blocks`` ids with refcount 1, or None (nothing changed) if fewer are free."""
-        if num_blocks < 0:
-            raise ValueError(f"{num_blocks=} must be >= 0")
+        num_blocks = count_arg(num_blocks, "num_blocks")
         if num_blocks > self.num_free:
             return None
         from_fresh = min(num_blocks, self.num_blocks - self._fresh)
@@ -155,7 +154,7 @@ class BlockAllocator:
 
     def blocks_to_low_watermark(self) -> int:
         """Blocks to evict or spill to bring occupancy down to the low watermark (0 if below)."""
-        target = math.floor(self.low_watermark * self.num_blocks)
+        target = math.floor(self.low_watermark * self.num_blocks + 1e-9)  # 0.29 * 100 is 28.999...96
         return max(0, self.num_blocks - self.num_free - target)
 
     def refcount(self, block: int) -> int:
@@ -288,3 +287,11 @@ def fragmentation(
         raise ValueError(f"sequence {bad} has {lens[bad]} tokens for {slots[bad]} token slots")
     total = int(slots.sum())
     return 0.0 if total == 0 else float(total - lens.sum()) / total
+
+
+def count_arg(value, name: str) -> int:
+    """``value`` as an int >= 0 (numpy integers too); ValueError naming ``name`` for anything
+    else (a float, a bool, a negative count), before the caller changes anything."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0")
+    return int(value)

@@ -69,13 +69,15 @@ class BlockIndex:
                 self._tiers = {block: where for block, where in self._tiers.items() if where}
                 continue
             block = (event.namespace, event.key)
-            where = self._tiers.setdefault(block, set())
-            if (event.kind == "stored") == (event.tier in where):
+            where = self._tiers.get(block, set())
+            if (event.kind == "stored") == (event.tier in where):  # refused before anything changes
                 raise ValueError(f"event {event.seq}: {event.kind} {event.key.hex()[:8]} on {event.tier}, "
                                  f"which holds it: {event.tier in where}")  # fmt: skip
             (where.add if event.kind == "stored" else where.discard)(event.tier)
-            if not where:
-                del self._tiers[block]
+            if where:
+                self._tiers[block] = where
+            else:
+                self._tiers.pop(block, None)
 
     def tiers(self, namespace: bytes, key: bytes) -> frozenset[str]:
         """Tiers holding the block (empty if none)."""

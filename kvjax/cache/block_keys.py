@@ -41,6 +41,11 @@ class Namespace:
     adapter: str = ""
     salt: str = ""
 
+    def __post_init__(self) -> None:
+        for name in ("tenant", "model", "adapter", "salt"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"Namespace {name}={getattr(self, name)!r} must be a str")
+
     def digest(self) -> bytes:
         """16-byte stable digest of all four fields; the seed of every block key chain."""
         return _namespace_digest(self.tenant, self.model, self.adapter, self.salt)

@@ -164,8 +164,8 @@ class CostAwarePolicy(EvictionPolicy):
     name = "cost_aware"
 
     def __init__(self, *, half_life_s: float = 60.0, cost_model: CostModel | None = None):
-        if half_life_s <= 0:
-            raise ValueError(f"{half_life_s=} must be > 0 seconds")
+        if not 0 < half_life_s < math.inf:  # NaN too
+            raise ValueError(f"{half_life_s=} must be a finite number of seconds > 0")
         self.half_life_s = half_life_s
         self.cost_model = cost_model or CostModel()
         self._own_model = cost_model is not None
@@ -192,8 +192,8 @@ class SegmentedPolicy(EvictionPolicy):
     name = "segmented"
 
     def __init__(self, *, ghost_pages: int = 65536):
-        if ghost_pages < 0:
-            raise ValueError(f"{ghost_pages=} must be >= 0")
+        if isinstance(ghost_pages, bool) or not isinstance(ghost_pages, int) or ghost_pages < 0:
+            raise ValueError(f"{ghost_pages=} must be an int >= 0")
         self.ghost_pages = ghost_pages
         self._page_bytes = 4 * 16
         # (page index, page token bytes) -> (last_access s, segment); oldest first
@@ -298,11 +298,11 @@ class AdaptiveSegmentedPolicy(SegmentedPolicy):
         smoothing: float = 0.02,
     ):
         super().__init__(ghost_pages=ghost_pages)
-        if not 0.0 <= initial_omega <= max_omega:
-            raise ValueError(f"need 0 <= {initial_omega=} <= {max_omega=}")
+        if not 0.0 <= initial_omega <= max_omega < math.inf:
+            raise ValueError(f"need 0 <= {initial_omega=} <= {max_omega=} < inf")
         for label, value in (("step", step), ("near_miss", near_miss), ("smoothing", smoothing)):
-            if not value > 0:
-                raise ValueError(f"{label}={value!r} must be > 0")
+            if not 0 < value < math.inf:
+                raise ValueError(f"{label}={value!r} must be a finite number > 0")
         if smoothing > 1:
             raise ValueError(f"{smoothing=} must be in (0, 1]")
         self.omega = initial_omega
@@ -348,6 +348,7 @@ _REFRESH = 256  # trials between recomputations of W (O(kinds) each); sooner at 
 # The prior, as pseudo-trials of each kind: a page used once is rarely used again, one used
 # again often is (segmented LRU's assumption, softened); real trials outweigh it after a few.
 _PRIOR_TRIALS = 4.0
+_MIN_TRIALS = _PRIOR_TRIALS * 2.0**-60  # the floor of a kind's (halved) count: p stays defined
 _PRIOR_FRESH_RATE, _PRIOR_SEEN_RATE = 0.1, 0.9
 _MAX_STATISTIC = 2.0**53  # bound of every shared count and horizon: exact as a float, summed over
 # any number of peers without overflow; no node comes near it (2**53 closed trials: centuries)
@@ -444,12 +445,12 @@ class ReusePolicy(EvictionPolicy):
     def __init__(self, *, history_nodes: int = 65536, horizon_step: float = 0.02,
                  memory: int = 16384, initial_horizon_s: float = 10.0,
                  trust_trials: float = 200.0, offset_scale: float = 1.0):  # fmt: skip
-        if history_nodes < 1:
-            raise ValueError(f"{history_nodes=} must be >= 1")
+        if isinstance(history_nodes, bool) or not isinstance(history_nodes, int) or history_nodes < 1:
+            raise ValueError(f"{history_nodes=} must be an int >= 1")
         if not 0.0 < horizon_step <= 1.0:
             raise ValueError(f"{horizon_step=} must be in (0, 1]")
-        if memory < 1:
-            raise ValueError(f"{memory=} must be >= 1 trial")
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
+            raise ValueError(f"{memory=} must be an int >= 1 (trials)")
         if not 0.0 < initial_horizon_s < math.inf:
             raise ValueError(f"{initial_horizon_s=} must be a positive number of seconds")
         if not 0.0 <= trust_trials < math.inf:
@@ -601,7 +602,9 @@ class ReusePolicy(EvictionPolicy):
         if count % _REFRESH == 0 or (count < _REFRESH and count & (count - 1) == 0):
             self._refresh()  # every _REFRESH trials, and after 1, 2, 4, ... at the start
         if count % self.memory == 0:  # forget: halve every count
-            self._trials = [trials / 2 for trials in self._trials]
+            # a kind never observed would reach 0 trials after ~1,000 halvings (0/0 in p): its
+            # count stops at a floor, with its reuses (halved on) never above it
+            self._trials = [max(trials / 2, _MIN_TRIALS) for trials in self._trials]
             self._reused = [reused / 2 for reused in self._reused]
             self._prior_scale /= 2
         return kind

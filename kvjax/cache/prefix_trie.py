@@ -377,6 +377,8 @@ class PrefixTrie:
             if page:
                 self.split(node, page)
             return self._drop(node)
+        if page == len(node.blocks) - 1 and self.is_evictable_leaf(node):
+            self.queue.push(node, self.clock())  # ranked with the copy it had: rank it again (as set_tier)
         return []
 
     def locate(self, key: bytes) -> tuple[Node, int] | None:

@@ -77,5 +77,14 @@ def _integral_or_raise(array: np.ndarray) -> np.ndarray:
         raise ValueError(f"tokens must be integers, got {array.dtype} values") from None
     bad = np.flatnonzero(~np.isfinite(as_float) | (as_float != np.floor(as_float)))
     if bad.size:
-        raise ValueError(f"token id {array[bad[0]].item()!r} at index {bad[0]} is not an integer")
+        raise ValueError(f"token id {_item(array[bad[0]])!r} at index {bad[0]} is not an integer")
+    huge = np.flatnonzero(np.abs(as_float) >= _INT32_LIMIT)  # named as given, not as int64 would wrap it
+    if huge.size:
+        raise ValueError(f"token id {_item(array[huge[0]])!r} at index {huge[0]} is out of range; expected "
+                         f"0 <= id < {_INT32_LIMIT}")  # fmt: skip
     return as_float.astype(np.int64)
+
+
+def _item(value):
+    """A numpy scalar as its Python value; an object array's element (a Python int, say) as it is."""
+    return value.item() if isinstance(value, np.generic) else value
