@@ -167,7 +167,7 @@ class Scheduler:
         if self._fetching:
             self._land_fetches()
         self._schedule_decodes(plan)
-        budget = self._schedule_prefills(plan, self.config.token_budget - plan.num_tokens)  # decodes, last prompt tokens
+        budget = self._schedule_prefills(plan, self.config.token_budget - plan.num_tokens)  # decodes + last tokens
         self._refresh_ranks()
         if not plan.preempted:  # memory ran short this step: admitting now would only churn
             self._admit(plan, budget)
