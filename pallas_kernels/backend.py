@@ -12,6 +12,7 @@ Every public kernel in :mod:`pallas_kernels` takes ``impl=`` and ``interpret=``:
 from __future__ import annotations
 
 import jax
+from jax.experimental.pallas import tpu as pltpu
 
 __all__ = ["IMPLS", "PALLAS_IMPLS", "resolve_impl", "resolve_interpret"]
 
@@ -31,12 +32,18 @@ def resolve_impl(impl: str | None) -> str:
     return impl
 
 
-def resolve_interpret(impl: str, interpret: bool | None) -> bool:
+def resolve_interpret(impl: str, interpret: bool | pltpu.InterpretParams | None) -> bool | pltpu.InterpretParams:
     """Whether a Pallas implementation must run in interpret mode.
 
     ``None`` means: interpret exactly when the implementation's own accelerator is absent.
-    Asking a Pallas kernel to compile for a backend it cannot target is a caller error.
+    Asking a Pallas kernel to compile for a backend it cannot target is a caller error. A
+    ``pltpu.InterpretParams`` (the TPU simulator's settings, e.g. ``detect_races=True``) is
+    passed on as it is to ``pallas_tpu``; ValueError for another implementation.
     """
+    if isinstance(interpret, pltpu.InterpretParams):
+        if impl != "pallas_tpu":
+            raise ValueError(f"interpret={interpret!r} configures the TPU simulator; {impl=} takes a bool or None")
+        return interpret
     if impl not in PALLAS_IMPLS:
         return False
     native = jax.default_backend() == _NATIVE_BACKEND[impl]

@@ -110,12 +110,13 @@ def _gather_kernel_gpu(ids_ref, pool_ref, out_ref, *, chunk: int):
     row, part = pl.program_id(0), pl.program_id(1)
     block = ids_ref[row]
     cols = pl.ds(pl.multiple_of(part * chunk, chunk), chunk)
+    live = (block >= 0) & (block < pool_ref.shape[0])  # an id past the pool reads as padding, as XLA's
 
-    @pl.when(block >= 0)
+    @pl.when(live)
     def _copy():
         out_ref[row, cols] = pool_ref[block, cols]
 
-    @pl.when(block < 0)
+    @pl.when(jnp.logical_not(live))
     def _zero():
         out_ref[row, cols] = jnp.zeros((chunk,), out_ref.dtype)
 
@@ -126,7 +127,7 @@ def _scatter_kernel_gpu(ids_ref, blocks_ref, pool_in_ref, pool_ref, *, chunk: in
     block = ids_ref[row]
     cols = pl.ds(pl.multiple_of(part * chunk, chunk), chunk)
 
-    @pl.when(block >= 0)
+    @pl.when((block >= 0) & (block < pool_ref.shape[0]))  # never past the pool (XLA's drops it too)
     def _copy():
         pool_ref[block, cols] = blocks_ref[row, cols]
 
@@ -158,9 +159,11 @@ def _gather_kernel_tpu(ids_ref, pool_hbm, zero_hbm, out_hbm, sem, *, blocks_per_
         row = jnp.minimum(first + i, n - 1)  # the last step may run past the end
         block = ids_ref[row]
         live = first + i < n
-        from_pool = pltpu.make_async_copy(pool_hbm.at[jnp.maximum(block, 0)], out_hbm.at[row], sem)
+        in_pool = (block >= 0) & (block < pool_hbm.shape[0])  # past the pool reads as padding, as XLA's
+        from_pool = pltpu.make_async_copy(pool_hbm.at[jnp.clip(block, 0, pool_hbm.shape[0] - 1)], out_hbm.at[row],
+                                          sem)  # fmt: skip
         from_zero = pltpu.make_async_copy(zero_hbm, out_hbm.at[row], sem)
-        return [(live & (block >= 0), from_pool), (live & (block < 0), from_zero)]
+        return [(live & in_pool, from_pool), (live & jnp.logical_not(in_pool), from_zero)]
 
     run_copies(blocks_per_step, copies)
 
@@ -172,8 +175,8 @@ def _scatter_kernel_tpu(ids_ref, blocks_hbm, pool_in_hbm, pool_hbm, sem, *, bloc
     def copies(i):
         row = jnp.minimum(first + i, n - 1)
         block = ids_ref[row]
-        live = (first + i < n) & (block >= 0)
-        return [(live, pltpu.make_async_copy(blocks_hbm.at[row], pool_hbm.at[jnp.maximum(block, 0)],
+        live = (first + i < n) & (block >= 0) & (block < pool_hbm.shape[0])  # never past the pool
+        return [(live, pltpu.make_async_copy(blocks_hbm.at[row], pool_hbm.at[jnp.clip(block, 0, pool_hbm.shape[0] - 1)],
                                              sem))]
 
     run_copies(blocks_per_step, copies)

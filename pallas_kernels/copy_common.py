@@ -90,8 +90,11 @@ def run_copies(count: int, copies_at: Callable[[jax.Array], Sequence[tuple]]) ->
     jax.lax.fori_loop(0, count, wait, 0)
 
 
-def tpu_interpret_mode(interpret: bool):
-    """The ``interpret=`` value for a TPU ``pallas_call``: the TPU simulator, or compiled."""
+def tpu_interpret_mode(interpret: bool | pltpu.InterpretParams):
+    """The ``interpret=`` value for a TPU ``pallas_call``: the TPU simulator (an
+    ``InterpretParams`` given is used as it is), or compiled."""
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
     return pltpu.InterpretParams() if interpret else False
 
 

@@ -146,7 +146,7 @@ def _write_kernel_gpu(
     token, head = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[token]
 
-    @pl.when(slot >= 0)
+    @pl.when((slot >= 0) & (slot < pool_ref.shape[0] * page_size))  # never past the pool (XLA's drops it)
     def _store():
         block, offset = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)
         for start, size in pow2_pieces(head_dim):
@@ -173,9 +173,10 @@ def _write_kernel_tpu(
     def copies(i):
         token = jnp.minimum(first + i, num_tokens - 1)  # the last step may run past the end
         slot = slots_ref[token]
-        live = (first + i < num_tokens) & (slot >= 0)
+        num_slots = pool_hbm.shape[0] * page_size
+        live = (first + i < num_tokens) & (slot >= 0) & (slot < num_slots)  # never past the pool
         # Truncating div/rem of a non-negative slot: floor division would add sign logic.
-        slot = jnp.maximum(slot, 0)
+        slot = jnp.clip(slot, 0, num_slots - 1)
         block, offset = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)
         dst = pool_hbm.at[block, layer, :, :, pl.ds(offset, 1)]  # [2, num_kv_heads, 1, head_dim]
         return [(live, pltpu.make_async_copy(kv_hbm.at[token], dst, sem))]

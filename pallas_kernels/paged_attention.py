@@ -60,5 +60,5 @@ def paged_attention(
     attend = select("paged_attention", impl, interpret)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     return attend(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, layer=int(layer),
-                  sm_scale=scale, sliding_window=sliding_window,
+                  sm_scale=scale, sliding_window=None if sliding_window is None else int(sliding_window),
                   soft_cap=None if soft_cap is None else float(soft_cap), **tuning)

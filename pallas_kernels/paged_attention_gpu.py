@@ -118,6 +118,8 @@ def paged_attention_gpu(
     * ``num_splits``: split-K factor; default fills about 4 programs per SM (1 in interpret).
     * ``num_warps`` / ``num_stages``: Triton launch and software-pipelining depth.
     """
+    if q.shape[0] == 0:  # an empty batch (the plan's bounds need a token)
+        return jnp.zeros(q.shape, q.dtype)
     plan = make_plan(q, kv_pages, block_tables, interpret=interpret, max_q_len=max_q_len,
                  block_q=block_q, pages_per_compute_block=pages_per_compute_block,
                  num_splits=num_splits)

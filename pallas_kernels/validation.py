@@ -11,6 +11,8 @@ Two kinds, as in the rest of kvjax:
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -101,6 +103,9 @@ def check_paged_attention_args(
     _check_int32("seq_lens", seq_lens, 1)
     _check_int32("cu_q_lens", cu_q_lens, 1)
     max_num_seqs = block_tables.shape[0]
+    if max_num_seqs == 0:
+        raise ValueError(f"block_tables.shape={tuple(block_tables.shape)} has no row: the batch needs at least one "
+                         "sequence slot (padding rows have seq_len 0)")  # fmt: skip
     if seq_lens.shape[0] != max_num_seqs:
         raise ValueError(
             f"seq_lens.shape={tuple(seq_lens.shape)} must be ({max_num_seqs},), one per "
@@ -109,15 +114,18 @@ def check_paged_attention_args(
         raise ValueError(
             f"cu_q_lens.shape={tuple(cu_q_lens.shape)} must be ({max_num_seqs + 1},) "
             "(max_num_seqs + 1)")
+    if num_seqs is not None and not hasattr(num_seqs, "dtype"):
+        raise ValueError(f"num_seqs={num_seqs!r} must be an int32[1] array, e.g. jnp.array([n], jnp.int32)")
     if num_seqs is not None and (num_seqs.dtype != jnp.int32 or num_seqs.shape != (1,)):
         raise ValueError(
             f"num_seqs must be int32[1], got dtype={num_seqs.dtype} shape={tuple(num_seqs.shape)}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap={soft_cap!r} must be a positive float or None")
-    if sm_scale is not None and not sm_scale > 0:
-        raise ValueError(f"sm_scale={sm_scale!r} must be a positive float or None")
+    window = sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
+                               or not 1 <= window < 2**31):  # fmt: skip
+        raise ValueError(f"sliding_window={sliding_window!r} must be an int in [1, 2**31) or None")
+    for name, value in (("soft_cap", soft_cap), ("sm_scale", sm_scale)):
+        if value is not None and not 0 < value < math.inf:  # inf gave NaN everywhere (inf * tanh(x / inf))
+            raise ValueError(f"{name}={value!r} must be a finite positive float or None")
 
 
 def check_kv_write_args(kv_pages, k, v, slot_mapping, *, layer) -> None:

@@ -200,3 +200,20 @@ def test_block_id_value_checks(ids, message):
     check_block_ids(np.array([3, 3, -1]), num_blocks=NUM_BLOCKS, distinct=False)  # a gather
     with pytest.raises(ValueError, match=message):
         check_block_ids(np.array(ids), num_blocks=NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_id_past_the_pool_is_padding_on_every_implementation(impl):
+    # the checks (check_block_ids) are the caller's; past them, every implementation does what
+    # XLA's does: a gather reads zeros, a scatter drops the row. The Triton kernels used to
+    # clamp to the last block (a live block overwritten) and the TPU ones to fault.
+    rng = np.random.default_rng(9)
+    pool, _ = pool_and_ids(rng, jnp.float32, SHAPES[0], [])
+    ids = np.array([1, NUM_BLOCKS, NUM_BLOCKS + 5], np.int32)
+    out = np.asarray(gather_blocks(jnp.asarray(pool), jnp.asarray(ids), impl=impl))
+    assert_same_bytes(out[0], pool[1])
+    assert not out[1:].view(np.uint32).any()
+    blocks = rng.standard_normal((3,) + SHAPES[0]).astype(np.float32)
+    written = np.asarray(scatter_blocks(jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(blocks), impl=impl))
+    np.testing.assert_array_equal(written[1], blocks[0])
+    assert_same_bytes(np.delete(written, 1, axis=0), np.delete(pool, 1, axis=0))

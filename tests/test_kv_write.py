@@ -180,3 +180,15 @@ def test_bad_arguments_raise(override, message):
     with pytest.raises(ValueError, match=message):
         write_kv(args["pool"], args["k"], args["v"], args["slots"], layer=args["layer"],
                  impl=args["impl"], interpret=args["interpret"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_slot_past_the_pool_is_dropped_on_every_implementation(impl):
+    # as XLA's scatter drops it; the Triton kernel used to write it into the last block
+    rng = np.random.default_rng(5)
+    pool, k, v, _ = make_write(rng, **SMALL)
+    slots = np.array([2, NUM_BLOCKS * 4, NUM_BLOCKS * 4 + 3, -1] + [-1] * (len(k) - 4), np.int32)
+    out = np.asarray(run(impl, pool, k, v, slots, layer=1))
+    expected = pool.copy()
+    expected[0, 1, 0, :, 2], expected[0, 1, 1, :, 2] = k[0], v[0]
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import (
     check_paged_attention_metadata,
@@ -45,9 +46,9 @@ def _call(case, **overrides):
     (lambda c: dict(seq_lens=c.seq_lens[:2]), r"seq_lens.shape=\(2,\) must be \(3,\)"),
     (lambda c: dict(cu_q_lens=c.cu_q_lens[:3]), r"cu_q_lens.shape=\(3,\) must be \(4,\)"),
     (lambda c: dict(num_seqs=jnp.array(2, jnp.int32)), r"num_seqs must be int32\[1\]"),
-    (lambda c: dict(sliding_window=0), r"sliding_window=0 must be a positive int"),
-    (lambda c: dict(soft_cap=-1.0), r"soft_cap=-1.0 must be a positive float"),
-    (lambda c: dict(sm_scale=0.0), r"sm_scale=0.0 must be a positive float"),
+    (lambda c: dict(sliding_window=0), r"sliding_window=0 must be an int in \[1, 2\*\*31\) or None"),
+    (lambda c: dict(soft_cap=-1.0), r"soft_cap=-1.0 must be a finite positive float"),
+    (lambda c: dict(sm_scale=0.0), r"sm_scale=0.0 must be a finite positive float"),
     (lambda c: dict(impl="cuda"), r"impl='cuda' is not a known implementation"),
 ])
 def test_static_errors(case, override, message):
@@ -133,3 +134,38 @@ def test_slot_mapping_errors():
         check_slot_mapping(np.array([0, 8]), num_blocks=2, page_size=4)
     with pytest.raises(ValueError, match=r"slot 3 is written more than once"):
         check_slot_mapping(np.array([3, 1, 3]), num_blocks=2, page_size=4)
+
+
+@pytest.mark.parametrize("override,message", [
+    (lambda c: dict(soft_cap=float("inf")), r"soft_cap=inf must be a finite positive float"),  # NaN everywhere
+    (lambda c: dict(sm_scale=float("inf")), r"sm_scale=inf must be a finite positive float"),
+    (lambda c: dict(num_seqs=2), r"num_seqs=2 must be an int32\[1\] array"),
+    (lambda c: dict(sliding_window=2**40), r"sliding_window=1099511627776 must be an int in \[1, 2\*\*31\)"),
+    (lambda c: dict(sliding_window=True), r"sliding_window=True must be an int"),
+    (lambda c: dict(block_tables=c.block_tables[:0], seq_lens=c.seq_lens[:0], cu_q_lens=c.cu_q_lens[:1],
+                    num_seqs=jnp.array([0], jnp.int32)), r"block_tables.shape=\(0, \d+\) has no row"),
+])
+def test_static_errors_past_the_ordinary_ones(case, override, message):
+    with pytest.raises(ValueError, match=message):
+        _call(case, **override(case))
+
+
+def test_a_numpy_int_sliding_window_is_an_int(case):
+    np.testing.assert_array_equal(np.asarray(_call(case, sliding_window=np.int32(3))),
+                                  np.asarray(_call(case, sliding_window=3)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_empty_batch_gives_an_empty_result_on_every_implementation(impl):
+    # head_dim 128: what the TPU layout takes; the Triton path used to fail its own bound
+    case = make_case(0, q_lens=[0, 0], kv_lens=[4, 0], pad_tokens=0, head_dim=128)
+    out = _call(case, impl=impl)
+    assert out.shape == case.q.shape == (0, *case.q.shape[1:])
+
+
+def test_tpu_simulator_settings_reach_the_kernel_as_given():
+    params = pltpu.InterpretParams(detect_races=True)
+    assert resolve_interpret("pallas_tpu", params) is params  # it used to become True: the defaults
+    assert select("gather_blocks", "pallas_tpu", params).keywords == {"interpret": params}
+    with pytest.raises(ValueError, match=r"configures the TPU simulator; impl='pallas_gpu' takes a bool or None"):
+        resolve_interpret("pallas_gpu", params)
