@@ -169,6 +169,9 @@ class MemoryDisk:
     def contains(self, key, namespace) -> bool:
         return (namespace, key) in self._blocks
 
+    def take_dropped(self):
+        return None  # no record kept: the caller asks about every block it holds
+
     def held_blocks(self):
         return list(self._blocks)
 

@@ -57,6 +57,7 @@ from kvjax.tiers.write_backoff import WriteBackoff
 __all__ = ["DirectoryInUseError", "DiskRead", "DiskTier", "DiskTierStats"]
 
 _log = logging.getLogger(__name__)
+_MAX_DROPPED = 1 << 16  # dropped blocks remembered for take_dropped; past it, a rescan
 
 
 @dataclasses.dataclass(slots=True)
@@ -164,6 +165,8 @@ class DiskTier:
         self._lock = threading.RLock()  # index state
         self._write_lock = threading.Lock()  # one segment write at a time
         self._segments: collections.OrderedDict[str, _Segment] = collections.OrderedDict()
+        self._bytes_used = 0  # of the segments in the index, kept with them (summing them per write was O(segments))
+        self._dropped: list[tuple[bytes, bytes]] | None = []  # (namespace, key) dropped since take_dropped
         self._blocks: dict[tuple[bytes, bytes], tuple[str, int]] = {}
         self._per_namespace: collections.Counter[bytes] = collections.Counter()  # blocks held per digest
         self._locks: dict[tuple[bytes, bytes], list[str]] = {}  # segments pinned per lock
@@ -191,11 +194,19 @@ class DiskTier:
     @property
     def bytes_used(self) -> int:
         with self._lock:
-            return sum(s.manifest.bytes_on_disk for s in self._segments.values())
+            return self._bytes_used
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._blocks)
+
+    def take_dropped(self) -> list[tuple[bytes, bytes]] | None:
+        """The ``(namespace, key)`` of every block dropped since the last call (evicted,
+        discarded, found corrupt), so a caller's index need not ask about all it holds; None
+        when more than ``_MAX_DROPPED`` went since: ask about everything."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+            return dropped
 
     @property
     def index_lock(self) -> threading.RLock:
@@ -367,6 +378,9 @@ class DiskTier:
         with self._lock:
             if self.bytes_used > self.capacity_bytes:
                 raise RuntimeError(f"{self.bytes_used=} exceeds {self.capacity_bytes=}")
+            summed = sum(s.manifest.bytes_on_disk for s in self._segments.values())
+            if summed != self._bytes_used:
+                raise RuntimeError(f"bytes_used={self._bytes_used} but the indexed segments hold {summed}")
             live = {(name, row) for name, s in self._segments.items() for row in s.live_rows}
             if live != set(self._blocks.values()):
                 raise RuntimeError("segment live rows and the block index disagree")
@@ -509,6 +523,7 @@ class DiskTier:
         live = set()
         parents = manifest.parents or (None,) * len(manifest.keys)
         self._segments[manifest.name] = _Segment(manifest, live)
+        self._bytes_used += manifest.bytes_on_disk
         for row, (ns, key, parent) in enumerate(zip(manifest.namespaces, manifest.keys, parents)):
             old = self._blocks.get((ns, key))
             if old is not None:  # a newer copy replaces the older one: still held, no event
@@ -524,6 +539,10 @@ class DiskTier:
     def _unindex(self, namespace: bytes, key: bytes) -> tuple[str, int] | None:
         """Forget a block (the caller fixes its segment's live rows); None if it was not held."""
         ref = self._blocks.pop((namespace, key), None)
+        if ref is not None and self._dropped is not None:
+            self._dropped.append((namespace, key))
+            if len(self._dropped) > _MAX_DROPPED:
+                self._dropped = None  # nobody asked for a while: the next caller rescans
         if ref is not None:
             self._per_namespace[namespace] -= 1
             if not self._per_namespace[namespace]:
@@ -533,7 +552,9 @@ class DiskTier:
 
     def _evict_until_free(self, nbytes: int) -> bool:
         """Evicts unpinned segments, least recently used first, until `nbytes` more fit."""
-        used = self.bytes_used
+        used = self._bytes_used
+        if used + nbytes <= self.capacity_bytes:  # the common case: no copy of the segment list
+            return True
         for name in list(self._segments):
             if used + nbytes <= self.capacity_bytes:
                 break
@@ -563,6 +584,7 @@ class DiskTier:
 
     def _drop_segment(self, name: str) -> None:
         segment = self._segments.pop(name)
+        self._bytes_used -= segment.manifest.bytes_on_disk
         for row in segment.live_rows:
             self._unindex(segment.manifest.namespaces[row], segment.manifest.keys[row])
         if self.directory is not None and not self.read_only:

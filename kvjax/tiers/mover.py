@@ -478,7 +478,8 @@ class TierMover:
         for key in keys:
             entry = index.host_entries.get(key)
             located = None if entry is None or entry.dropped else self.trie.locate(key)
-            if key in done and located is not None:
+            # still there: another spill's room may have taken it since (reported before this add)
+            if key in done and located is not None and index.disk.contains(key, entry.namespace):
                 index.add_disk(key, entry.namespace, *located)
             index.release_host(key)
         self.counts["spilled"] += len(done)

@@ -437,7 +437,10 @@ class TierIndex:
 
     def reconcile_disk(self) -> int:
         """Clear the DISK bit of every page whose block the disk tier dropped; return count."""
-        gone = [(ns, key) for (ns, key) in self.disk_entries if not self.disk.contains(key, ns)]
+        dropped = self.disk.take_dropped()  # what the tier let go since: not every entry, each spill
+        entries = self.disk_entries
+        candidates = entries if dropped is None else [block for block in dropped if block in entries]
+        gone = [(ns, key) for (ns, key) in candidates if not self.disk.contains(key, ns)]
         for ns, key in gone:
             self.forget_disk(key, ns)
         return len(gone)
