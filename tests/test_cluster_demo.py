@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from kvjax.__main__ import main
+from kvjax.cluster.processes import ServiceProcess
 from kvjax.tools.cluster_demo import ClusterDemoResult, format_table, run_workload
 from kvjax.tools.cluster_demo_client import Completion
 from kvjax.tools.workload import WorkloadSpec, build_workload
@@ -58,9 +59,20 @@ def test_a_differing_text_is_named():
         (["--nodes", "0"], "kvjax cluster-demo: error: nodes=0 must be an int >= 1"),
         (["--arrival-ms", "-5"], "error: arrival_ms=-5.0 must be >= 0 (milliseconds between sessions)"),
         (["--router", "fastest"], "error: strategies=['fastest']; expected some of ['prefix', 'least_loaded', "),
+        (["--preset", "nosuch"], "error: preset 'nosuch' is not a shipped preset"),  # before any process starts
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert main(["cluster-demo", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_process_that_exits_before_it_is_ready_says_so_with_its_last_log_line(tmp_path):
+    node = ServiceProcess(["node", "--node-id", "x", "--port", "0", "--preset", "nosuch"], tmp_path / "x.log")
+    with pytest.raises(RuntimeError) as error:
+        node.wait_ready(timeout_s=120)
+    message = str(error.value)
+    assert "--preset nosuch` exited with code 1 before it was ready; its log ends:" in message  # not "within 120s"
+    assert message.strip().splitlines()[-1] == "node: preset 'nosuch' is not a shipped preset; expected one of " \
+        "['tiny'] or the path of a .toml file"  # one line, not a traceback

@@ -313,6 +313,13 @@ def test_preset_rejects_unknown_sections_keys(tmp_path):
     preset.write_text("[model]\nnum_layers = 1\n[cache]\npage_size = 8\nnum_blocks = 8\n[engine]\nturbo = true\n")
     with pytest.raises(ValueError, match=r"unknown engine config keys \['turbo'\]"):
         build_engine_parts(str(preset))
+    preset.write_text("[model]\nnum_layers = 1\n[cache]\nnum_blocks = 8\n")  # a KeyError traceback before
+    with pytest.raises(ValueError, match=r"the \[cache\] section lacks \['page_size'\]; it needs page_size and num_"):
+        build_engine_parts(str(preset))
+    preset.write_text("[model]\nnum_layers = 1\n[cache]\npage_size = 8\nnum_blocks = 8\n"
+                      f"[tiers]\nhost_bytes = 0\ndisk_dir = '{tmp_path}'\n")  # the disk tier was dropped silently
+    with pytest.raises(ValueError, match=r"\[tiers\] disk_dir=.* needs host_bytes > 0"):
+        build_engine_parts(str(preset))
     preset.write_text("[model]\nnum_layers = 1\n")
     with pytest.raises(ValueError, match=r"has no \[cache\] section"):
         build_engine_parts(str(preset), cache_options={"kv_quant": "int8"})

@@ -41,6 +41,10 @@ def test_a_path_reads_that_file_and_weights_resolve_beside_it(tmp_path):
     ("[model]\n[model]\n", r"bad.toml:2:\d+: invalid TOML: "),
     ("[model\n", r"bad.toml:1:\d+: invalid TOML: "),
     ("weights = 3\n[model]\n", r"bad.toml: weights=3 must be the name of a weights file beside the preset"),
+    # a misspelled section or name used to be ignored: no tiers, or random weights, without a word
+    ("[tier]\nhost_bytes = 1\n", r"bad.toml: unknown top-level names \['tier'\]; expected some of \['weights', "),
+    ('weight = "tiny.npz"\n', r"bad.toml: unknown top-level names \['weight'\]"),
+    ("cache = 5\n", r"bad.toml: cache = 5 must be a \[cache\] table"),
 ])
 def test_a_bad_preset_file_names_file_line_and_problem(tmp_path, text, message):
     path = tmp_path / "bad.toml"

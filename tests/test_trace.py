@@ -58,6 +58,7 @@ def test_block_tokens_other_than_512_set_the_expected_id_count():
         (_line(timestamp="0"), r"field 'timestamp'='0' must be a non-negative int or float"),
         (_line(timestamp=-1), r"field 'timestamp'=-1 must be a non-negative"),
         (_line(timestamp=float("nan")), r"field 'timestamp'=nan must be a non-negative"),
+        (_line(timestamp=10**400), r"field 'timestamp'=1000000000000000000000000000000000000\.\.\. must be a non-neg"),
         (_line(input_length=10.0), r"field 'input_length'=10.0 must be a non-negative int"),
         (_line(output_length=True), r"field 'output_length'=True must be a non-negative int"),
         (_line(output_length=-3), r"field 'output_length'=-3 must be a non-negative int"),

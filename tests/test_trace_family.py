@@ -162,7 +162,15 @@ def test_unknown_shape_and_negative_size_raise():
 
 def test_command_line_writes_a_trace_file(tmp_path, capsys):
     path = tmp_path / "rag.jsonl"
-    main(["rag", str(path), "--num-requests", "50", "--seed", "7"])
+    assert main(["rag", str(path), "--num-requests", "50", "--seed", "7"]) == 0
     assert load_trace(path) == generate("rag", num_requests=50, seed=7)
     assert "wrote 50 rag requests" in capsys.readouterr().out
     assert io.StringIO(path.read_text()).readline().startswith('{"timestamp": ')
+
+
+def test_command_line_errors_are_one_line(tmp_path, capsys):
+    # they were tracebacks
+    assert main(["chat", str(tmp_path / "x.jsonl"), "--num-requests", "-1"]) == 2
+    assert capsys.readouterr().err == ("python -m kvjax.tools.trace_family: error: num_requests=-1 must be >= 0\n")
+    assert main(["chat", str(tmp_path / "missing" / "x.jsonl"), "--num-requests", "1"]) == 1
+    assert "error: No such file or directory: " in capsys.readouterr().err

@@ -113,7 +113,10 @@ def _run_redis(args) -> int:
 
 
 def _run_node(args) -> int:
-    engine = Engine.from_preset(args.preset, tiers=not args.no_tiers, weights=args.weights)
+    try:
+        engine = Engine.from_preset(args.preset, tiers=not args.no_tiers, weights=args.weights)
+    except ValueError as error:  # a bad preset or weights path: one line, not a traceback
+        raise SystemExit(f"node: {error}") from None
     engine.warmup()  # compile before registering: a router must not send work to a compiling node
     sock = _listen(args.host, args.port)
     address = args.advertise or f"http://{args.host}:{sock.getsockname()[1]}"

@@ -44,8 +44,10 @@ class ServiceProcess:
                 self.stop()
                 log = self.log_path.read_text(errors="replace")[-3000:]
                 command = f"python -m kvjax.cluster {' '.join(self.args)}"
-                raise RuntimeError(f"`{command}` did not get ready within {timeout_s}s "
-                                   f"(exit code {self.process.returncode}); its log ends:\n{log}")  # fmt: skip
+                exited = self.process.returncode is not None and remaining > 0
+                what = (f"exited with code {self.process.returncode} before it was ready" if exited else
+                        f"did not get ready within {timeout_s}s")  # fmt: skip
+                raise RuntimeError(f"`{command}` {what}; its log ends:\n{log}")
             readable, _, _ = select.select([self.process.stdout], [], [], min(remaining, 0.5))
             if readable:
                 line += os.read(self.process.stdout.fileno(), 4096)

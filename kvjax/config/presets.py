@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_preset", "preset_dir", "preset_names"]
+__all__ = ["PRESET_SECTIONS", "load_preset", "preset_dir", "preset_names"]
 
 _INSTALLED = Path(__file__).resolve().parents[1] / "presets"  # kvjax/presets in a wheel
 _CHECKOUT = Path(__file__).resolve().parents[2] / "configs"  # the source checkout
@@ -34,6 +34,10 @@ def preset_dir() -> Path:
 def preset_names() -> list[str]:
     """Names of the shipped presets, sorted."""
     return sorted(path.stem for path in preset_dir().glob("*.toml"))
+
+
+PRESET_SECTIONS = ("weights", "model", "cache", "tiers", "scheduler", "engine")
+"""The top-level names a preset may have: ``weights`` (a file name) and five tables."""
 
 
 def load_preset(preset: str | os.PathLike) -> dict[str, Any]:
@@ -53,6 +57,12 @@ def load_preset(preset: str | os.PathLike) -> dict[str, Any]:
         sections = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ValueError(_toml_error(path, str(error))) from None
+    unknown = sorted(set(sections) - set(PRESET_SECTIONS))
+    if unknown:  # a misspelled [tier] used to leave the tiers out silently, a 'weight =' the weights
+        raise ValueError(f"{path}: unknown top-level names {unknown}; expected some of {list(PRESET_SECTIONS)}")
+    for name, value in sections.items():
+        if name != "weights" and not isinstance(value, dict):
+            raise ValueError(f"{path}: {name} = {value!r} must be a [{name}] table")
     weights = sections.get("weights")
     if weights is not None:
         if not isinstance(weights, str) or not weights:

@@ -88,6 +88,12 @@ def build_cache_config(model_cfg: ModelConfig, cache_section: dict, tier_section
     if unknown:
         raise ValueError(f"unknown [cache]/[tiers] keys {unknown}; expected some of "
                          f"{list(_CACHE_KEYS)} / {list(_TIER_KEYS)}")  # fmt: skip
+    missing = [key for key in ("page_size", "num_blocks") if key not in cache_section]
+    if missing:
+        raise ValueError(f"the [cache] section lacks {missing}; it needs page_size and num_blocks")
+    if tier_section.get("disk_dir") and not tier_section.get("host_bytes"):  # was dropped without a word
+        raise ValueError(f"[tiers] disk_dir={tier_section['disk_dir']!r} needs host_bytes > 0 (the disk tier "
+                         "sits below the host tier)")  # fmt: skip
     options = {k: v for k, v in cache_section.items() if k not in _POOL_KEYS}
     options.update({k: v for k, v in tier_section.items() if k != "disk_dir"})
     if not options.get("host_bytes"):

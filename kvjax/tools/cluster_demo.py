@@ -43,6 +43,7 @@ import numpy as np
 from kvjax.cluster.processes import ServiceProcess
 from kvjax.cluster.redis_process import RedisProcess
 from kvjax.cluster.router import STRATEGIES
+from kvjax.config.presets import load_preset
 from kvjax.tools.cluster_demo_client import Completion, complete
 from kvjax.tools.workload import Session, WorkloadSpec, build_workload
 
@@ -109,13 +110,16 @@ def run_cluster_demo(nodes: int = 2, *, out=sys.stdout, preset: str = "tiny", ar
     missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
     if missing:
         raise ModuleNotFoundError(f"the cluster demo needs {', '.join(missing)}: pip install 'kvjax[cluster]'")
+    load_preset(preset)  # a bad preset is refused here, not by every node process after their start
     sessions = build_workload(spec or DEMO_WORKLOAD)
     logs = Path(log_dir or tempfile.mkdtemp(prefix="kvjax-cluster-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
     try:
         return _run(nodes, preset, arrival_ms, sessions, logs, out, tuple(dict.fromkeys(strategies)))
-    except RuntimeError as error:  # the first line says which process or request; the logs say why
-        raise RuntimeError(f"{str(error).splitlines()[0]} (logs in {logs})") from error
+    except RuntimeError as error:  # the first line says which process or request, a log's last why
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        why = f": {lines[-1]}" if len(lines) > 1 else ""
+        raise RuntimeError(f"{lines[0] if lines else error}{why} (logs in {logs})") from error
 
 
 def _run(nodes: int, preset: str, arrival_ms: float, sessions: list[Session], logs: Path, out,

@@ -124,9 +124,23 @@ def _field(record: dict, name: str, types: tuple[type, ...], where: str):
         if not isinstance(value, list):
             raise ValueError(f"{where}: field {name!r}={value!r} must be a list")
         return value
-    if not _is_number(value, types) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{where}: field {name!r}={value!r} must be a non-negative {expected}")
+    if not _is_number(value, types) or not _finite(value) or value < 0:
+        raise ValueError(f"{where}: field {name!r}={_short(value)} must be a non-negative {expected} (a finite one, "
+                         "within a float's range)")  # fmt: skip
     return value
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past a float's range (hundreds of digits)
+        return False
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
 
 
 def _is_number(value, types: tuple[type, ...]) -> bool:

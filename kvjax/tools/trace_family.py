@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from kvjax.tools.cli import ArgumentParser, run_command
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = [
@@ -311,13 +312,19 @@ def write_trace(requests: Iterable[TraceRequest], path: str) -> None:
             trace_file.write(json.dumps(record) + "\n")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write a generated Mooncake-format trace.")
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvjax.tools.trace_family SHAPE OUT``; errors are one line (``kvjax.tools.cli``)."""
+    parser = ArgumentParser(prog="python -m kvjax.tools.trace_family",
+                            description="Write a generated Mooncake-format trace.")  # fmt: skip
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("out", help="output path (JSONL)")
     parser.add_argument("--num-requests", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=_write_command)
+    return run_command(parser.parse_args(argv), parser.prog)
+
+
+def _write_command(args: argparse.Namespace) -> None:
     requests = generate(args.shape, num_requests=args.num_requests, seed=args.seed)
     write_trace(requests, args.out)
     print(f"wrote {len(requests)} {args.shape} requests, {sum(len(r.hash_ids) for r in requests)} blocks, to {args.out}")
@@ -370,4 +377,4 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float, low: float
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
