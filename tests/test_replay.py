@@ -239,6 +239,14 @@ def test_report_puts_the_policy_next_to_both_yardsticks():
     assert summary["unlimited_token_hit_rate"] == 0.5
 
 
+def test_the_offline_yardstick_has_every_tiers_room():
+    # at the device's room alone a tiered cache beat its 'bound' (151% of it on the shared trace)
+    summary = replay_report(CYCLE, 1, policy="lru", block_tokens=BLOCK, host_blocks=2).as_dict()
+    assert summary["offline_blocks"] == 3
+    assert summary["offline_block_hit_rate"] == offline_replay(CYCLE, 3, block_tokens=BLOCK).block_hit_rate
+    assert summary["block_hit_rate"] <= summary["offline_block_hit_rate"]
+
+
 def test_cli_json_is_the_last_line(tmp_path, capsys):
     trace = _write(tmp_path, CYCLE)
     status = main(["replay", str(trace), "--device-blocks", "2", "--policy", "lru",

@@ -264,6 +264,7 @@ class ClusterReplayReport:
                                         spec.host_blocks, spec.disk_blocks, spec.write_through).as_dict()  # fmt: skip
         return {
             **single_node_keys,
+            "offline_blocks": offline_blocks(spec),
             "nodes": spec.nodes,
             "policy_share_s": spec.shares_statistics_s,  # None where nothing was shared
             "pooled": spec.pooled,
@@ -429,9 +430,14 @@ def yardsticks(requests: Sequence[TraceRequest], spec: ClusterSpec) -> dict[str,
         "single_cache": replay_trace(requests, total, policy=spec.policy, block_tokens=spec.block_tokens,
                                      host_blocks=spec.nodes * spec.host_blocks,
                                      disk_blocks=spec.nodes * spec.disk_blocks, write_through=spec.write_through),
-        "offline": offline_replay(requests, total, block_tokens=spec.block_tokens),
+        "offline": offline_replay(requests, offline_blocks(spec), block_tokens=spec.block_tokens),
         "unlimited": unlimited_replay(requests, block_tokens=spec.block_tokens),
     }  # fmt: skip
+
+
+def offline_blocks(spec: ClusterSpec) -> int:
+    """The offline yardstick's room: every tier of every node."""
+    return spec.nodes * (spec.device_blocks + spec.host_blocks + spec.disk_blocks)
 
 
 def window_max_mean(chosen: np.ndarray, nodes: int, window: int, quantile: float = 95.0) -> float:

@@ -86,7 +86,7 @@ def run_replay(args: argparse.Namespace, out=None, err=None) -> int:
 
 def format_report(trace: str, report: ReplayReport) -> str:
     """Human-readable table: the policy (per tier when there are lower tiers), the offline
-    policy at the device capacity and unlimited capacity."""
+    policy with every tier's room and unlimited capacity."""
     online = report.online
     write = "write-through" if report.write_through else "write-back"
     lines = [
@@ -110,7 +110,7 @@ def format_report(trace: str, report: ReplayReport) -> str:
     if report.offline.hit_blocks:
         share = online.hit_blocks / report.offline.hit_blocks
         lines.append(f"policy {report.policy} gets {share:.1%} of the offline block hits "
-                     f"(offline at {report.device_blocks} device blocks)")  # fmt: skip
+                     f"(offline with {report.offline_blocks} blocks: every tier's room)")  # fmt: skip
     if report.unlimited.hit_blocks:
         share = online.hit_blocks / report.unlimited.hit_blocks
         lines.append(f"policy {report.policy} gets {share:.1%} of the unlimited-capacity block hits")
