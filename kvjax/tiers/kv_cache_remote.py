@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.block_keys import as_namespace
+from kvjax.cache.block_keys import as_namespace, chained_block_keys
 from kvjax.cache.trie_node import Tier
 from kvjax.text.tokens import token_bytes
 from kvjax.tiers.transfer import bucket_rows, move_batches
@@ -141,19 +141,29 @@ def import_pages(cache, tokens, namespace, first_page: int, blocks: np.ndarray) 
         node, k = matched[-1]
         matched[-1] = (trie.split(node, k), k)
     parent = matched[-1][0] if matched else trie.root(ns, create=True)
+    digest = ns.digest()
+    parent_key = trie.page_keys(parent)[-1] if matched else None
+    keys = chained_block_keys(np.frombuffer(buf[have * page_bytes : (have + count) * page_bytes], "<i4"),
+                              cache.page_size, digest, parent=parent_key)  # fmt: skip
+    # a page whose old host entry gave its slot to a fetch in flight takes no new copy until that
+    # settles (as an offload): stop before it, the trie not yet touched
+    count = next((index for index, key in enumerate(keys) if tiers.is_handed(key)), count)
+    if count <= 0:
+        return 0
     node = trie.insert_offloaded(parent, buf[have * page_bytes : (have + count) * page_bytes],
                                  np.full(count, _HOST, np.uint8), cache.clock())  # fmt: skip
-    digest, fresh = ns.digest(), []
-    for index, key in enumerate(trie.page_keys(node)):
-        if key not in tiers.host_entries:  # else a dropped copy of the same page is adopted as it is
-            fresh.append(index)
-        tiers.add_host(key, digest, node, index, ready=False)
     keys = trie.page_keys(node)
-    rows = np.asarray(fresh, np.intp)
-    cache.host_pool.write(np.asarray([tiers.slot_of(keys[i]) for i in fresh], np.intp),
+    pending = []  # pages whose slot does not hold their bytes yet: new ones, and adopted copies in flight
+    for index, key in enumerate(keys):
+        entry = tiers.host_entries.get(key)
+        if entry is None or not entry.ready:
+            pending.append(index)
+        tiers.add_host(key, digest, node, index, ready=False)
+    rows = np.asarray(pending, np.intp)
+    cache.host_pool.write(np.asarray([tiers.slot_of(keys[i]) for i in pending], np.intp),
                           blocks[have - first_page + rows])  # fmt: skip
-    for key in keys:
-        tiers.host_done(key, True)
+    for index in pending:  # an adopted copy already ready keeps its state (and its bytes)
+        tiers.host_done(keys[index], True)
     return count
 
 
