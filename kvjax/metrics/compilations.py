@@ -10,9 +10,10 @@ none after warm-up; ``CompileCount`` says whether it did::
     ...                                   # serve
     assert count.value == after_warmup    # nothing compiled while serving
 
-Counts come from ``jax.monitoring``: one per backend compilation and one per persistent
-cache hit. They are process-wide: two engines serving at once in one process see each
-other's builds.
+Counts come from ``jax.monitoring``: one per ``backend_compile_duration`` event, which JAX
+records around compiling *or* loading an executable from the persistent cache (counting the
+cache's own hit event as well counted every load twice). They are process-wide: two engines
+serving at once in one process see each other's builds.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import jax
 __all__ = ["CompileCount", "compilations"]
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 _lock = threading.Lock()
 _total = 0
@@ -32,19 +32,10 @@ _registered = False
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
-    if event == _BACKEND_COMPILE:
-        _add()
-
-
-def _on_event(event: str, **kwargs) -> None:
-    if event == _CACHE_HIT:
-        _add()
-
-
-def _add() -> None:
     global _total
-    with _lock:
-        _total += 1
+    if event == _BACKEND_COMPILE:
+        with _lock:
+            _total += 1
 
 
 def compilations() -> int:
@@ -54,7 +45,6 @@ def compilations() -> int:
     with _lock:
         if not _registered:
             jax.monitoring.register_event_duration_secs_listener(_on_duration)
-            jax.monitoring.register_event_listener(_on_event)
             _registered = True
         return _total
 
