@@ -124,8 +124,9 @@ class Bench:
         hit = handle.num_hit_tokens
         expected = 0 if mode == "recompute" else num_tokens - self.page_size
         source = "device" if mode == "recompute" else mode
-        if hit != expected or cache.hit_tokens_by_tier(handle)[source] != expected:
-            raise RuntimeError(f"{mode}: {cache.hit_tokens_by_tier(handle)} hit tokens, expected {expected}")
+        by_tier = cache.admission_report(handle).hit_tokens
+        if hit != expected or by_tier.get(source, 0) != expected:
+            raise RuntimeError(f"{mode}: {by_tier} hit tokens, expected {expected}")
         logits = self._prefill(handle, tokens, hit)
         np.asarray(logits[num_tokens - hit - 1])  # the first token's logits, on the host
         seconds = time.perf_counter() - start

@@ -95,14 +95,15 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="a smaller workload, one short chunking")
-    parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")], default=[24, 1],
-                        help="prefill chunk sizes of the likelihood columns (default: 24,1)")
+    parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")], default=None,
+                        help="prefill chunk sizes of the likelihood columns (default: 24,1; --quick: 24)")
     parser.add_argument("--ll-seqs", type=int, default=8, help="held-out sequences")
     parser.add_argument("--ll-len", type=int, default=256, help="bytes per held-out sequence")
     parser.add_argument("--no-compile-cache", dest="compile_cache", action="store_false")
     args = parser.parse_args()
+    if args.chunks is None:  # --quick keeps chunks given by hand (it used to replace them)
+        args.chunks = [24] if args.quick else [24, 1]
     if args.quick:
-        args.chunks = [24]
         args.ll_seqs, args.ll_len = min(args.ll_seqs, 4), min(args.ll_len, 128)
     return args
 

@@ -54,7 +54,7 @@ def main() -> None:
     print("  batched:   gather on device, then one device_put per gathered array")
     print("  per-block: one device array per block and layer-slice (kvjax's host tier keeps")
     print("             one array per block), all handed to one device_put")
-    print("  page-major/8: batched, in gathers of at most 8 blocks (8 MiB here)")
+    print(f"  page-major/8: batched, in gathers of at most 8 blocks ({8 * block_bytes / 2**20:.2f} MiB here)")
     columns = ("page-major", "page-major/8", "layer-list", "layer-stack", "page-major",
                "layer-list")
     print(f"{'':>4} | {'batched':^71} | {'per-block':^33} |")
@@ -88,7 +88,10 @@ def parse_args():
     parser.add_argument("--n", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--impls", type=lambda s: s.split(","), default=[])
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.num_blocks < 8 or args.num_blocks % 8:  # the decode table: 8 sequences of equal pages
+        parser.error(f"--num-blocks {args.num_blocks}: expected a multiple of 8 (8 decode sequences share the pool)")
+    return args
 
 
 def _offload_page_major(pool, ids, host, chunk=None):

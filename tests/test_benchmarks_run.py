@@ -101,6 +101,18 @@ def test_tiers_bench_moves_without_compiling_while_timed():
         assert re.search(rf"{link}: \d+% / \d+% of .*; paired \d+%\)", out), out
 
 
+def test_fetch_vs_recompute_bench_times_every_source_and_fits_the_cost_model():
+    # it crashed on its first cached run (an API it called was gone) and nothing ran it
+    out = run_bench("benchmarks/bench_fetch_vs_recompute.py", "--lengths", "32,64", "--repeats", "1")
+    assert [row[:2] for row in table_rows(out, "32 ") + table_rows(out, "64 ")] == [["32", "1"], ["64", "3"]], out
+    assert "fitted: CostModel(" in out and "break-even (host):" in out, out
+
+
+def test_pool_layout_bench_refuses_a_pool_its_decode_table_cannot_split():
+    assert "--num-blocks 20: expected a multiple of 8" in run_refused("benchmarks/bench_pool_layout.py",
+                                                                      "--num-blocks", "20")  # fmt: skip
+
+
 def test_policies_bench_splits_a_trace_into_per_node_streams():
     """``--streams 3``: each cell sums three caches' hits; at a capacity that holds every
     stream whole, every policy hits what unlimited capacity does."""

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import kvjax.metrics.registry
+from kvjax.metrics.export import summary_table
 from kvjax.metrics.registry import Metrics
 from kvjax.metrics.specs import METRICS, MISS_CAUSES, SPILL_LINKS, TIERS
 
@@ -379,3 +380,9 @@ def test_an_executable_loaded_from_the_persistent_cache_counts_once(tmp_path):
     runs = [subprocess.run([sys.executable, "-c", _ONE_JIT, str(tmp_path)], capture_output=True, text=True,
                            check=True, timeout=120).stdout.split() for _ in range(2)]  # fmt: skip
     assert runs == [["1"], ["1"]]  # compiled, then loaded
+
+
+def test_a_summary_of_runs_without_values_is_the_header_only():
+    assert summary_table([{}]).splitlines() == ["metric  value", "------  -----"]  # it raised TypeError
+    with pytest.raises(ValueError, match="summary_table needs at least one snapshot"):
+        summary_table([])

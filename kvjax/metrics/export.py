@@ -81,6 +81,8 @@ def summary_table(snapshots: Sequence[Mapping], labels: Sequence[str] | None = N
     latency never observed) is left out.
     """
     count = len(snapshots)
+    if not count:
+        raise ValueError("summary_table needs at least one snapshot")
     labels = tuple(labels) if labels is not None else (
         ("value",) if count == 1 else tuple(f"run {i}" for i in range(1, count + 1))
     )
@@ -90,8 +92,8 @@ def summary_table(snapshots: Sequence[Mapping], labels: Sequence[str] | None = N
     kept = [row for row in range(len(columns[0])) if any(c[row][1] != "-" for c in columns)]
     names = [columns[0][row][0] for row in kept]
     cells = [[column[row][1] for row in kept] for column in columns]
-    name_width = max(len("metric"), *(len(name) for name in names))
-    widths = [max(len(label), *(len(v) for v in column)) for label, column in zip(labels, cells)]
+    name_width = max([len("metric"), *(len(name) for name in names)])  # a list: no row left is fine
+    widths = [max([len(label), *(len(v) for v in column)]) for label, column in zip(labels, cells)]
     lines = [
         "  ".join(["metric".ljust(name_width), *map(str.rjust, labels, widths)]),
         "  ".join(["-" * name_width, *("-" * w for w in widths)]),
