@@ -407,3 +407,20 @@ def test_the_remote_link_runs_pulls_by_priority_under_its_budget_and_its_deadlin
         assert stats == {"jobs": 5, "failed": 2, "bytes": 2006, "queued": 0}
         with pytest.raises(ValueError, match="num_blocks=0 must be an int >= 1"):
             engine.pull_remote(pull("x"), 0, 3, deadline=far)
+
+
+def test_close_fails_an_offload_still_waiting_for_the_reads_it_follows():
+    # an offload submitted with after= (the fetches that read its slots first) was neither
+    # queued nor failed by close: its future stayed pending for good
+    host = HostPool((2, 2, 1, 4, 8), jnp.float32, num_slots=8)
+    engine = TransferEngine(host)
+    read = concurrent.futures.Future()  # a fetch's read, which only the cache's poll resolves
+    offload = engine.offload(jnp.ones((8, 2, 2, 1, 4, 8), jnp.float32), [1], [0], after=[read])
+    engine.close(timeout=5)
+    assert offload.done() and offload.result(0).error == "engine closed"
+    read.set_result(None)  # resolving it later submits nothing
+    assert engine.stats()["device_to_host"]["queued"] == 0
+    closed = TransferEngine(host)
+    closed.close()
+    late = closed.offload(jnp.ones((8, 2, 2, 1, 4, 8), jnp.float32), [1], [0], after=[concurrent.futures.Future()])
+    assert late.done() and late.result(0).error == "engine closed"

@@ -227,6 +227,7 @@ class TransferEngine:
         self._queues: dict[Link, list] = {link: [] for link in Link}
         self._seq = itertools.count()
         self._closed, self._paused = False, paused
+        self._after_jobs: dict[int, _Job] = {}  # id -> job submitted with after= futures not all resolved yet
         self._running = {link: 0 for link in Link}
         self._counters = {link: {"jobs": 0, "failed": 0, "bytes": 0} for link in Link}
         self._runners = {Link.DEVICE_TO_HOST: self._run_offload, Link.HOST_TO_DEVICE: self._run_fetch,
@@ -280,12 +281,21 @@ class TransferEngine:
         """Submit ``job`` once every future of ``after`` is done (on the thread finishing
         the last one; at once if all are)."""
         waiting, lock = [len(after)], threading.Lock()
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._after_jobs[id(job)] = job  # close() fails it if its futures have not resolved by then
+        if closed:
+            return self._reject(job, "engine closed")
 
         def one_done(_) -> None:
             with lock:
                 waiting[0] -= 1
                 last = waiting[0] == 0
             if last:
+                with self._lock:
+                    if self._after_jobs.pop(id(job), None) is None:  # close() failed it already
+                        return
                 self._submit(job)
 
         for future in after:
@@ -394,6 +404,8 @@ class TransferEngine:
                 return
             self._closed = True
             pending = [entry[-1] for queue in self._queues.values() for entry in queue]
+            pending += self._after_jobs.values()  # offloads still waiting for the fetches they follow
+            self._after_jobs.clear()
             for queue in self._queues.values():
                 queue.clear()
             self._notify_all()
