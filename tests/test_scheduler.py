@@ -507,3 +507,8 @@ def test_swap_space_reuses_released_slots_only_after_flush():
         space.check_invariants([[0, 1, 3]])
     with pytest.raises(ValueError, match="num_slots=-1 must be >= 0"):
         SwapSpace(-1)
+
+
+def test_a_requests_stop_token_ids_may_come_as_a_generator():
+    # read once: the check that they are ids consumed a generator and left none
+    assert Request("r", np.array([1, 2], np.int32), 2, stop_token_ids=(t for t in [5, 7])).stop_token_ids == {5, 7}

@@ -91,6 +91,7 @@ class Request:
             raise ValueError(f"request {self.request_id!r} has an empty prompt; expected >= 1 token")
         self.namespace = as_namespace(self.namespace)
         stop = self.stop_token_ids
+        stop = stop if isinstance(stop, (str, bytes)) else tuple(stop)  # read once: a generator is fine
         if isinstance(stop, (str, bytes)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
                                                      for t in stop):  # fmt: skip
             raise ValueError(f"stop_token_ids={stop!r} must be a collection of token ids (ints)")
