@@ -254,7 +254,7 @@ def test_it_learns_to_keep_a_hot_prefix_through_a_flood_of_one_off_requests():
         ({"history_nodes": 0}, r"history_nodes=0 must be an int >= 1"),
         ({"horizon_step": 0.0}, r"horizon_step=0.0 must be in \(0, 1\]"),
         ({"horizon_step": 2.0}, r"horizon_step=2.0 must be in \(0, 1\]"),
-        ({"memory": 0}, r"memory=0 must be an int >= 1 \(trials\)"),
+        ({"memory": 0}, r"memory=0 must be an int >= 1"),
         ({"initial_horizon_s": 0.0}, r"initial_horizon_s=0.0 must be a positive number of seconds"),
         ({"initial_horizon_s": math.inf}, r"initial_horizon_s=inf must be a positive number"),
         ({"trust_trials": -1.0}, r"trust_trials=-1.0 must be a finite number of trials >= 0"),

@@ -29,7 +29,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["BLOCK_DTYPE", "BlockAllocator", "count_arg", "fragmentation"]
+from kvjax.config.checks import int_arg
+
+__all__ = ["BLOCK_DTYPE", "BlockAllocator", "fragmentation"]
 
 BLOCK_DTYPE = np.dtype(np.intp)
 """Host-side block id arrays use the platform index type: numpy scatters and gathers with it
@@ -68,7 +70,7 @@ class BlockAllocator:
 
     def allocate(self, num_blocks: int) -> np.ndarray | None:
         """Return ``num_blocks`` ids with refcount 1, or None (nothing changed) if fewer are free."""
-        num_blocks = count_arg(num_blocks, "num_blocks")
+        num_blocks = int_arg(num_blocks, "num_blocks")
         if num_blocks > self.num_free:
             return None
         from_fresh = min(num_blocks, self.num_blocks - self._fresh)
@@ -288,10 +290,3 @@ def fragmentation(
     total = int(slots.sum())
     return 0.0 if total == 0 else float(total - lens.sum()) / total
 
-
-def count_arg(value, name: str) -> int:
-    """``value`` as an int >= 0 (numpy integers too); ValueError naming ``name`` for anything
-    else (a float, a bool, a negative count), before the caller changes anything."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name}={value!r} must be an int >= 0")
-    return int(value)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvjax.cache.allocator import BLOCK_DTYPE, BlockAllocator, count_arg, fragmentation
+from kvjax.cache.allocator import BLOCK_DTYPE, BlockAllocator, fragmentation
 from kvjax.cache.block_events import EventLog
 from kvjax.cache.block_keys import Namespace, as_namespace
 from kvjax.cache.cost_model import CostModel
@@ -41,6 +41,7 @@ from kvjax.cache.eviction import EvictionPolicy
 from kvjax.cache.policies import make_policy
 from kvjax.cache.prefix_trie import DroppedNode, Node, PrefixTrie, Tier
 from kvjax.cache.records import CacheStats, MatchResult, SeqHandle
+from kvjax.config.checks import int_arg
 from kvjax.text.tokens import TOKEN_DTYPE, token_bytes, validate_tokens
 
 __all__ = ["Admission", "CacheStats", "DeviceIndex", "Eviction", "MatchResult", "SeqHandle", "device_pages", "hit_pages"]
@@ -116,7 +117,7 @@ class DeviceIndex:
     ):
         if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size <= 0:
             raise ValueError(f"{page_size=} must be a positive number of tokens (an int)")
-        count_arg(block_nbytes, "block_nbytes")
+        int_arg(block_nbytes, "block_nbytes")
         if vocab_size is not None and not 0 < vocab_size <= 2**31:
             raise ValueError(f"{vocab_size=} must be in [1, 2**31]")
         self.page_size = page_size
@@ -239,7 +240,7 @@ class DeviceIndex:
         ``evict=False``: only free blocks may serve; False, counting no failure, if too few
         are free (a tiered cache then evicts its own way and calls again)."""
         self._require_alive(handle)
-        num_tokens = handle.num_tokens + count_arg(num_new_tokens, "num_new_tokens")
+        num_tokens = handle.num_tokens + int_arg(num_new_tokens, "num_new_tokens")
         missing = -(-num_tokens // self.page_size) - len(handle.block_ids)
         if missing > 0:
             allocator = self.allocator
@@ -311,8 +312,8 @@ class DeviceIndex:
         copy get a HOST bit and stay indexed off device; ``Eviction.kept`` lists them for the
         caller to copy. Pages with copies that leave the trie go to ``dropped``.
         """
-        num_blocks = count_arg(num_blocks, "num_blocks")
-        keep_without_copy = count_arg(keep_without_copy, "keep_without_copy")
+        num_blocks = int_arg(num_blocks, "num_blocks")
+        keep_without_copy = int_arg(keep_without_copy, "keep_without_copy")
         now = self.clock()
         self.trie.expire_soft_pins(now)
         num_blocks = min(num_blocks, self.trie.num_evictable)

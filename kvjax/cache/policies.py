@@ -113,6 +113,7 @@ from typing import Any
 
 from kvjax.cache.cost_model import CostModel
 from kvjax.cache.eviction import EvictionPolicy
+from kvjax.config.checks import int_arg
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -192,9 +193,7 @@ class SegmentedPolicy(EvictionPolicy):
     name = "segmented"
 
     def __init__(self, *, ghost_pages: int = 65536):
-        if isinstance(ghost_pages, bool) or not isinstance(ghost_pages, int) or ghost_pages < 0:
-            raise ValueError(f"{ghost_pages=} must be an int >= 0")
-        self.ghost_pages = ghost_pages
+        self.ghost_pages = int_arg(ghost_pages, "ghost_pages")
         self._page_bytes = 4 * 16
         # (page index, page token bytes) -> (last_access s, segment); oldest first
         # OrderedDict, not dict: popping the oldest of a dict with many deletions scans them.
@@ -445,12 +444,10 @@ class ReusePolicy(EvictionPolicy):
     def __init__(self, *, history_nodes: int = 65536, horizon_step: float = 0.02,
                  memory: int = 16384, initial_horizon_s: float = 10.0,
                  trust_trials: float = 200.0, offset_scale: float = 1.0):  # fmt: skip
-        if isinstance(history_nodes, bool) or not isinstance(history_nodes, int) or history_nodes < 1:
-            raise ValueError(f"{history_nodes=} must be an int >= 1")
+        history_nodes = int_arg(history_nodes, "history_nodes", 1)
         if not 0.0 < horizon_step <= 1.0:
             raise ValueError(f"{horizon_step=} must be in (0, 1]")
-        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
-            raise ValueError(f"{memory=} must be an int >= 1 (trials)")
+        memory = int_arg(memory, "memory", 1)  # trials
         if not 0.0 < initial_horizon_s < math.inf:
             raise ValueError(f"{initial_horizon_s=} must be a positive number of seconds")
         if not 0.0 <= trust_trials < math.inf:

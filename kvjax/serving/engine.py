@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from flax import nnx
 
+from kvjax.config.checks import int_arg
 from kvjax.metrics.compilations import compilations
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine_config import EngineConfig
@@ -145,10 +146,7 @@ class Engine:
             fingerprint = template_fingerprint(prompt, self.canonicalize, max_chars=self.config.template_chars)
         if accept_lossy is not None and not isinstance(accept_lossy, bool):
             raise ValueError(f"accept_lossy={accept_lossy!r} must be None or a bool")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 1:  # fmt: skip
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-        max_new_tokens = int(max_new_tokens)
+        max_new_tokens = int_arg(max_new_tokens, "max_new_tokens", 1)
         tokens = validate_tokens(tokens, self.cache.vocab_size)  # names a bad id with the vocabulary
         if len(tokens) + max_new_tokens > self.max_model_len:  # before the request's buffer is allocated
             raise ValueError(f"request {request_id!r} needs {len(tokens)} prompt + {max_new_tokens} "

@@ -69,6 +69,7 @@ from kvjax.cache.cost_model import CostModel
 from kvjax.cache.device_index import DeviceIndex, Eviction, NamespaceLike, TokensLike, device_pages, hit_pages
 from kvjax.cache.records import KVCacheStats, MatchResult, SeqHandle
 from kvjax.cache.trie_node import Node, Tier
+from kvjax.config.checks import int_arg
 from kvjax.text.tokens import token_bytes
 from kvjax.tiers.block_codec import make_codec
 from kvjax.tiers.disk_tier import DiskTier
@@ -324,8 +325,7 @@ class KVCache:
         another namespace (the same tokens, another tenant, model, adapter or salt): a miss
         isolation forced, even for blocks a previous process wrote. ``bool[num_pages]``; the
         ``_OTHER_NAMESPACES_CHECKED`` namespaces holding most blocks are checked."""
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
-            raise ValueError(f"num_pages={num_pages!r} must be an int >= 0")
+        num_pages = int_arg(num_pages, "num_pages")
         held = np.zeros(num_pages, bool)
         disk = self.disk_tier
         if disk is None or num_pages == 0:
