@@ -150,9 +150,9 @@ def import_pages(cache, tokens, namespace, first_page: int, blocks: np.ndarray) 
     count = next((index for index, key in enumerate(keys) if tiers.is_handed(key)), count)
     if count <= 0:
         return 0
+    keys = keys[:count]
     node = trie.insert_offloaded(parent, buf[have * page_bytes : (have + count) * page_bytes],
-                                 np.full(count, _HOST, np.uint8), cache.clock())  # fmt: skip
-    keys = trie.page_keys(node)
+                                 np.full(count, _HOST, np.uint8), cache.clock(), keys=keys)  # fmt: skip
     pending = []  # pages whose slot does not hold their bytes yet: new ones, and adopted copies in flight
     for index, key in enumerate(keys):
         entry = tiers.host_entries.get(key)
