@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.copy_common import (
+    in_pool,
     largest_pow2_divisor,
     on_bits,
     run_copies,
@@ -110,7 +111,7 @@ def _gather_kernel_gpu(ids_ref, pool_ref, out_ref, *, chunk: int):
     row, part = pl.program_id(0), pl.program_id(1)
     block = ids_ref[row]
     cols = pl.ds(pl.multiple_of(part * chunk, chunk), chunk)
-    live = (block >= 0) & (block < pool_ref.shape[0])  # an id past the pool reads as padding, as XLA's
+    live = in_pool(block, pool_ref.shape[0])
 
     @pl.when(live)
     def _copy():
@@ -127,7 +128,7 @@ def _scatter_kernel_gpu(ids_ref, blocks_ref, pool_in_ref, pool_ref, *, chunk: in
     block = ids_ref[row]
     cols = pl.ds(pl.multiple_of(part * chunk, chunk), chunk)
 
-    @pl.when((block >= 0) & (block < pool_ref.shape[0]))  # never past the pool (XLA's drops it too)
+    @pl.when(in_pool(block, pool_ref.shape[0]))
     def _copy():
         pool_ref[block, cols] = blocks_ref[row, cols]
 
@@ -159,11 +160,11 @@ def _gather_kernel_tpu(ids_ref, pool_hbm, zero_hbm, out_hbm, sem, *, blocks_per_
         row = jnp.minimum(first + i, n - 1)  # the last step may run past the end
         block = ids_ref[row]
         live = first + i < n
-        in_pool = (block >= 0) & (block < pool_hbm.shape[0])  # past the pool reads as padding, as XLA's
+        held = in_pool(block, pool_hbm.shape[0])
         from_pool = pltpu.make_async_copy(pool_hbm.at[jnp.clip(block, 0, pool_hbm.shape[0] - 1)], out_hbm.at[row],
                                           sem)  # fmt: skip
         from_zero = pltpu.make_async_copy(zero_hbm, out_hbm.at[row], sem)
-        return [(live & in_pool, from_pool), (live & jnp.logical_not(in_pool), from_zero)]
+        return [(live & held, from_pool), (live & jnp.logical_not(held), from_zero)]
 
     run_copies(blocks_per_step, copies)
 
@@ -175,7 +176,7 @@ def _scatter_kernel_tpu(ids_ref, blocks_hbm, pool_in_hbm, pool_hbm, sem, *, bloc
     def copies(i):
         row = jnp.minimum(first + i, n - 1)
         block = ids_ref[row]
-        live = (first + i < n) & (block >= 0) & (block < pool_hbm.shape[0])  # never past the pool
+        live = (first + i < n) & in_pool(block, pool_hbm.shape[0])
         return [(live, pltpu.make_async_copy(blocks_hbm.at[row], pool_hbm.at[jnp.clip(block, 0, pool_hbm.shape[0] - 1)],
                                              sem))]
 

@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["on_bits", "pow2_pieces", "largest_pow2_divisor", "run_copies", "tpu_interpret_mode",
+__all__ = ["in_pool", "on_bits", "pow2_pieces", "largest_pow2_divisor", "run_copies", "tpu_interpret_mode",
            "triton_params"]
 
 # The Triton compiler-params class was renamed across JAX versions (0.11.2 vs 0.12).
@@ -88,6 +88,13 @@ def run_copies(count: int, copies_at: Callable[[jax.Array], Sequence[tuple]]) ->
 
     jax.lax.fori_loop(0, count, start, 0)
     jax.lax.fori_loop(0, count, wait, 0)
+
+
+def in_pool(index, size: int):
+    """Whether a block id (or slot) read from the ids a kernel was given lies in ``[0, size)``:
+    every implementation treats one outside as padding (reads zeros, writes nothing), as XLA's
+    gather and scatter do; the checks that refuse it are the caller's (``check_block_ids``)."""
+    return (index >= 0) & (index < size)
 
 
 def tpu_interpret_mode(interpret: bool | pltpu.InterpretParams):

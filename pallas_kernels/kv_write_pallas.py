@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.copy_common import (
+    in_pool,
     on_bits,
     pow2_pieces,
     run_copies,
@@ -146,7 +147,7 @@ def _write_kernel_gpu(
     token, head = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[token]
 
-    @pl.when((slot >= 0) & (slot < pool_ref.shape[0] * page_size))  # never past the pool (XLA's drops it)
+    @pl.when(in_pool(slot, pool_ref.shape[0] * page_size))
     def _store():
         block, offset = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)
         for start, size in pow2_pieces(head_dim):
@@ -174,7 +175,7 @@ def _write_kernel_tpu(
         token = jnp.minimum(first + i, num_tokens - 1)  # the last step may run past the end
         slot = slots_ref[token]
         num_slots = pool_hbm.shape[0] * page_size
-        live = (first + i < num_tokens) & (slot >= 0) & (slot < num_slots)  # never past the pool
+        live = (first + i < num_tokens) & in_pool(slot, num_slots)
         # Truncating div/rem of a non-negative slot: floor division would add sign logic.
         slot = jnp.clip(slot, 0, num_slots - 1)
         block, offset = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)

@@ -109,8 +109,7 @@ def paged_attention_tpu(
     if pages_per_block is None:
         pages_per_block = max(1, TARGET_COLS // kv_pages.shape[4])
     pages_per_block = max(1, min(pages_per_block, block_tables.shape[1]))
-    if not isinstance(interpret, pltpu.InterpretParams):
-        interpret = tpu_interpret_mode(interpret)
+    interpret = tpu_interpret_mode(interpret)  # an InterpretParams passes as it is
     return _paged_attention_tpu(
         q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, layer=layer,
         sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
