@@ -11,6 +11,8 @@ __all__ = ["int_arg"]
 def int_arg(value, name: str, minimum: int = 0) -> int:
     """``value`` as a Python int >= ``minimum`` (numpy integers too); ValueError naming
     ``name`` for anything else: a float, a bool, a string, a smaller count."""
+    if type(value) is int and value >= minimum:  # the common case first: allocate/extend call it every step
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
     return int(value)

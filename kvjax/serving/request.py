@@ -79,6 +79,7 @@ class Request:
     token_buffer: np.ndarray = dataclasses.field(init=False, repr=False)  # int32 [prompt + max_new]
     _num_tokens: int = dataclasses.field(init=False, repr=False)  # valid tokens in token_buffer
     _max_tokens: int = dataclasses.field(init=False, repr=False)  # prompt + max_new_tokens
+    _num_prompt: int = dataclasses.field(init=False, repr=False)  # prompt tokens (read every step: an int)
     _writer: memoryview = dataclasses.field(init=False, repr=False)  # token_buffer, for fast stores
 
     def __post_init__(self):
@@ -99,13 +100,13 @@ class Request:
         self.token_buffer = np.zeros(prompt.size + self.max_new_tokens, TOKEN_DTYPE)
         self.token_buffer[: prompt.size] = prompt
         self.prompt_token_ids = self.token_buffer[: prompt.size]  # read-only by convention
-        self._num_tokens = prompt.size
+        self._num_tokens = self._num_prompt = prompt.size
         self._max_tokens = prompt.size + self.max_new_tokens
         self._writer = memoryview(self.token_buffer)  # a store through it is ~10x cheaper than numpy's
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
     @property
     def num_tokens(self) -> int:

@@ -256,7 +256,7 @@ class Scheduler:
                 if not extend(handle, missing) and not self._make_room(request, missing, plan):
                     continue
             seq = ScheduledSeq(request_id, num_tokens - 1, 1, request.token_buffer, handle.block_ids, True)
-            if num_tokens > request.num_prompt_tokens:
+            if num_tokens > request._num_prompt:  # noqa: SLF001 - the per-decode read of the prompt length
                 append(seq)
             else:  # the prompt's last token, alone after a chunk or a hit: a one-token prefill
                 plan.prefills.append(seq)
