@@ -57,6 +57,7 @@ class PendingTransfer:
     run: object  # () -> TransferResult
     release: object  # () -> None: undo what the submit pinned
     future: concurrent.futures.Future
+    priority: object = None  # the Priority it was submitted at, or raised to by ``promote``
 
 
 class ManualTransfer:
@@ -77,7 +78,7 @@ class ManualTransfer:
     def offload(self, kv_pages, block_ids, slots, *, priority, after=()):
         if not after:
             result = self.engine.offload(kv_pages, block_ids, slots, priority=priority).result()
-            return self._queue(Link.DEVICE_TO_HOST, lambda: result, lambda: None)
+            return self._queue(Link.DEVICE_TO_HOST, lambda: result, lambda: None, priority)
         # Gathered now; the slots are written at completion if the reads ``after`` finished
         # by then (the test completes those fetches). Completed before them, the copy fails
         # and never writes the slots (as the real engine's copy writes only once they are done).
@@ -90,23 +91,31 @@ class ManualTransfer:
             gate.set_result(None)
             return future.result()
 
-        return self._queue(Link.DEVICE_TO_HOST, run, lambda: None)
+        return self._queue(Link.DEVICE_TO_HOST, run, lambda: None, priority)
 
     def fetch(self, slots, *, priority):
         return self._queue(Link.HOST_TO_DEVICE, lambda: self.engine.fetch(slots, priority=priority).result(),
-                           lambda: None)  # fmt: skip
+                           lambda: None, priority)  # fmt: skip
 
     def spill(self, keys, namespaces, slots, parents=None, *, priority, now=False):
         if now:  # the caller needs the slots at once: not up to the test
             return self.engine.spill(keys, namespaces, slots, parents, priority=priority)
         run = lambda: self.engine.spill(keys, namespaces, slots, parents, priority=priority).result()
-        return self._queue(Link.HOST_TO_DISK, run, lambda: None)
+        return self._queue(Link.HOST_TO_DISK, run, lambda: None, priority)
 
     def restore(self, keys, namespace, slots, *, priority):
         if not self.disk.lock(keys, namespace):  # pinned from submit to completion, as the real engine does
             return _resolved(TransferResult(Link.DISK_TO_HOST, len(keys), ok=False, error="not on disk"))
         run = lambda: self.engine.restore(keys, namespace, slots, priority=priority).result()
-        return self._queue(Link.DISK_TO_HOST, run, lambda: self.disk.unlock(keys, namespace))
+        return self._queue(Link.DISK_TO_HOST, run, lambda: self.disk.unlock(keys, namespace), priority)
+
+    def promote(self, futures, priority) -> int:
+        """Raise pending transfers of ``futures`` to ``priority`` (as the real engine raises queued jobs)."""
+        ids = {id(future) for future in futures}
+        raised = [job for job in self.pending if id(job.future) in ids and priority < job.priority]
+        for job in raised:
+            job.priority = priority
+        return len(raised)
 
     def complete(self, index: int, ok: bool = True) -> PendingTransfer:
         """Run (or, with ``ok=False``, fail) pending transfer ``index``; resolve its future."""
@@ -127,9 +136,9 @@ class ManualTransfer:
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _queue(self, link, run, release):
+    def _queue(self, link, run, release, priority):
         future = concurrent.futures.Future()
-        self.pending.append(PendingTransfer(link, run, release, future))
+        self.pending.append(PendingTransfer(link, run, release, future, priority))
         return future
 
 

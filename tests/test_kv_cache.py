@@ -23,6 +23,7 @@ from kvjax.cache.trie_node import Tier
 from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PoolConfig
+from kvjax.tiers.transfer import Link, Priority
 
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
 ALWAYS_FETCH = CostModel(recompute_seconds_per_token=1.0)
@@ -281,6 +282,53 @@ def test_prefetch_moves_a_waiting_request_prefix_up_and_admit_joins_it():
         cache.check_invariants()
 
 
+def _disk_only_and_a_full_pool(cache):
+    """Leave every cached page on disk only (a ManualTransfer cache) and admit a filler that
+    holds the whole pool; returns the filler's handle."""
+    cache._mover.spill_host(everything=True)
+    cache.transfer.complete_all()
+    cache.poll()
+    cache.evict(8)
+    cache.evict_host(8)
+    return cache.admit(prompt(32, start=100))
+
+
+def test_an_admission_that_joins_a_prefetch_raises_its_transfers_to_demand():
+    # a request that now waits on a prefetch (or on the restore a prefetch started) must not
+    # stay queued behind other prefetches and spills on the link, nor wait for their budget
+    disk = MemoryDisk(POOL.block_shape, POOL.dtype, capacity_blocks=8)
+    tokens, other = prompt(13), prompt(9, start=50)
+    with make(transfer_factory=ManualTransfer, disk_tier=disk, write_policy="write_through") as cache:
+        for ids in (tokens, other):
+            compute(cache, ids)
+        cache.transfer.complete_all()
+        cache.poll()
+        cache.evict(8)
+        cache.prefetch(tokens)
+        [fetch] = cache.transfer.pending
+        assert (fetch.link, fetch.priority) == (Link.HOST_TO_DEVICE, Priority.PREFETCH)
+        joining = cache.admit(tokens)
+        assert [p.priority for p in cache.transfer.pending] == [Priority.DEMAND]  # the same fetch, raised
+        cache.transfer.complete_all()
+        cache.poll()
+        assert cache.is_ready(joining) and joining.num_hit_tokens == 12
+        cache.release(joining)
+        filler = _disk_only_and_a_full_pool(cache)
+        cache.prefetch(other)  # no device room: restores disk -> host only
+        [restore] = cache.transfer.pending
+        assert (restore.link, restore.priority) == (Link.DISK_TO_HOST, Priority.PREFETCH)
+        cache.release(filler)
+        waiting = cache.admit(other)  # its fetch waits for that restore: raised with it
+        assert restore.priority == Priority.DEMAND and not cache.is_ready(waiting)
+        cache.transfer.complete_all()
+        cache.poll()
+        cache.transfer.complete_all()
+        cache.poll()
+        assert cache.is_ready(waiting) and waiting.num_hit_tokens == 8
+        cache.release(waiting)
+        cache.check_invariants()
+
+
 def test_prefetch_restores_disk_pages_to_host_when_the_device_is_full():
     disk = MemoryDisk(POOL.block_shape, POOL.dtype, capacity_blocks=8)
     tokens = prompt(9)
@@ -292,12 +340,7 @@ def test_prefetch_restores_disk_pages_to_host_when_the_device_is_full():
         cache.release(handle)
         cache.transfer.complete_all()
         cache.poll()
-        cache._mover.spill_host(everything=True)
-        cache.transfer.complete_all()
-        cache.poll()
-        cache.evict(8)
-        cache.evict_host(8)
-        filler = cache.admit(prompt(32, start=100))  # holds the whole pool
+        filler = _disk_only_and_a_full_pool(cache)
         cache.prefetch(tokens)
         assert [p.link.value for p in cache.transfer.pending] == ["disk_to_host"]
         cache.transfer.complete_all()

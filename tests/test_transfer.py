@@ -140,6 +140,46 @@ def test_demand_fetch_overtakes_queued_prefetches(tmp_path):
     assert fetches[1:] == [f"prefetch{i}" for i in range(4)]  # FIFO within a priority
 
 
+def test_promote_moves_queued_jobs_ahead_and_a_waiting_offload_when_it_is_queued(tmp_path):
+    host, _ = tiers(tmp_path)
+    host.write(np.arange(4), random_pool(4, "float32"))
+    pool = random_pool(4, "float32")
+    gate = concurrent.futures.Future()  # the read an offload follows
+    with TransferEngine(host, paused=True) as engine:
+        fetches = [(f"prefetch{i}", engine.fetch([i], priority=Priority.PREFETCH)) for i in range(3)]
+        offloads = [(f"spill{i}", engine.offload(pool, [i], [10 + i])) for i in range(2)]
+        follower = engine.offload(pool, [3], [13], after=[gate])
+        order = completion_order([*fetches, *offloads, ("follower", follower)])
+        assert engine.promote([fetches[2][1], follower], Priority.DEMAND) == 2
+        assert engine.promote([fetches[2][1], fetches[0][1]], Priority.SPILL) == 0  # never lowered
+        assert engine.promote([concurrent.futures.Future()], Priority.DEMAND) == 0  # not the engine's
+        gate.set_result(None)  # the follower is queued now, at the priority it was raised to
+        engine.resume()
+        assert all(future.result(timeout=WAIT_S).ok for _, future in [*fetches, *offloads, ("f", follower)])
+        assert engine.promote([fetches[1][1]], Priority.DEMAND) == 0  # done: nothing to raise
+        with pytest.raises(ValueError, match="priority=0 must be a Priority"):
+            engine.promote([fetches[1][1]], 0)
+    assert [name for name in order if "prefetch" in name] == ["prefetch2", "prefetch0", "prefetch1"]
+    assert [name for name in order if "prefetch" not in name] == ["follower", "spill0", "spill1"]
+    assert same_bits(host.read([13]), pool[3:4])
+
+
+def test_a_promoted_job_stops_waiting_for_its_links_budget(tmp_path):
+    now = [0.0]  # the budget's clock, frozen: a background job short of tokens waits for good
+    host, _ = tiers(tmp_path)
+    host.write(np.arange(4), random_pool(4, "float32"))
+    budget = {Link.HOST_TO_DEVICE: LinkBudget(rate_bytes_per_s=block_bytes() / 10, burst_bytes=block_bytes())}
+    with TransferEngine(host, budgets=budget, clock=lambda: now[0]) as engine:
+        done(engine.fetch([0], priority=Priority.PREFETCH))  # spends the burst
+        waiting = [engine.fetch([i], priority=Priority.PREFETCH) for i in (1, 2)]
+        assert not engine.wait_idle(timeout=0.2) and not any(f.done() for f in waiting)
+        assert engine.promote(waiting[1:], Priority.DEMAND) == 1  # a request now waits on it
+        assert same_bits(np.asarray(done(waiting[1]).blocks), host.read([2]))
+        assert not waiting[0].done()  # still behind the budget (now in debt)
+        now[0] = 30.0
+        done(waiting[0])
+
+
 def test_budget_holds_back_background_jobs_but_never_a_demand(tmp_path):
     now = [0.0]  # the budget's clock; frozen unless the test moves it
     host, _ = tiers(tmp_path)

@@ -29,7 +29,7 @@ class FetchJob:
     """One transfer chain; see the module docstring. ``keys`` are in page order."""
 
     __slots__ = ("namespace", "keys", "from_disk", "priority", "to_device", "prereqs", "pending",
-                 "valid", "chunks", "consumers", "held", "started", "read")  # fmt: skip
+                 "valid", "chunks", "consumers", "held", "started", "read", "transfers")  # fmt: skip
 
     def __init__(self, namespace: bytes, keys: list[bytes], from_disk: np.ndarray,
                  priority: Priority, to_device: bool, started: float):  # fmt: skip
@@ -47,6 +47,9 @@ class FetchJob:
         self.started = started  # time.monotonic() seconds, for the fetch latency metric
         # done once the job read its host slots (or gave up): then they may be written again
         self.read: concurrent.futures.Future = concurrent.futures.Future()
+        # the transfer engine's futures this job waits on (copies down, its restore, its
+        # fetches): what ``TierMover`` promotes when a more urgent waiter joins the job
+        self.transfers: list[concurrent.futures.Future] = []
 
     @property
     def tier(self) -> str:

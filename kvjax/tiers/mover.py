@@ -294,6 +294,8 @@ class TierMover:
             count = 1
             if joined is not None:
                 job, row = joined
+                if priority < job.priority:  # a request now waits on a prefetch: no longer behind others
+                    self._promote(job, priority)
                 while (offset + count < covered and row + count < len(job.keys)
                        and job.keys[row + count] == pages[offset + count]):  # fmt: skip
                     count += 1
@@ -352,6 +354,8 @@ class TierMover:
         job.held = list(keys)
         index.hold_host(keys)
         prereqs = {id(f): f for f in (self.copies.get(key) for key in keys) if f is not None}
+        job.transfers += prereqs.values()
+        self.transfer.promote(job.transfers, priority)  # copies it waits on go at its priority (or above)
         for future in prereqs.values():
             job.prereqs += 1
             self._on_done(future, lambda result, job=job: self._prereq_done(job))
@@ -367,6 +371,12 @@ class TierMover:
         for key in keys:
             self.copies[key] = future
         self._on_done(future, lambda result: self._restored(keys, job.namespace, result))
+
+    def _promote(self, job: FetchJob, priority: Priority) -> None:
+        """Raise ``job`` and the transfers it waits on, started or not, to ``priority``."""
+        job.priority = priority  # its fetches, submitted once its copies are in, go at it too
+        job.transfers = [future for future in job.transfers if not future.done()]
+        self.transfer.promote(job.transfers, priority)
 
     def device_job(self, key: bytes) -> tuple[FetchJob, int] | None:
         """The job bringing ``key`` to the device now, with its row, or None."""
@@ -391,6 +401,7 @@ class TierMover:
         for start, size in move_batches(valid, self.transfer.buckets):
             slots = [self.index.slot_of(key) for key in job.keys[start : start + size]]
             future = self.transfer.fetch(slots, priority=job.priority)
+            job.transfers.append(future)
             job.pending += 1
             self._on_done(future, lambda result, start=start: self._fetched(job, start, result))
 

@@ -27,7 +27,8 @@ and remote pulls (which own their deadlines) always run on their worker. A timeo
 ``result`` then bounds only the wait that follows the helped run.
 
 Within a link, jobs run one at a time by priority (DEMAND < PREFETCH < SPILL), then in
-submission order, whichever thread runs them. Each
+submission order, whichever thread runs them. ``promote`` raises the priority of jobs not
+started yet (a request now waits on a prefetch or on the copy it needs). Each
 link may have a byte budget (a token bucket): background jobs wait for tokens; a demand job
 never waits and its bytes are charged to the bucket, so prefetch and spill cannot starve it.
 A running job is not preempted: keep jobs small when demand latency matters.
@@ -149,6 +150,7 @@ class _Future(concurrent.futures.Future):
     def __init__(self):
         super().__init__()
         self.help_wait: Callable[[], bool] | None = None  # None once finished, or for jobs no waiter may run
+        self.promote: Callable[[Priority], bool] | None = None  # TransferEngine._promote of its job; None once finished
 
     def result(self, timeout: float | None = None):
         help_wait = self.help_wait
@@ -369,7 +371,8 @@ class TransferEngine:
         if not isinstance(priority, Priority):
             raise ValueError(f"{priority=} must be a Priority ({list(Priority)})")
         job = _Job(Link.REMOTE_TO_HOST, priority, np.zeros(0, np.intp), num_blocks * int(block_nbytes),
-                   concurrent.futures.Future(), pull=pull, deadline=deadline, num_blocks=num_blocks)  # fmt: skip
+                   _Future(), pull=pull, deadline=deadline, num_blocks=num_blocks)  # fmt: skip
+        self._promotable(job)
         return self._submit(job)
 
     # ---- control -------------------------------------------------------------------------
@@ -395,6 +398,20 @@ class TransferEngine:
         """Per link: finished jobs, failed jobs, bytes delivered, jobs queued now."""
         with self._lock:
             return {link.value: {**self._counters[link], "queued": len(self._queues[link])} for link in Link}
+
+    def promote(self, futures: Sequence[concurrent.futures.Future], priority: Priority) -> int:
+        """Raise the jobs of ``futures`` (this engine's) that have not started to ``priority``:
+        queued ones move ahead within their link's queue, keeping submission order among equals
+        (a DEMAND job then never waits for tokens); ones waiting for the futures they follow
+        (``offload(after=...)``) are queued at it. Jobs already running or done, at that
+        priority or above, and other futures are left as they are. Returns how many were raised."""
+        if not isinstance(priority, Priority):
+            raise ValueError(f"{priority=} must be a Priority ({list(Priority)})")
+        raised = 0
+        for future in futures:
+            promote = getattr(future, "promote", None)
+            raised += promote is not None and promote(priority)
+        return raised
 
     def close(self, timeout: float = 10.0) -> None:
         """Lets running jobs finish, fails queued ones ("engine closed"), joins the workers
@@ -473,6 +490,22 @@ class TransferEngine:
             return False
         self._run_claimed(job.link, [job])
         return True
+
+    def _promote(self, job: _Job, priority: Priority) -> bool:
+        """``promote`` of one job; whether it was raised."""
+        with self._lock:
+            if priority >= job.priority or job.future.done():
+                return False
+            queue = self._queues[job.link]
+            at = next((i for i, entry in enumerate(queue) if entry[-1] is job), None)
+            if at is None and id(job) not in self._after_jobs:
+                return False  # running (or claimed by a waiting caller): too late
+            job.priority = priority  # a job still waiting for its after= futures is queued at it
+            if at is not None:
+                queue[at] = (priority, queue[at][1], job)
+                heapq.heapify(queue)
+                self._wake[job.link].notify()  # its worker may be waiting for tokens for another
+            return True
 
     def _run(self, link: Link, jobs: list[_Job]) -> None:
         try:
@@ -575,9 +608,14 @@ class TransferEngine:
         if slots.ndim != 1 or (slots.size and (slots.min() < 0 or slots.max() >= self.host.num_slots)):
             raise ValueError(f"slots {slots.tolist()} must be host slots in [0, {self.host.num_slots})")
         job = _Job(link, priority, slots, len(slots) * self.host.block_nbytes, _Future())
+        self._promotable(job)
         if link in _HELPED_LINKS and not self.synchronous:
             job.future.help_wait = functools.partial(self._help, job)
         return job
+
+    def _promotable(self, job: _Job) -> None:
+        if not self.synchronous:
+            job.future.promote = functools.partial(self._promote, job)
 
     def _submit(self, job: _Job) -> concurrent.futures.Future:
         if self.synchronous:
@@ -603,7 +641,8 @@ class TransferEngine:
             _log.error("transfer engine: releasing the disk pins of a restore failed: %r", err)
         done = len(result.done_keys) if job.link in (Link.HOST_TO_DISK, Link.DISK_TO_HOST) else len(job.slots)
         if isinstance(job.future, _Future):
-            job.future.help_wait = None  # nothing left to run (and no cycle through the job)
+            # nothing left to run or raise (and no cycle through the job)
+            job.future.help_wait = job.future.promote = None
         with self._lock:
             counters = self._counters[job.link]
             counters["jobs"] += 1
