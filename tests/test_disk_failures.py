@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from disk_cases import NS, make_tier, random_blocks, segment_dirs, unwritable
 from tier_cases import int_keys as keys
+from tier_cases import same_bits
 
 from kvjax.tiers import disk_segments, write_backoff
 from kvjax.tiers.disk_tier import DiskTier
@@ -124,6 +125,70 @@ def test_orphans_and_segments_whose_files_stay_are_counted_apart(tmp_path, monke
 
 
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
+
+
+@pytest.mark.parametrize("leftover", ["manifest_tmp", "orbax_tmp"])
+def test_a_failed_write_leaves_no_temporary_files_on_a_full_disk(tmp_path, monkeypatch, leftover):
+    # each failed write left its temporary files: space on a full disk, counted nowhere
+    now = [0.0]
+    tier = make_tier(tmp_path, clock=lambda: now[0])
+    tier.put(keys(1), random_blocks(1), NS)
+    before = sorted(os.listdir(tmp_path))
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if leftover == "manifest_tmp":  # the temporary manifest is written, its rename fails
+        def no_rename(*args):
+            raise full
+        monkeypatch.setattr(disk_segments.os, "replace", no_rename)
+    else:  # orbax's temporary directory is made, its write fails
+        def half_saved(checkpointer, path, payload):
+            os.makedirs(path + ".orbax-checkpoint-tmp-1733")
+            raise full
+        monkeypatch.setattr(disk_segments, "_save_payload", half_saved)
+    for attempt in range(3):
+        now[0] = 1000.0 * attempt  # past each back-off
+        assert tier.put(keys(1, start=10 + attempt), random_blocks(1), NS) == []
+    assert sorted(os.listdir(tmp_path)) == before
+    assert (tier.stats().write_errors, tier.stats().enospc_errors) == (3, 3)
+
+
+def test_a_full_disk_reported_by_tensorstore_counts_as_enospc(tmp_path, monkeypatch):
+    tier = make_tier(tmp_path)
+    FailingWrites(monkeypatch, ValueError('RESOURCE_EXHAUSTED: Error writing "payload/c/0/0" in OCDBT database'))
+    assert tier.put(keys(1), random_blocks(1), NS) == []
+    assert (tier.stats().write_errors, tier.stats().enospc_errors) == (1, 1)
+
+
+def test_a_write_never_replaces_an_entry_of_its_segments_name(tmp_path):
+    # another writer's segment (one that went around the lock) is not deleted as a failed write's
+    tier = make_tier(tmp_path)
+    foreign = tmp_path / "seg-000000000000"
+    foreign.mkdir()
+    (foreign / "data").write_text("another writer's")
+    assert tier.put(keys(1), random_blocks(1), NS) == []
+    assert (foreign / "data").read_text() == "another writer's" and tier.stats().write_errors == 1
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EMFILE, "Too many open files"),
+                                   ValueError("RESOURCE_EXHAUSTED: Too many open files")])  # fmt: skip
+def test_a_read_that_fails_for_want_of_descriptors_keeps_the_segment(tmp_path, monkeypatch, error):
+    blocks = random_blocks(2)
+    tier = make_tier(tmp_path)
+    tier.put(keys(2), blocks, NS)
+    files = sorted(os.listdir(tmp_path))
+    read_verified = disk_segments.read_verified
+
+    def out_of_descriptors(*args):
+        raise error
+    monkeypatch.setattr(disk_segments, "read_verified", out_of_descriptors)
+    assert tier.get(keys(2), NS).hits.tolist() == [False, False]
+    monkeypatch.setattr(disk_segments, "read_verified", read_verified)
+    read = tier.get(keys(2), NS)  # the segment stayed, on disk and in the index
+    assert read.hits.all() and same_bits(read.blocks, blocks) and sorted(os.listdir(tmp_path)) == files
+    stats = tier.stats()
+    assert (stats.read_errors, stats.transient_read_errors, stats.blocks) == (1, 1, 2)
+    monkeypatch.setattr(disk_segments, "read_verified", lambda *args: (_ for _ in ()).throw(FileNotFoundError()))
+    assert tier.get(keys(2), NS).hits.tolist() == [False, False]  # a missing file: the segment goes
+    assert tier.stats().blocks == 0 and not segment_dirs(tmp_path)
 
 
 def test_flush_is_true_only_when_every_host_page_reached_disk(tmp_path, monkeypatch):

@@ -166,6 +166,75 @@ def test_a_closed_tier_refuses_reads_and_writes_but_keeps_its_figures(tmp_path):
         memory.get(keys(1), NS)
 
 
+def test_a_closed_tier_deletes_nothing_in_the_directory_it_let_go(tmp_path):
+    # discard (or the unpin of a read still running at close) of a closed tier deleted the
+    # segment files of the tier that holds the directory now
+    blocks = random_blocks(2)
+    old = make_tier(tmp_path)
+    old.put(keys(2), blocks, NS)
+    assert old.lock(keys(1), NS)
+    old.close()
+    with make_tier(tmp_path) as owner:
+        assert old.discard(keys(2), NS) == 2  # its index forgets them ...
+        old.unlock(keys(1), NS)  # ... and lets go of the pin, its segment's last
+        read = owner.get(keys(2), NS)  # ... but the files are the owner's now
+        assert read.hits.all() and same_bits(read.blocks, blocks)
+        old.check_invariants()
+
+
+@pytest.mark.filterwarnings("ignore:.*fork")  # the child only touches the tier, then exits
+def test_a_forked_child_neither_keeps_the_lock_nor_touches_the_directory(tmp_path):
+    tier = make_tier(tmp_path)
+    tier.put(keys(1), random_blocks(1), NS)
+    said_r, said_w = os.pipe()  # child -> parent
+    go_r, go_w = os.pipe()  # parent -> child
+    pid = os.fork()
+    if pid == 0:  # the child: as little as possible (the parent has threads)
+        code = 1
+        try:
+            os.close(said_r)
+            os.close(go_w)
+            tier.discard(keys(1), NS)  # its copy of the index only
+            try:
+                tier.put(keys(1, start=1), random_blocks(1), NS)
+            except ValueError as err:
+                code = 0 if f"opened by pid {os.getppid()}" in str(err) else 2
+            os.write(said_w, bytes([code]))
+            os.read(go_r, 1)  # lives on until the parent has checked
+        finally:
+            os._exit(code)
+    os.close(said_w)
+    os.close(go_r)
+    try:
+        assert os.read(said_r, 1) == b"\0"  # the child's put was refused (b"": it died trying)
+        assert tier.get(keys(1), NS).hits.all() and len(segment_dirs(tmp_path)) == 1  # files kept
+        tier.close()
+        make_tier(tmp_path).close()  # the child, alive, does not hold the directory
+        assert child_says(tmp_path) == ["opened"]
+    finally:
+        os.close(go_w)  # the child's read returns: it exits
+        os.waitpid(pid, 0)
+        os.close(said_r)
+
+
+def test_a_writer_that_cannot_open_the_lock_file_is_refused(tmp_path, monkeypatch):
+    # going on unlocked, it could write beside a writer that holds the lock
+    make_tier(tmp_path).close()
+    real_open = os.open
+
+    def refuse_lock_file(path, *args, **kwargs):
+        if str(path).endswith(LOCK_FILE):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(os, "open", refuse_lock_file)
+    with pytest.raises(PermissionError, match=rf"disk directory {re.escape(str(tmp_path))}: its lock file can be "
+                                              r"neither opened nor created \(Permission denied\); a writing DiskTier "
+                                              r"needs it \(read_only=True serves"):  # fmt: skip
+        make_tier(tmp_path)
+    with make_tier(tmp_path, read_only=True) as reader:  # a reader serves it unlocked
+        assert reader.stats().recovered_segments == 0
+
+
 def test_a_tier_nobody_closed_lets_go_when_it_is_collected(tmp_path):
     tier = make_tier(tmp_path)
     del tier

@@ -33,8 +33,25 @@ _NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 # Directories this process holds: real path -> [shared, count]. A writer's count is 1.
 _held: dict[str, list] = {}
+_lock_fds: set[int] = set()  # the descriptors of the lock files this process holds
 _held_lock = threading.RLock()  # re-entrant: a finalizer may run (GC) while this thread holds it
-os.register_at_fork(after_in_child=_held.clear)  # a forked child holds nothing of its own
+
+
+def _forget_in_child() -> None:
+    """After a fork: the child holds nothing. It closes its copies of the lock descriptors, so
+    that a child outliving its parent (killed, or closed its tier) does not keep the directory
+    locked, and forgets the directories (its finalizers then leave those descriptor numbers,
+    which it may reuse, alone)."""
+    for fd in _lock_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _lock_fds.clear()
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class DirectoryInUseError(ValueError):
@@ -47,9 +64,10 @@ class DirectoryLock:
 
     ``shared``: a read-only reader's lock (any number at once, none while a writer holds it).
     Raises ``DirectoryInUseError`` naming the directory and the holder when it is taken. A
-    lock file that can neither be opened nor created (a read-only directory without one)
-    leaves the directory unlocked: ``held`` is False and a warning says so; nothing can be
-    written there then anyway.
+    writer whose lock file can neither be opened nor created gets a PermissionError naming
+    it (it could write the directory beside a writer that holds the lock); a reader's leaves
+    the directory unlocked (a read-only directory without one): ``held`` is False and a
+    warning says so.
     """
 
     def __init__(self, directory: str, *, shared: bool):
@@ -59,7 +77,11 @@ class DirectoryLock:
         self._key = os.path.realpath(directory)
         with _held_lock:
             _check_this_process(self._key, self.directory, shared)
-            fd, writable = _open_lock_file(self.path, shared)
+            fd, writable, refused = _open_lock_file(self.path, shared)
+            if fd is None and not shared:
+                raise PermissionError(refused.errno, f"disk directory {directory}: its lock file can be neither "
+                                      f"opened nor created ({refused.strerror}); a writing DiskTier needs it "
+                                      "(read_only=True serves the directory without writing)", self.path)
             if fd is not None:
                 try:
                     _flock(fd, self.directory, self.path, shared)
@@ -68,6 +90,8 @@ class DirectoryLock:
                     raise
             entry = _held.setdefault(self._key, [shared, 0])
             entry[1] += 1
+            if fd is not None:
+                _lock_fds.add(fd)
         self.held = fd is not None
         if fd is None:
             _log.warning("disk tier: %s cannot be opened or created; %s is not locked against "
@@ -103,18 +127,21 @@ def _check_this_process(key: str, directory: str, shared: bool) -> None:
                                   f"{what} holds it; close() that one first or use another directory")
 
 
-def _open_lock_file(path: str, shared: bool) -> tuple[int | None, bool]:
-    """(fd, writable); fd None when the file can be neither opened nor created."""
+def _open_lock_file(path: str, shared: bool) -> tuple[int | None, bool, OSError | None]:
+    """(fd, writable, None), or (None, False, the error) when the file can be neither opened
+    nor created."""
     modes = (os.O_RDONLY | os.O_CREAT, os.O_RDONLY) if shared else (os.O_RDWR | os.O_CREAT, os.O_RDONLY)
+    refused = None
     for mode in modes:
         try:
-            return os.open(path, mode | os.O_CLOEXEC, 0o644), bool(mode & os.O_RDWR)
-        except FileNotFoundError:
-            continue
+            return os.open(path, mode | os.O_CLOEXEC, 0o644), bool(mode & os.O_RDWR), None
+        except FileNotFoundError as err:
+            refused = refused or err
         except OSError as err:
             if err.errno not in _NO_ACCESS:
                 raise
-    return None, False
+            refused = refused or err
+    return None, False, refused
 
 
 def _flock(fd: int, directory: str, path: str, shared: bool) -> None:
@@ -146,9 +173,7 @@ def _record_holder(fd: int) -> None:
 
 
 def _release(fd: int | None, key: str, clear: bool, owner_pid: int) -> None:
-    if os.getpid() != owner_pid:  # a forked child's copy: the parent still holds the lock
-        if fd is not None:
-            os.close(fd)
+    if os.getpid() != owner_pid:  # a forked child's copy: closed at the fork (_forget_in_child)
         return
     with _held_lock:
         entry = _held.get(key)
@@ -158,10 +183,12 @@ def _release(fd: int | None, key: str, clear: bool, owner_pid: int) -> None:
                 del _held[key]
         if fd is None:
             return
+        _lock_fds.discard(fd)
         try:
             if clear:
                 os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)  # now, even if some descriptor of this open file lives on
         except OSError:
             pass
         finally:
-            os.close(fd)  # closing the last descriptor of the open file drops the flock
+            os.close(fd)

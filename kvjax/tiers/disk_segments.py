@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import errno
 import functools
 import hashlib
 import inspect
@@ -122,9 +123,14 @@ def write_segment(checkpointer: ocp.Checkpointer, directory: str, manifest: Segm
     """Writes and commits one segment; returns the manifest with checksums and size filled in.
 
     payload: u8[num_blocks, block_nbytes]. Checksums are computed on helper threads while
-    orbax writes. Raises OSError (or orbax's error) on failure, after removing what it wrote.
+    orbax writes. Raises OSError (or orbax's error) on failure, after removing what it wrote
+    (its temporary files included); FileExistsError, touching nothing, when an entry of the
+    segment's name is there already (another writer's: only what this call made is removed).
     """
     path = os.path.join(directory, manifest.name)
+    for existing in (path, path + ".json"):
+        if os.path.lexists(existing):
+            raise FileExistsError(errno.EEXIST, "a segment of this name exists already; not overwriting it", existing)
     checksums = [_hash_pool().submit(block_checksum, ns, key, row)
                  for ns, key, row in zip(manifest.namespaces, manifest.keys, payload)]
     try:
@@ -138,9 +144,24 @@ def write_segment(checkpointer: ocp.Checkpointer, directory: str, manifest: Segm
         size += len(_manifest_to_json(manifest, size))  # the manifest's own size, near enough
         _write_manifest(directory, manifest.name, _manifest_to_json(manifest, size))
     except BaseException:
-        remove_segment(directory, manifest.name)
+        _remove_failed_write(directory, manifest.name)
         raise
     return dataclasses.replace(manifest, bytes_on_disk=size)
+
+
+def _remove_failed_write(directory: str, name: str) -> None:
+    """Everything a failed ``write_segment`` of ``name`` may have left: the segment, its
+    manifest, the manifest's temporary file and orbax's temporary directories (all of them
+    space on a disk that may be full, none counted in the tier's bytes)."""
+    remove_segment(directory, name)
+    try:
+        leftovers = [entry for entry in os.listdir(directory)
+                     if entry == name + ".json.tmp" or entry.startswith(name + ".orbax-checkpoint-tmp")]  # fmt: skip
+    except OSError as err:
+        _log.warning("disk tier: could not list %s for the leftovers of %s: %s", directory, name, err)
+        return
+    for entry in leftovers:
+        remove_segment(directory, entry)
 
 
 def read_manifest(path: str) -> SegmentManifest:

@@ -10,7 +10,9 @@ batch from the disk tier, counts the error and starts a back-off (`WriteBackoff`
 tried for 1 s, doubling on each failure in a row up to 60 s; a success resets it): the blocks
 `put` gets meanwhile are dropped untried and counted, and one warning per back-off period says
 how many. A read that fails or whose checksum does not match is a miss and a metric, and the
-broken block or segment leaves the index. No I/O error escapes `put` or `get`.
+broken block or segment leaves the index (a writer deletes its files), unless the read failed
+for want of file descriptors or memory, or was interrupted: the segment is intact then and
+stays (`transient_read_errors`). No I/O error escapes `put` or `get`.
 
 Capacity: bytes on disk (checkpoint files plus manifest). Eviction removes whole segments,
 least recently used first, never one that a `lock` or a running read pins; there is no
@@ -22,8 +24,11 @@ Ownership: a tier holds its directory's lock (`kvjax.tiers.disk_lock`) from open
 `close` (or until it is garbage-collected, or its process exits): exclusive to write, shared
 with `read_only=True`. Another tier on a held directory, in this process or another, gets a
 `DirectoryInUseError` (a ValueError) naming the directory and the holder, before anything in
-the directory is touched. A writer, alone in the directory, deletes the files of uncommitted
-segments (a crashed write's leftovers) when it opens it; a reader writes and deletes nothing
+the directory is touched; a writer that can neither open nor create the lock file gets a
+PermissionError naming it. A closed tier, and a forked child's copy of an open one, delete
+nothing there (the lock is no longer, or never was, theirs); the child's `put` and `get`
+raise. A writer, alone in the directory, deletes the files of uncommitted segments (a crashed
+write's leftovers) when it opens it; a reader writes and deletes nothing
 (it may create the empty lock file), so it leaves them, and every segment it drops from its
 index (eviction, discard, corruption) stays on disk.
 
@@ -88,6 +93,8 @@ class DiskTierStats:
     miss_blocks: int = 0  # blocks `get` did not serve (absent, corrupt or unreadable)
     corrupt_blocks: int = 0  # checksum mismatch: served as a miss
     read_errors: int = 0  # segment reads that failed (truncated, deleted, ...): their blocks missed
+    transient_read_errors: int = 0  # of those: out of file descriptors or memory, interrupted (the
+    #                                 segment stays: only damaged or missing ones leave the index)
     evicted_segments: int = 0  # segments evicted from the index (a writer deletes their files)
     evicted_blocks: int = 0  # live blocks those segments held
     discarded_blocks: int = 0  # blocks `discard` dropped from the index
@@ -175,6 +182,7 @@ class DiskTier:
         self.read_only = bool(read_only)
         self._backoff = WriteBackoff(backoff_s, max_backoff_s, clock)
         self._closed = False
+        self._pid = os.getpid()  # a forked child's copy reads and writes nothing (its lock is the parent's)
         self._dir_lock: DirectoryLock | None = None
         if self.directory is not None:
             if self.read_only and not os.path.isdir(self.directory):
@@ -443,7 +451,7 @@ class DiskTier:
         """Counts a failed write and starts the next back-off period: the one warning of it."""
         with self._lock:
             self._stats.write_errors += 1
-            self._stats.enospc_errors += _errno_in_chain(err) == errno.ENOSPC
+            self._stats.enospc_errors += _is_disk_full(err)
             period = self._backoff.failed()
             failures, dropped = self._backoff.failures, self._backoff.last_dropped
         again = f"; failure {failures} in a row, {dropped} blocks dropped untried since the last" if failures > 1 else ""
@@ -470,11 +478,17 @@ class DiskTier:
             verified = seg.read_verified(self._checkpointer, self.directory, manifest,
                                          namespace, keys, rows, out, out_index)
         except Exception as err:  # noqa: BLE001 - unreadable segment: all its blocks miss
-            _log.warning("disk tier: segment %s unreadable, dropping it: %r", name, err)
             out[out_index] = 0
+            transient = _is_transient(err)
+            if transient:  # out of descriptors or memory, interrupted: the segment is intact
+                _log.warning("disk tier: reading segment %s failed, keeping it: %r", name, err)
+            else:
+                _log.warning("disk tier: segment %s unreadable, dropping it: %r", name, err)
             with self._lock:
                 self._stats.read_errors += 1
-                self._forget_segment(name)
+                self._stats.transient_read_errors += transient
+                if not transient:
+                    self._forget_segment(name)
             return [False] * len(wanted)
         for key, row, ok in zip(keys, rows, verified):
             if ok:
@@ -587,12 +601,20 @@ class DiskTier:
         self._bytes_used -= segment.manifest.bytes_on_disk
         for row in segment.live_rows:
             self._unindex(segment.manifest.namespaces[row], segment.manifest.keys[row])
-        if self.directory is not None and not self.read_only:
+        if self.directory is not None and not self.read_only and self._owns_directory():
             self._stats.remove_errors += not seg.remove_segment(self.directory, name)
+
+    def _owns_directory(self) -> bool:
+        """Whether this tier may delete files in its directory now: open, in the process that
+        opened it (closed, its lock may be another tier's; a forked child's copy never held it)."""
+        return not self._closed and os.getpid() == self._pid
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"disk tier {self.directory or '(in memory)'} is closed")
+        if os.getpid() != self._pid:
+            raise ValueError(f"disk tier {self.directory or '(in memory)'} was opened by pid {self._pid}; "
+                             f"this forked process (pid {os.getpid()}) must open its own")
 
 
 def _check_keys(keys: Sequence[bytes], namespaces) -> tuple[list[bytes], list[bytes]]:
@@ -610,10 +632,31 @@ def _check_keys(keys: Sequence[bytes], namespaces) -> tuple[list[bytes], list[by
     return keys, namespaces
 
 
+def _chain(err: BaseException | None):
+    """``err`` and its causes / contexts, outermost first."""
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
 def _errno_in_chain(err: BaseException | None) -> int | None:
     """The errno of the first OSError in an exception's cause/context chain."""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno is not None:
-            return err.errno
-        err = err.__cause__ or err.__context__
-    return None
+    return next((e.errno for e in _chain(err) if isinstance(e, OSError) and e.errno is not None), None)
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """A full disk: ENOSPC, or TensorStore's RESOURCE_EXHAUSTED status (which carries no errno)."""
+    return _errno_in_chain(err) == errno.ENOSPC or any(
+        "RESOURCE_EXHAUSTED" in str(e) or "No space left on device" in str(e) for e in _chain(err))
+
+
+_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
+_TRANSIENT_MESSAGES = ("Too many open files", "Cannot allocate memory", "Resource temporarily unavailable",
+                       "RESOURCE_EXHAUSTED")
+
+
+def _is_transient(err: BaseException) -> bool:
+    """A read failure that says nothing about the segment: out of file descriptors or memory,
+    interrupted (as an OSError, or in the text of a TensorStore error)."""
+    return _errno_in_chain(err) in _TRANSIENT_ERRNOS or any(
+        message in str(e) for e in _chain(err) for message in _TRANSIENT_MESSAGES)
