@@ -140,3 +140,38 @@ def test_remote_fetch_reports_are_kept_only_for_answers_that_carry_them(engine):
         assert worker.take_remote_report("plain") is None  # taken once
     finally:
         worker.stop()
+
+
+class _GatedFetch(_FailingFetch):
+    """A remote fetcher whose fetch ends only when the test resolves it; records its finishes."""
+
+    def __init__(self):
+        self.future, self.finished = concurrent.futures.Future(), []
+
+    def start(self, plan, tokens, namespace):
+        return self.future
+
+    def finish(self, plan, result):
+        self.finished.append(plan)
+        return super().finish(plan, result)
+
+
+def test_a_request_cancelled_while_its_fetch_is_in_flight_still_counts_the_fetch(engine):
+    # the cancel dropped the fetch: its outcome was never counted and a hung peer never marked
+    fetch = _GatedFetch()
+    worker = EngineWorker(engine, remote=fetch)
+    worker.start()
+    try:
+        answers = []
+        worker.submit("gone", CompletionRequest("tiny", "x" * 40, None, max_tokens=1), answers.append,
+                      PeerHint("peer", "http://127.0.0.1:9", 8, 0))  # fmt: skip
+        assert wait_until(lambda: "gone" in worker._parked)
+        worker.cancel("gone")
+        assert wait_until(lambda: worker._parked.get("gone") is not None and worker._parked["gone"].cancelled)
+        fetch.future.set_result(None)  # the fetch ends after its client went
+        assert wait_until(lambda: fetch.finished) and len(fetch.finished) == 1
+        assert wait_until(lambda: not worker._parked)
+        time.sleep(0.2)
+        assert answers == [] and not engine.has_unfinished and worker.take_remote_report("gone") is None
+    finally:
+        worker.stop()

@@ -65,6 +65,30 @@ def test_a_pull_of_the_wrong_size_fails_at_once(transport):
     assert caught.value.reason == "failed"
 
 
+def test_a_failed_pull_replaces_its_connection_and_a_bad_address_fails_as_a_pull(transport):
+    # a connection that failed (its peer restarted at the same address) was reused forever
+    class Broken:
+        def pull(self, offer_id, specs):
+            raise RuntimeError("Connection closed recv() == 0")
+    address, failures = "127.0.0.1:1", transport.stats()["pull_failures"]
+    transport._connections[address] = Broken()
+    with pytest.raises(PullError) as caught:
+        transport.pull(address, 5, 2, 256, time.monotonic() + 20)
+    assert caught.value.reason == "failed" and address not in transport._connections
+    for bad in ("", "127.0.0.1:99999", "127.0.0.1:abc"):  # the library's own errors, as failed pulls
+        with pytest.raises(PullError, match=rf"cannot connect to {bad!r}") as caught:
+            transport.pull(bad, 5, 2, 256, time.monotonic() + 20)
+        assert caught.value.reason == "failed"
+    assert transport.stats()["pull_failures"] == failures + 4
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:0", "[::]:0", ":0"])
+def test_a_transfer_server_on_every_interface_is_refused(address):
+    # its peers were told a wildcard address, and a puller on another host aborted connecting
+    with pytest.raises(ValueError, match=r"listens on every interface, and peers cannot connect to a wildcard"):
+        RemoteTransport(address, reap=False)
+
+
 def test_expired_offers_nobody_acknowledged_are_pulled_back_and_dropped():
     now = [0.0]
     transport = RemoteTransport(offer_ttl_s=5.0, clock=lambda: now[0], reap=False)

@@ -449,6 +449,25 @@ def test_the_remote_link_runs_pulls_by_priority_under_its_budget_and_its_deadlin
             engine.pull_remote(pull("x"), 0, 3, deadline=far)
 
 
+def test_a_pull_waits_no_longer_than_its_deadline_behind_a_hung_one(tmp_path):
+    # the link runs one pull at a time: one queued behind a hung pull waited for all of it
+    host, _ = tiers(tmp_path)
+    release = threading.Event()
+    with TransferEngine(host) as engine:
+        start = time.monotonic()
+        hung = engine.pull_remote(lambda deadline: release.wait(WAIT_S), 1, 8, deadline=start + 0.6)
+        queued = engine.pull_remote(lambda deadline: "never ran", 1, 8, deadline=start + 0.3)
+        assert queued.result(WAIT_S).error == transfer.PULL_EXPIRED  # at its own deadline
+        assert time.monotonic() - start < 0.6 and not hung.done()
+        assert hung.result(WAIT_S).error == transfer.PULL_ABANDONED  # the running one, at its deadline
+        release.set()  # the hung pull returns at last: its late result is dropped, counted once
+        assert engine.wait_idle(WAIT_S)
+        assert hung.result(0).error == transfer.PULL_ABANDONED
+        assert engine.stats()["remote_to_host"] == {"jobs": 2, "failed": 2, "bytes": 0, "queued": 0}
+        on_time = engine.pull_remote(lambda deadline: "pulled", 1, 8, deadline=time.monotonic() + WAIT_S)
+        assert done(on_time).blocks == "pulled"  # the link works on
+
+
 def test_close_fails_an_offload_still_waiting_for_the_reads_it_follows():
     # an offload submitted with after= (the fetches that read its slots first) was neither
     # queued nor failed by close: its future stayed pending for good

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import urllib.parse
 
 import uvicorn
 
@@ -98,6 +99,18 @@ def _common(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--node-ttl", type=float, default=6.0, help="seconds a node stays listed without heartbeat")
 
 
+def _reachable_host(args) -> str:
+    """The host the transfer server binds by default: ``--host``, or, where that is every
+    interface, the host of ``--advertise`` (peers must be told an address they can reach)."""
+    if args.host not in ("0.0.0.0", "::", "[::]", ""):
+        return args.host
+    advertised = urllib.parse.urlsplit(args.advertise).hostname if args.advertise else None
+    if not advertised:
+        raise SystemExit(f"node: --host {args.host} listens on every interface; give --transfer-address HOST:PORT "
+                         "(or --advertise URL) with an address peers can reach for the block transfer server")
+    return advertised
+
+
 def _run_redis(args) -> int:
     stop = threading.Event()
     for stop_signal in (signal.SIGINT, signal.SIGTERM):  # from before the start: one during it stops too
@@ -113,6 +126,8 @@ def _run_redis(args) -> int:
 
 
 def _run_node(args) -> int:
+    # before the engine compiles: a node that cannot serve its blocks fails at once
+    transfer_address = (args.transfer_address or f"{_reachable_host(args)}:0") if args.redis else None
     try:
         engine = Engine.from_preset(args.preset, tiers=not args.no_tiers, weights=args.weights)
     except ValueError as error:  # a bad preset or weights path: one line, not a traceback
@@ -126,7 +141,10 @@ def _run_node(args) -> int:
     if directory is not None:  # peers find each other through the directory
         from kvjax.tiers.remote_transport import RemoteTransport  # the transfer server only where used
 
-        transport = RemoteTransport(args.transfer_address or f"{args.host}:0")
+        try:
+            transport = RemoteTransport(transfer_address)
+        except ValueError as error:
+            raise SystemExit(f"node: {error}") from None
         if not args.no_remote_fetch and engine.cache.config.tiered and not engine.cache.codec.lossy:
             remote = RemoteFetcher(engine.cache, transport, directory, args.node_id,
                                    suspect_s=args.remote_suspect_s)  # fmt: skip

@@ -66,6 +66,7 @@ class _Parked:
     tokens: np.ndarray
     plan: FetchPlan
     future: concurrent.futures.Future
+    cancelled: bool = False  # its client went: the fetch still ends and counts, the request does not start
 
 
 class EngineWorker:
@@ -189,7 +190,9 @@ class EngineWorker:
             self._sinks[request_id] = sink
         elif command[0] == "cancel":
             self._remote_reports.pop(command[1], None)
-            if self._parked.pop(command[1], None) is not None:  # its fetch ends unused
+            parked = self._parked.get(command[1])
+            if parked is not None:  # its fetch still ends and counts (a hung peer is marked), unused
+                parked.cancelled = True
                 self._sinks.pop(command[1], None)
                 self._prefill_tokens.pop(command[1], None)
             else:
@@ -238,9 +241,11 @@ class EngineWorker:
             del self._parked[request_id]
             outcome = self.remote.finish(parked.plan, parked.future.result())
             imported = 0
-            if outcome.blocks is not None:
+            if outcome.blocks is not None:  # verified pages: cached even if their request went
                 imported = self.engine.cache.import_pages(parked.tokens, parked.request.namespace,
                                                           parked.plan.first_page, outcome.blocks)  # fmt: skip
+            if parked.cancelled:
+                continue
             page_size = self.engine.pool.config.page_size
             if not parked.request.stream or parked.request.include_usage:  # its usage will carry it
                 self._remote_reports[request_id] = _remote_report(outcome, imported * page_size, page_size)

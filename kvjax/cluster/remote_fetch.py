@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from kvjax.cluster.remote_offers import OfferReply, OfferRequest
 from kvjax.text.tokens import validate_tokens
 from kvjax.tiers.kv_cache import KVCache
 from kvjax.tiers.remote_transport import PullError, RemoteTransport, verified_blocks
-from kvjax.tiers.transfer import Priority, TransferResult
+from kvjax.tiers.transfer import PULL_ABANDONED, PULL_EXPIRED, Priority, TransferResult
 
 __all__ = ["OUTCOMES", "FetchOutcome", "FetchPlan", "LinkEstimate", "PeerHealth", "PeerHint", "RemoteFetcher"]
 
@@ -247,9 +248,10 @@ class RemoteFetcher:
         waited = self.clock() - plan.started
         if result.ok:
             outcome, blocks = plan.outcome, result.blocks
-        else:  # it never ran (queued past its deadline) or broke unexpectedly
-            outcome, blocks = ("expired" if "queued" in (result.error or "") else "failed"), None
-            plan.detail = plan.detail or result.error or ""
+        else:  # it never ran (queued past its deadline), ran past it (abandoned) or broke unexpectedly
+            outcome, blocks = {PULL_EXPIRED: "expired", PULL_ABANDONED: "timeout"}.get(result.error, "failed"), None
+            plan.detail = result.error if result.error in (PULL_EXPIRED, PULL_ABANDONED) else \
+                plan.detail or result.error or ""  # fmt: skip
         if outcome in ("ok", "partial", "empty"):  # a timeout measures nothing: the peer is suspect instead
             self.link(plan.peer.node_id).observe(plan.ask_s, plan.pull_s, 0 if blocks is None else blocks.nbytes)
         if outcome in _SUSPICIOUS:  # "partial" and "empty": it evicted pages since it published them
@@ -320,19 +322,26 @@ class RemoteFetcher:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _AskFailed("timeout", "no time left to ask")
-        try:
-            response = self._http.post(f"{address}/kv/offer", json=request.to_json(), timeout=remaining)
+        late = _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s")
+        try:  # httpx's timeout bounds each read, not the answer: a peer sending it slowly is cut at the deadline
+            with self._http.stream("POST", f"{address}/kv/offer", json=request.to_json(), timeout=remaining) as response:
+                body = bytearray()
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if time.monotonic() > deadline:
+                        raise late
         except httpx.TimeoutException:
-            raise _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s") from None
+            raise late from None
         except httpx.HTTPError as error:
             raise _AskFailed("failed", f"{address}: {type(error).__name__}: {error}") from None
+        text = body[:200].decode(errors="replace")
         if response.status_code == 503:
-            raise _AskFailed("refused", f"{address} refused: {response.text[:200]}")
+            raise _AskFailed("refused", f"{address} refused: {text}")
         if response.status_code != 200:
-            raise _AskFailed("failed", f"{address} answered {response.status_code}: {response.text[:200]}")
+            raise _AskFailed("failed", f"{address} answered {response.status_code}: {text}")
         try:
-            return OfferReply.from_json(response.json())
-        except ValueError as error:
+            return OfferReply.from_json(json.loads(body))
+        except ValueError as error:  # json's errors are ValueErrors too
             raise _AskFailed("corrupt", f"{address}: {error}") from None
 
     def _ack(self, address: str, offer_id: int) -> None:

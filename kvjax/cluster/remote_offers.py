@@ -124,6 +124,9 @@ class OfferReply:
         if not len(reply.keys) == len(reply.checksums) == reply.num_pages >= 0:
             raise ValueError(f"offer reply of {reply.num_pages} pages with {len(reply.keys)} keys and "
                              f"{len(reply.checksums)} checksums")  # fmt: skip
+        host, _, port = reply.address.rpartition(":")
+        if reply.num_pages and not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"offer reply address={reply.address!r}: expected the transfer server's host:port")
         return reply
 
 

@@ -90,6 +90,8 @@ class _Offer:
     block_nbytes: int
 
 
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
 class RemoteTransport:
     """One process's transfer server: offers its blocks, pulls its peers'; thread-safe.
 
@@ -106,6 +108,9 @@ class RemoteTransport:
         if not offer_ttl_s > 0:
             raise ValueError(f"offer_ttl_s={offer_ttl_s!r} must be > 0 seconds")
         host = address.rsplit(":", 1)[0]
+        if host in _WILDCARD_HOSTS:  # peers would be told to connect to it, and the puller aborts
+            raise ValueError(f"address={address!r} listens on every interface, and peers cannot connect to a "
+                             "wildcard address: give this host's address that peers reach (e.g. its interface IP)")
         self.device = jax.devices()[0]
         self._sharding = jax.sharding.SingleDeviceSharding(self.device)
         self._server = transfer.start_transfer_server(self.device.client, address, [f"{host}:0"],
@@ -186,7 +191,12 @@ class RemoteTransport:
         on the host (``to_host=False``: the ready array on this process's first device);
         ``PullError`` by ``deadline`` (monotonic seconds) otherwise."""
         spec = jax.ShapeDtypeStruct((num_blocks, block_nbytes), jnp.uint8, sharding=self._sharding)
-        connection = self._connection(address)
+        try:
+            connection = self._connection(address)
+        except Exception as error:  # noqa: BLE001 - a malformed or unreachable address is a failed pull
+            with self._lock:
+                self.counters["pull_failures"] += count
+            raise PullError(f"pull {offer_id:x}: cannot connect to {address!r}: {error}", "failed") from None
         outcome: dict = {}
         done = threading.Event()
 
@@ -202,11 +212,12 @@ class RemoteTransport:
         threading.Thread(target=wait, name=f"kvjax-pull-{offer_id:x}", daemon=True).start()
         finished = done.wait(max(0.0, deadline - time.monotonic()))
         with self._lock:
+            if not finished or "error" in outcome:  # the next pull there gets a fresh connection (a
+                if self._connections.get(address) is connection:  # restarted peer is reachable again)
+                    del self._connections[address]
             if not finished:
                 self.counters["abandoned_pulls"] += 1
                 self.counters["pull_timeouts"] += count
-                if self._connections.get(address) is connection:
-                    del self._connections[address]  # the next pull there gets a fresh connection
             elif "error" in outcome:
                 self.counters["pull_failures"] += count
             elif count:

@@ -73,10 +73,12 @@ from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.token_bucket import TokenBucket
 
-__all__ = ["Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult", "bucket_rows", "move_batches",
-           "wait_any"]
+__all__ = ["PULL_ABANDONED", "PULL_EXPIRED", "Link", "LinkBudget", "Priority", "TransferEngine", "TransferResult",
+           "bucket_rows", "move_batches", "wait_any"]
 
 _log = logging.getLogger(__name__)
+PULL_EXPIRED = "deadline passed while queued"  # a remote pull's error: it never ran
+PULL_ABANDONED = "deadline passed while running; abandoned"  # it ran too long: the peer is slow or hung
 _POLL_S = 0.05  # longest a waiting worker sleeps before re-reading the (injectable) clock
 
 
@@ -175,6 +177,9 @@ class _Job:
     pull: Callable[[float], object] | None = None  # remote_to_host: (deadline) -> blocks
     deadline: float = 0.0  # remote_to_host: time.monotonic() seconds the pull must end by
     num_blocks: int = 0  # remote_to_host: blocks it brings
+    timer: threading.Timer | None = None  # remote_to_host: fails it at its deadline, queued or running
+    started: bool = False  # remote_to_host: its pull began
+    finished: bool = False  # its future resolved (a pull abandoned at its deadline may still return later)
 
 
 class TransferEngine:
@@ -373,7 +378,12 @@ class TransferEngine:
         job = _Job(Link.REMOTE_TO_HOST, priority, np.zeros(0, np.intp), num_blocks * int(block_nbytes),
                    _Future(), pull=pull, deadline=deadline, num_blocks=num_blocks)  # fmt: skip
         self._promotable(job)
-        return self._submit(job)
+        self._submit(job)
+        if not self.synchronous and not job.finished:  # nobody waits past the deadline, whatever runs ahead
+            job.timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._expire_pull, (job,))
+            job.timer.daemon = True
+            job.timer.start()
+        return job.future
 
     # ---- control -------------------------------------------------------------------------
 
@@ -507,6 +517,20 @@ class TransferEngine:
                 self._wake[job.link].notify()  # its worker may be waiting for tokens for another
             return True
 
+    def _expire_pull(self, job: _Job) -> None:
+        """A pull's deadline passed: fail it now, queued (taken off the queue) or running (its
+        late result is dropped; the worker goes on once the pull returns)."""
+        with self._lock:
+            if job.finished:
+                return
+            queue = self._queues[job.link]
+            at = next((i for i, entry in enumerate(queue) if entry[-1] is job), None)
+            if at is not None:
+                queue.pop(at)
+                heapq.heapify(queue)
+            started = job.started
+        self._finish(job, self._failure(job, PULL_ABANDONED if started else PULL_EXPIRED))
+
     def _run(self, link: Link, jobs: list[_Job]) -> None:
         try:
             results = self._runners[link](jobs)
@@ -588,8 +612,10 @@ class TransferEngine:
     def _run_pull(self, jobs: list[_Job]) -> list[TransferResult]:
         [job] = jobs
         start = time.monotonic()
-        if start >= job.deadline:
-            return [self._failure(job, "deadline passed while queued")]
+        with self._lock:
+            job.started = not job.finished  # else failed at its deadline before it got here
+        if not job.started or start >= job.deadline:
+            return [self._failure(job, PULL_EXPIRED)]
         blocks = job.pull(job.deadline)
         return [TransferResult(job.link, job.num_blocks, ok=True, blocks=blocks, seconds=time.monotonic() - start)]
 
@@ -633,7 +659,14 @@ class TransferEngine:
         return job.future
 
     def _finish(self, job: _Job, result: TransferResult) -> None:
-        """Releases the disk segments a restore pinned, then resolves the job's future."""
+        """Releases the disk segments a restore pinned, then resolves the job's future (once:
+        a pull failed at its deadline is not finished again when it returns)."""
+        with self._lock:
+            if job.finished:
+                return
+            job.finished = True
+        if job.timer is not None:
+            job.timer.cancel()
         try:
             if job.pinned:
                 self.disk_tier.unlock(job.keys, job.namespaces[0])

@@ -1,0 +1,76 @@
+"""The requester's side of remote fetch, one peer at a time without a cluster: a peer that
+answers slowly never holds a fetch past its deadline, a malformed offer is corrupt, and a node
+must tell its peers an address they can reach. (Real nodes: test_cluster_remote.)"""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvjax.cluster.__main__ import main
+from kvjax.cluster.remote_fetch import FetchPlan, PeerHint, RemoteFetcher
+from kvjax.cluster.remote_offers import OfferReply
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
+from kvjax.tiers.page_pool import PoolConfig
+from kvjax.tiers.remote_transport import RemoteTransport
+
+POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
+
+
+def dripping_peer(stop: threading.Event) -> str:
+    """An HTTP peer that answers /kv/offer with its headers, then one body byte every 50 ms:
+    each read well within any timeout, the whole answer 2 s."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+
+    def serve():
+        connection, _ = server.accept()
+        connection.recv(65536)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n")
+        for _ in range(40):
+            if stop.wait(0.05):
+                break
+            connection.sendall(b" ")
+        connection.close()
+        server.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline():
+    # httpx's timeout bounds each read, not the answer: the ask ran 2 s past a 0.3 s deadline
+    stop = threading.Event()
+    transport = RemoteTransport(reap=False)
+    with KVCache(KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block)) as cache:
+        fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
+        try:
+            now = time.monotonic()
+            plan = FetchPlan(PeerHint("dripper", dripping_peer(stop), 4, 0), 0, 4, 0.15, now, now + 0.3)
+            result = fetcher.start(plan, np.arange(20, dtype=np.int32), None).result(timeout=30)
+            waited = time.monotonic() - now
+            outcome = fetcher.finish(plan, result)
+            assert waited < 1.0, waited  # its deadline plus scheduling slack, not the 2 s answer
+            assert outcome.outcome == "timeout" and outcome.blocks is None
+            assert fetcher.health.is_suspect("dripper")
+            assert cache.transfer.wait_idle(5)  # the worker was let go too, not only the request
+        finally:
+            stop.set()
+            fetcher.close()
+            transport.close()
+
+
+def test_an_offer_reply_must_name_a_transfer_server():
+    reply = {"num_pages": 1, "offer_id": 7, "block_nbytes": 4, "keys": ["00"], "checksums": ["00"], "tiers": ["host"]}
+    assert OfferReply.from_json({**reply, "address": "10.0.0.2:4100"}).address == "10.0.0.2:4100"
+    for bad in ("", "10.0.0.2", "10.0.0.2:port", "10.0.0.2:0", ":4100"):
+        with pytest.raises(ValueError, match=rf"offer reply address={bad!r}: expected the transfer server's host:port"):
+            OfferReply.from_json({**reply, "address": bad})
+    assert OfferReply.from_json({**reply, "num_pages": 0, "keys": [], "checksums": [], "address": ""}).num_pages == 0
+
+
+def test_a_node_on_every_interface_needs_an_address_its_peers_can_reach():
+    with pytest.raises(SystemExit, match=r"node: --host 0.0.0.0 listens on every interface; give --transfer-address"):
+        main(["node", "--node-id", "n1", "--host", "0.0.0.0", "--redis", "redis://127.0.0.1:1/0"])
