@@ -90,6 +90,32 @@ def test_moving_fields_keeps_every_value_and_only_the_values(text):
     assert result.text[: result.dynamic_start] == (expected.rstrip("\n") if result.moved else text)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(FRAGMENTS.filter(lambda f: "[dynamic fields]" not in f) | st.sampled_from(["<request_id>", "<stamp>"]),
+                max_size=40).map("".join))  # fmt: skip
+def test_a_prompt_is_recoverable_from_its_canonical_form(text):
+    # a placeholder's text typed in the prompt read the same as a moved value's: two prompts
+    # differing only in where the value stood canonicalized alike (and shared KV)
+    config = CanonicalizeConfig(**NO_RULES, dynamic_fields=FIELDS)
+    result = canonicalize(text, config)
+    body, _, trailer = result.text.partition("\n\n[dynamic fields]\n")
+    moved = [change for change in result.changes if change.rule == "dynamic_fields"]
+    assert bool(trailer) == bool(moved)
+    for change in moved:
+        assert body.count(change.after) == 1, (change.after, body)  # each moved placeholder is unique
+        body = body.replace(change.after, change.before)
+    assert body == (text.rstrip("\n") if moved else text)  # the section follows the body's last line
+
+
+def test_placeholder_text_in_a_prompt_is_numbered_past():
+    config = CanonicalizeConfig(dynamic_fields={"order": r"ORD-\d+"})
+    first = canonicalize("Cancel ORD-17, keep <order>.", config).text
+    second = canonicalize("Cancel <order>, keep ORD-17.", config).text
+    assert first == "Cancel <order_2>, keep <order>.\n\n[dynamic fields]\n<order_2>: ORD-17"
+    assert second == "Cancel <order>, keep <order_2>.\n\n[dynamic fields]\n<order_2>: ORD-17"
+    assert canonicalize(first, config).text == first and canonicalize(second, config).text == second
+
+
 def test_a_carriage_return_around_a_field_stays_in_the_body():
     # Found by the property above: with the line-ending rule off, the "\r" of a CRLF line
     # was moved into the trailer as part of the date's value.
@@ -238,7 +264,9 @@ def test_new_fields_are_appended_after_an_existing_section_with_numbers_continue
 def test_a_look_alike_section_that_does_not_parse_is_ordinary_text(text):
     config = CanonicalizeConfig(dynamic_fields={"request_id": r"req-\d+"})
     result = canonicalize(text, config)
-    assert result.text.startswith(text.replace("req-1", "<request_id>"))
+    [moved] = [change for change in result.changes if change.rule == "dynamic_fields"] or [None]
+    assert moved is None or moved.after not in text  # numbered past the look-alike's placeholder
+    assert result.text.startswith(text if moved is None else text.replace("req-1", moved.after))
     assert canonicalize(result.text, config).text == result.text
 
 
@@ -265,6 +293,10 @@ def test_common_dynamic_fields_move_dates_timestamps_and_uuids():
         ({"dynamic_fields": [("a", "x"), ("a", "y")]}, r"names \['a'\] appear more than once"),
         ({"dynamic_fields": [("a", "x", "y")]}, r"entry \('a', 'x', 'y'\) must be a \(name, regex"),
         ({"dynamic_fields": 5}, r"dynamic_fields=5 must be a mapping or a sequence"),
+        ({"dynamic_fields": [{"name": "a", "pattern": "x"}]}, r"entry \{'name': 'a', 'pattern': 'x'\} must be a table "
+                                                             r"of exactly name and regex"),
+        ({"dynamic_fields": ["ax"]}, r"entry 'ax' must be a \(name, regex\) pair, not one string"),
+        ({"dynamic_fields": "ax"}, r"entry 'ax' must be a \(name, regex\) pair, not one string"),
         ({"tabs": "yes"}, r"tabs='yes' must be a bool"),
         ({"dynamic_marker": ""}, r"dynamic_marker='' must be one non-empty line"),
         ({"dynamic_marker": "a\nb"}, r"dynamic_marker='a\\nb' must be one non-empty line"),
@@ -281,6 +313,9 @@ def test_from_dict_builds_a_config_and_rejects_unknown_keys():
     assert config == CanonicalizeConfig(tabs=True, dynamic_fields=(("r", "req-1"),))
     with pytest.raises(ValueError, match=r"unknown canonicalize option\(s\) \['tab'\]; expected"):
         CanonicalizeConfig.from_dict({"tab": True})
+    # TOML's [[dynamic_fields]] tables: tuple() of one gave its keys, a field "name" matching "regex"
+    tables = CanonicalizeConfig.from_dict({"dynamic_fields": [{"name": "order", "regex": "ORD-[0-9]+"}]})
+    assert tables.dynamic_fields == (("order", "ORD-[0-9]+"),)
 
 
 def test_non_text_is_a_type_error():

@@ -260,6 +260,7 @@ def _apply_rule(name, pattern, replacement, text: str, changes: list[Change]) ->
 _FIELD_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _NUMBERED = re.compile(r".*_\d+")
 _ENTRY = re.compile(r"<([A-Za-z][A-Za-z0-9_]*?)(?:_([1-9]\d*))?>: (.*)")
+_PLACEHOLDER = re.compile(r"<([A-Za-z][A-Za-z0-9_]*?)(?:_([1-9]\d*))?>")  # <name> or <name_N> anywhere
 _CONTINUATION = "  "  # indent of a moved value's second and later lines
 
 
@@ -277,6 +278,12 @@ def _move_dynamic_fields(
     for placeholder, _ in entries:
         name, number = _parse_placeholder(placeholder)
         seen[name] = max(seen[name], number)
+    # A placeholder's text already in the prompt (typed by its author, not moved here) is
+    # numbered past: a moved value's placeholder must not read the same as text that stays,
+    # or two prompts differing only in where the value was would canonicalize alike.
+    for found in _PLACEHOLDER.finditer(body):
+        if found.group(1) in seen:
+            seen[found.group(1)] = max(seen[found.group(1)], int(found.group(2) or 1))
     pieces, copied = [], 0
     for name, match in _leftmost_matches(fields, body):
         # Any whitespace around a match is layout, not value: a "\r" left by a CRLF line (with
@@ -336,13 +343,16 @@ def _split_trailer(text: str, config: CanonicalizeConfig) -> tuple[str, list[tup
     if start < 0:
         return text, []
     body, names = text[:start], {name for name, _ in config.dynamic_fields}
+    in_body = {found.group() for found in _PLACEHOLDER.finditer(body)}  # one pass, not one per entry
     entries: list[tuple[str, str]] = []
+    listed: set[str] = set()
     for line in text[start + len(separator) :].split("\n"):
         entry = _ENTRY.fullmatch(line)
         if entry is not None and entry.group(1) in names:
             placeholder = line[: line.index(">") + 1]
-            if placeholder not in body or any(placeholder == p for p, _ in entries):
+            if placeholder not in in_body or placeholder in listed:
                 return text, []
+            listed.add(placeholder)
             entries.append((placeholder, entry.group(3)))
         elif entries and (not line or line.startswith(_CONTINUATION)):
             placeholder, value = entries[-1]
@@ -360,14 +370,28 @@ def _parse_placeholder(placeholder: str) -> tuple[str, int]:
 
 
 def _field_pairs(fields: object) -> tuple[tuple[object, ...], ...]:
+    """``dynamic_fields`` as (name, regex) pairs: from a mapping, a sequence of pairs, or a
+    sequence of ``{"name": ..., "regex": ...}`` tables (TOML's ``[[dynamic_fields]]``)."""
     if isinstance(fields, Mapping):
         fields = fields.items()
+    if isinstance(fields, (str, bytes)):
+        fields = [fields]  # refused below, not read as one pair per character
     try:
-        return tuple(tuple(pair) for pair in fields)
+        return tuple(_field_pair(pair) for pair in fields)
     except TypeError:
         raise ValueError(
             f"dynamic_fields={fields!r} must be a mapping or a sequence of (name, regex) pairs"
         ) from None
+
+
+def _field_pair(pair: object) -> tuple[object, ...]:
+    if isinstance(pair, Mapping):  # tuple() of a table would be its keys: ("name", "regex")
+        if set(pair) != {"name", "regex"}:
+            raise ValueError(f"dynamic_fields entry {dict(pair)!r} must be a table of exactly name and regex")
+        return (pair["name"], pair["regex"])
+    if isinstance(pair, (str, bytes)):
+        raise ValueError(f"dynamic_fields entry {pair!r} must be a (name, regex) pair, not one string")
+    return tuple(pair)
 
 
 def _is_int(value: object) -> bool:
