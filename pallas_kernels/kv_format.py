@@ -185,6 +185,10 @@ def parse_quant(value, name: str = "kv_quant", scale: str = "token",
     """A config's quantization setting: ``None``, ``""`` and ``"none"`` mean unquantized;
     otherwise one of :data:`FORMATS`. ``scale`` (its granularity setting) other than the
     default only makes sense with a format. ValueError naming the value otherwise."""
+    if value is not None and not isinstance(value, str):  # a list is unhashable: a TypeError below
+        raise ValueError(f"{name}={value!r} must be a format name (str) or None")
+    if not isinstance(scale, str):
+        raise ValueError(f"{scale_name}={scale!r} must be one of {GRANULARITIES}")
     quant = None if value in (None, "", "none") else value
     if quant is not None and quant not in FORMATS:
         raise ValueError(f"{name}={value!r} is not a known format; expected 'none' or one of "

@@ -337,6 +337,8 @@ def test_preset_rejects_unknown_sections_keys(tmp_path):
     (lambda: EngineConfig(seed=-1), r"seed=-1 must be an int in \[0, 2\*\*32\)"),
     (lambda: EngineConfig(canonicalize="yes"), "canonicalize='yes' must be a bool"),
     (lambda: EngineConfig(template_chars=0), "template_chars=0 must be an int >= 1"),
+    (lambda: EngineConfig(template_chars=True), "template_chars=True must be an int >= 1"),
+    (lambda: EngineConfig(seed=True), r"seed=True must be an int in \[0, 2\*\*32\)"),
     (lambda: WorkloadSpec(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
     (lambda: EngineConfig(token_buckets="32"), r"token_buckets='32' must be a sequence of ints"),
     (lambda: EngineConfig(token_buckets=64), r"token_buckets=64 must be a sequence of ints"),

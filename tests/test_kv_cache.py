@@ -389,6 +389,19 @@ def test_namespaces_never_share_pages_in_any_tier():
     (dict(selective_min_hits=0), r"selective_min_hits=0 must be an int >= 1"),
     (dict(high_watermark=0.5, low_watermark=0.6), r"watermarks must satisfy 0 <= low_watermark=0.6"),
     (dict(cost_model="fast"), r"cost_model='fast' must be a CostModel"),
+    # wrong types: a bare TypeError, an unhashable list, or accepted and failing later
+    (dict(high_watermark="0.9"), r"high_watermark='0.9' must be a number in \[0, 1\]"),
+    (dict(policy=["lru"]), r"unknown eviction policy \['lru'\]"),
+    (dict(write_policy=["write_back"]), r"unknown write_policy \['write_back'\]"),
+    (dict(offload_quant=["int8"], host_bytes=1 << 20), r"offload_quant=\['int8'\] must be a format name \(str\)"),
+    (dict(disk_dir=5, host_bytes=1 << 20, disk_bytes=1 << 20), r"disk_dir=5 must be a directory path"),
+    (dict(vocab_size=2.5), r"vocab_size=2.5 must be None or an int in \[1, 2\*\*31\]"),
+    (dict(vocab_size="256"), r"vocab_size='256' must be None or an int"),
+    (dict(host_bytes=True), r"host_bytes=True must be an int >= 0"),
+    (dict(selective_min_hits=True), r"selective_min_hits=True must be an int >= 1"),
+    # a host tier of no slots: every page fell through it, the disk tier never used
+    (dict(host_bytes=POOL.bytes_per_block - 1), rf"host_bytes={POOL.bytes_per_block - 1} holds no block \(one "
+                                                rf"takes {POOL.bytes_per_block} bytes here\)"),
 ])  # fmt: skip
 def test_bad_config_is_rejected_with_a_message(values, message):
     with pytest.raises(ValueError, match=message):

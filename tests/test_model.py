@@ -88,3 +88,8 @@ def test_config_errors():
         ModelConfig(head_dim=7)
     with pytest.raises(ValueError, match=r"unknown model config keys \['layers'\]"):
         ModelConfig.from_dict({"layers": 3})
+    for theta in (float("nan"), -1.0, 0.0, float("inf"), "1e4", True):  # NaN logits, silently, or a trace error
+        with pytest.raises(ValueError, match=r"rope_theta=.* must be a finite number > 0"):
+            ModelConfig(rope_theta=theta)
+    with pytest.raises(ValueError, match=r"vocab_size=True must be a positive int"):
+        ModelConfig(vocab_size=True)

@@ -20,14 +20,16 @@ def test_the_tiny_preset_ships_with_its_weights():
     assert weights.stat().st_size < 1 << 20  # small enough to ship in the wheel
 
 
-def test_a_path_reads_that_file_and_weights_resolve_beside_it(tmp_path):
+def test_a_path_reads_that_file_and_weights_resolve_beside_it(tmp_path, monkeypatch):
     model_cfg = ModelConfig(num_layers=1, d_model=32, num_q_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
     save_weights(Transformer(model_cfg, seed=5), tmp_path / "mine.npz")
     fields = "\n".join(f"{k} = {getattr(model_cfg, k)!r}" for k in model_cfg.__dataclass_fields__)
     preset = tmp_path / "mine.toml"
     preset.write_text(f'weights = "mine.npz"\n[model]\n{fields}\n[cache]\npage_size = 8\nnum_blocks = 8\n'
                       .replace("'", '"'))
-    assert load_preset(preset)["weights"] == str(tmp_path / "mine.npz")
+    assert load_preset(preset)["weights"] == str((tmp_path / "mine.npz").resolve())
+    monkeypatch.chdir(tmp_path)  # a relative path: the weights' path is absolute all the same
+    assert load_preset("mine.toml")["weights"] == str((tmp_path / "mine.npz").resolve())
     assert load_preset(str(preset))["cache"] == {"page_size": 8, "num_blocks": 8}
     shipped = build_engine_parts(str(preset), tiers=False)["model"]
     random = build_engine_parts(str(preset), tiers=False, weights="random", seed=1)["model"]

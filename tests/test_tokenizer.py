@@ -15,6 +15,7 @@ from kvjax.text.tokenizer import (
     TokenizerAdapter,
     as_tokenizer,
 )
+from kvjax.text.tokens import token_bytes, validate_tokens
 
 
 def test_docstring_examples_hold():
@@ -147,10 +148,24 @@ def test_things_that_are_not_tokenizers_get_a_type_error(bad):
         as_tokenizer(bad)
 
 
-@pytest.mark.parametrize("vocab_size", [0, -5, 2.5, True])
+@pytest.mark.parametrize("vocab_size", [0, -5, 2.5, True, 2**31 + 1, 2**32])
 def test_bad_vocab_sizes_are_rejected(vocab_size):
-    with pytest.raises(ValueError, match=r"vocab_size=.* must be a positive integer or None"):
+    # past 2**31 an id that passed the range check wrapped to a negative int32
+    with pytest.raises(ValueError, match=r"vocab_size=.* must be a positive integer <= 2\*\*31 \(ids are int32\) or None"):
         as_tokenizer(lambda text: [0], vocab_size=vocab_size)
+
+
+@pytest.mark.parametrize("tokens", [np.array([-1], np.int32), [2**31], np.array([2**31 + 7], np.int64)])
+def test_ids_past_int32_are_refused_whatever_vocab_size_claims(tokens):
+    for check in (validate_tokens, token_bytes):
+        with pytest.raises(ValueError, match=r"is out of range; expected 0 <= id < 2147483648 \(vocab_size=4294967296\)"):
+            check(tokens, 2**32)
+
+
+@pytest.mark.parametrize("flag", ["add_bos", "add_eos"])
+def test_a_tokenizer_flag_must_be_a_bool(flag):
+    with pytest.raises(ValueError, match=rf"{flag}='no' must be a bool"):  # "no" is truthy
+        ByteTokenizer(**{flag: "no"})
 
 
 def test_non_integer_or_nested_encode_output_is_rejected():

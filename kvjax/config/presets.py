@@ -77,7 +77,7 @@ def _resolve(preset: str | os.PathLike) -> Path:
         raise ValueError(f"preset={preset!r} must be a preset name or the path of a .toml file")
     text = os.fspath(preset)
     if text.endswith(".toml") or os.sep in text or (os.altsep and os.altsep in text):
-        path = Path(text).expanduser()
+        path = Path(text).expanduser().resolve()  # absolute: the weights beside it must not follow the cwd
         if not path.is_file():
             problem = "is a directory" if path.is_dir() else "does not exist"
             raise ValueError(f"preset file {text!r} {problem}; expected a TOML file")

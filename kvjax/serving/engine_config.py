@@ -48,12 +48,13 @@ class EngineConfig:
                 raise ValueError(f"token_buckets={self.token_buckets!r} must be a sequence of ints (token counts), "
                                  "or None")  # fmt: skip
             object.__setattr__(self, "token_buckets", buckets)
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**32)")
         for flag in ("canonicalize", "spill_ahead"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}={getattr(self, flag)!r} must be a bool")
-        if not isinstance(self.template_chars, int) or self.template_chars < 1:
+        if isinstance(self.template_chars, bool) or not isinstance(self.template_chars, int) \
+                or self.template_chars < 1:  # fmt: skip
             raise ValueError(f"template_chars={self.template_chars!r} must be an int >= 1")
 
     @classmethod

@@ -14,6 +14,7 @@ Two forward passes share every weight:
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import jax
@@ -43,8 +44,11 @@ class ModelConfig:
         for name in ("vocab_size", "num_layers", "d_model", "num_q_heads", "num_kv_heads",
                      "head_dim", "mlp_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        theta = self.rope_theta  # NaN, 0 or a negative base gives NaN logits, silently
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0.0 < theta < math.inf:
+            raise ValueError(f"rope_theta={theta!r} must be a finite number > 0 (RoPE's base, e.g. 10000.0)")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads={self.num_q_heads} must be a multiple of "

@@ -74,6 +74,8 @@ class ByteTokenizer:
             raise ValueError(f"special_tokens={specials!r} contains a duplicate name")
         object.__setattr__(self, "special_tokens", tuple(specials))
         for flag, name in (("add_bos", "<bos>"), ("add_eos", "<eos>")):
+            if not isinstance(getattr(self, flag), bool):  # "no" would be truthy: a BOS nobody asked for
+                raise ValueError(f"{flag}={getattr(self, flag)!r} must be a bool")
             if getattr(self, flag) and name not in specials:
                 raise ValueError(f"{flag}=True needs {name!r} in special_tokens={specials!r}")
 
@@ -209,8 +211,8 @@ _NOT_A_TOKENIZER = (
 def _checked_vocab_size(vocab_size: int | None) -> int | None:
     if vocab_size is None:
         return None
-    if not _is_int(vocab_size) or vocab_size <= 0:
-        raise ValueError(f"{vocab_size=} must be a positive integer or None")
+    if not _is_int(vocab_size) or not 0 < vocab_size <= 2**31:
+        raise ValueError(f"{vocab_size=} must be a positive integer <= 2**31 (ids are int32) or None")
     return int(vocab_size)
 
 

@@ -37,7 +37,7 @@ def validate_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) 
             array = _integral_or_raise(array)
         else:
             raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
-    limit = _INT32_LIMIT if vocab_size is None else int(vocab_size)
+    limit = _limit(vocab_size)
     if array.dtype == TOKEN_DTYPE:  # one pass: negative ids wrap to >= 2**31 as uint32
         out_of_range = int(array.view(np.uint32).max()) >= limit
     else:
@@ -61,13 +61,19 @@ def token_bytes(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) -> b
     if array.dtype != TOKEN_DTYPE or array.ndim != 1:
         return validate_tokens(array, vocab_size).tobytes()
     buf = array.tobytes()
-    limit = _INT32_LIMIT if vocab_size is None else int(vocab_size)
+    limit = _limit(vocab_size)
     if buf and int(np.frombuffer(buf, np.uint32).max()) >= limit:  # negative ids wrap high
         validate_tokens(array, vocab_size)  # raises, naming the bad id and its index
     return buf
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _limit(vocab_size: int | None) -> int:
+    """One past the largest valid id: ids are int32, whatever the vocabulary's size claims
+    (past 2**31 an id would wrap to a negative one)."""
+    return _INT32_LIMIT if vocab_size is None else min(int(vocab_size), _INT32_LIMIT)
 
 
 def _integral_or_raise(array: np.ndarray) -> np.ndarray:

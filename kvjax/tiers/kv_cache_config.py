@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 
 from kvjax.cache.cost_model import CostModel
@@ -67,25 +68,38 @@ class KVCacheConfig:
     def __post_init__(self):
         if not isinstance(self.pool, PoolConfig):
             raise ValueError(f"pool={self.pool!r} must be a PoolConfig")
-        if self.write_policy not in WRITE_POLICIES:
+        if not isinstance(self.write_policy, str) or self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write_policy {self.write_policy!r}; valid: {list(WRITE_POLICIES)}")
-        if self.policy not in POLICIES:
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {self.policy!r}; valid policies: {sorted(POLICIES)}")
         for name in ("host_bytes", "disk_bytes", "disk_segment_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0 (bytes)")
+        if self.disk_dir is not None and not isinstance(self.disk_dir, (str, os.PathLike)):
+            raise ValueError(f"disk_dir={self.disk_dir!r} must be a directory path (str) or None")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
+                                            or not 0 < self.vocab_size <= 2**31):  # fmt: skip
+            raise ValueError(f"vocab_size={self.vocab_size!r} must be None or an int in [1, 2**31] (ids are int32)")
         if self.disk_dir is not None and (self.host_bytes == 0 or self.disk_bytes == 0):
             raise ValueError(f"a disk tier (disk_dir={self.disk_dir!r}) needs host_bytes > 0 and "
                              f"disk_bytes > 0; got {self.host_bytes=}, {self.disk_bytes=}")
-        if not isinstance(self.selective_min_hits, int) or self.selective_min_hits < 1:
+        if isinstance(self.selective_min_hits, bool) or not isinstance(self.selective_min_hits, int) \
+                or self.selective_min_hits < 1:  # fmt: skip
             raise ValueError(f"selective_min_hits={self.selective_min_hits!r} must be an int >= 1")
+        for name in ("low_watermark", "high_watermark"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name}={value!r} must be a number in [0, 1] (a fraction)")
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
             raise ValueError(f"watermarks must satisfy 0 <= low_watermark={self.low_watermark} "
                              f"<= high_watermark={self.high_watermark} <= 1")
         if not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model={self.cost_model!r} must be a CostModel")
-        make_codec(self.pool, self.offload_quant, self.offload_scale)  # raises naming a bad value
+        codec = make_codec(self.pool, self.offload_quant, self.offload_scale)  # raises naming a bad value
+        if 0 < self.host_bytes < codec.block_nbytes:  # a host tier of no slots: pages fall straight through it
+            raise ValueError(f"host_bytes={self.host_bytes} holds no block (one takes {codec.block_nbytes} bytes "
+                             "here); use 0 for no host tier, or at least one block's bytes")
         object.__setattr__(self, "offload_quant", parse_quant(self.offload_quant, "offload_quant"))
         if self.offload_quant is not None and not self.tiered:
             raise ValueError(f"offload_quant={self.offload_quant!r} compresses pages leaving the device "
