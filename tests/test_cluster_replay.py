@@ -16,6 +16,7 @@ from kvjax.tools.cluster_replay import (
     FetchModel,
     ServiceModel,
     cluster_replay,
+    format_cluster_report,
     simulate_cluster,
     window_max_mean,
 )
@@ -216,6 +217,17 @@ def test_bad_settings_are_refused_before_replaying():
         cluster_replay(TWO_CONVERSATIONS, ClusterSpec(2, 0))
     with pytest.raises(ValueError, match=r"prefill_tokens_per_s=0 must be a number > 0 \(tokens per second\)"):
         ServiceModel(prefill_tokens_per_s=0)
+    # the one cache of the cluster's capacity was checked only after every request had replayed
+    with pytest.raises(ValueError, match=r"nodes x device_blocks = 3 x 1000000000 = 3000000000 blocks exceeds"):
+        ClusterSpec(3, 1_000_000_000)
+
+
+def test_the_offline_yardstick_keeps_what_a_node_computes_and_names_its_room():
+    # a request longer than a node's device is computed (and cached) only up to it; a yardstick
+    # caching the whole request evicted what the nodes kept, and a cluster beat its 'bound'
+    report = cluster_replay(trace([(0,), (1, 0), (0,)]), ClusterSpec(2, 1, host_blocks=2, block_tokens=BLOCK))
+    assert report.local.hit_blocks <= report.offline.hit_blocks
+    assert f"offline at {2 * (1 + 2)} blocks" in format_cluster_report("t", report)
 
 
 # --- the CLI -------------------------------------------------------------------------------
@@ -293,6 +305,8 @@ def test_cli_without_nodes_is_the_single_node_replay(tmp_path, capsys):
         (["--nodes", "2", "--policy-share-s", "0"], "policy_share_s=0.0 must be a positive finite number of seconds"),
         (["--nodes", "2", "--policy-share-s", "1", "--no-policy-sharing"],
          "--policy-share-s 1 and --no-policy-sharing contradict each other"),
+        (["--nodes", "2", "--remote-fetch-cost", "0.5", "--no-remote-fetch"],
+         "--remote-fetch-cost 0.5 and --no-remote-fetch contradict each other"),
     ],
 )
 def test_cli_refuses_bad_cluster_options_with_one_line(tmp_path, capsys, extra, message):

@@ -7,8 +7,9 @@ import pytest
 from engine_cases import write_preset
 
 from kvjax.__main__ import main
+from kvjax.text.tokenizer import ByteTokenizer
 from kvjax.tools.demo import run_demo
-from kvjax.tools.workload import WorkloadSpec
+from kvjax.tools.workload import WorkloadSpec, _continuation
 
 SPEC = WorkloadSpec(system_prompts=2, questions_per_system_prompt=3, conversations=2, turns_per_conversation=2,
                     few_shot_templates=1, queries_per_template=3, examples_per_template=2,
@@ -132,3 +133,11 @@ def test_ttft_plot_ticks_do_not_overlap_and_headline_and_caption_show(low_ms, hi
     assert UNCACHED_CAPTION in [text.get_text() for text in fig.texts]
     assert "namespace of its own" in UNCACHED_CAPTION
     plt.close(fig)
+
+
+@pytest.mark.parametrize("add_bos, add_eos", [(True, True), (True, False), (False, False)])
+def test_a_later_turn_appends_no_bos_or_eos_mid_conversation(add_bos, add_eos):
+    # each later turn appended the tokenizer's BOS (and EOS) inside the prompt
+    tokenizer = ByteTokenizer(add_bos=add_bos, add_eos=add_eos)
+    appended = _continuation(tokenizer, "\nUser: hi\nAssistant:")
+    assert appended.tolist() == list(b"\nUser: hi\nAssistant:")

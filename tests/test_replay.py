@@ -247,6 +247,27 @@ def test_the_offline_yardstick_has_every_tiers_room():
     assert summary["block_hit_rate"] <= summary["offline_block_hit_rate"]
 
 
+@settings(max_examples=40, deadline=None)
+@given(paths=_paths, device=st.integers(1, 3), host=st.integers(0, 4), policy=st.sampled_from(sorted(POLICIES)))
+def test_no_tiered_replay_beats_its_offline_yardstick(paths, device, host, policy):
+    # the yardstick had to cache a request's whole path where the replay keeps only its first
+    # device blocks: evicting for that, it lost hits the replay kept (requests past the device)
+    summary = replay_report(_trace(*paths), device, policy=policy, block_tokens=BLOCK, host_blocks=host).as_dict()
+    assert summary["block_hit_rate"] <= summary["offline_block_hit_rate"] + 1e-12
+
+
+def test_a_request_longer_than_the_device_does_not_cost_the_yardstick_its_hits():
+    summary = replay_report(_trace([0], [1, 0], [0]), 1, policy="lru", block_tokens=BLOCK, host_blocks=1).as_dict()
+    assert summary["block_hit_rate"] == summary["offline_block_hit_rate"] == 1 / 4
+
+
+def test_evicted_blocks_are_those_that_left_every_tier():
+    # a tiered replay counted moves from device to host as evictions: 5 here, though nothing was lost
+    summary = replay_report(CYCLE, 1, policy="lru", block_tokens=BLOCK, host_blocks=10).as_dict()
+    assert summary["evicted_blocks"] == 0 and summary["block_hit_rate"] == summary["unlimited_block_hit_rate"]
+    assert replay_report(CYCLE, 1, policy="lru", block_tokens=BLOCK, host_blocks=1).as_dict()["evicted_blocks"] == 4
+
+
 def test_cli_json_is_the_last_line(tmp_path, capsys):
     trace = _write(tmp_path, CYCLE)
     status = main(["replay", str(trace), "--device-blocks", "2", "--policy", "lru",

@@ -53,6 +53,8 @@ def test_block_tokens_other_than_512_set_the_expected_id_count():
     [
         ("{not json", r"t\.jsonl:1: not valid JSON"),
         ("[1, 2]", r"t\.jsonl:1: expected a JSON object, got list"),
+        ("[" * 100_000 + "]" * 100_000, r"t\.jsonl:1: not valid JSON \(nested too deeply\)"),  # was a RecursionError
+        ('{"timestamp": ' + "9" * 5000 + "}", r"t\.jsonl:1: not valid JSON \(Exceeds the limit"),  # named no line
         (_line(timestamp=_MISSING), r"t\.jsonl:1: missing field 'timestamp'"),
         (_line(hash_ids=_MISSING), r"missing field 'hash_ids'"),
         (_line(timestamp="0"), r"field 'timestamp'='0' must be a non-negative int or float"),

@@ -174,3 +174,11 @@ def test_command_line_errors_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == ("python -m kvjax.tools.trace_family: error: num_requests=-1 must be >= 0\n")
     assert main(["chat", str(tmp_path / "missing" / "x.jsonl"), "--num-requests", "1"]) == 1
     assert "error: No such file or directory: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_shape_gives_exactly_the_requests_asked_for(shape):
+    # 0 raised an IndexError in five shapes; mixed rounded each tenant's share apart (11 gave 10)
+    assert generate(shape, num_requests=0) == []
+    for count in (1, 11, 31):
+        assert len(generate(shape, num_requests=count)) == count

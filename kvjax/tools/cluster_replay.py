@@ -52,7 +52,8 @@ past the chosen node's hits that another node held (what fetching could add at a
 ``single_cache_block_hit_rate`` one cache of N x C device blocks (N x M host, N x K disk),
 same policy; ``max_mean_requests`` the busiest node's requests over the mean;
 ``p95_window_max_mean_requests`` the same over every window of 50 x N consecutive arrivals,
-95th percentile. The offline and unlimited yardsticks are at N x C blocks.
+95th percentile. The offline yardstick has every tier of every node's room, N x (C + M + K)
+blocks, keeping a request's first C blocks as each node does; unlimited has no bound.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from kvjax.cluster.router import RECENT_PER_NODE, RouterConfig, RoutingPolicy
 from kvjax.tiers.kv_cache import KVCache
 from kvjax.tools.replay import (
     DEFAULT_POLICY,
+    MAX_BLOCKS,
     REPLAY_NAMESPACE,
     ReplayReport,
     matched_blocks,
@@ -197,6 +199,11 @@ class ClusterSpec:
             raise ValueError(f"policy_share_s={share!r} must be a positive finite number of seconds, or None")
         if not isinstance(self.pooled, bool):
             raise ValueError(f"pooled={self.pooled!r} must be a bool")
+        for name in ("device_blocks", "host_blocks", "disk_blocks"):  # the yardsticks hold nodes x each
+            per_node = getattr(self, name)
+            if isinstance(per_node, int) and self.nodes * per_node > MAX_BLOCKS:
+                raise ValueError(f"nodes x {name} = {self.nodes} x {per_node} = {self.nodes * per_node} blocks "
+                                 f"exceeds {MAX_BLOCKS} (the one cache of the whole cluster's capacity)")
 
     @property
     def shares_statistics_s(self) -> float | None:
@@ -235,7 +242,7 @@ class ClusterReplayReport:
     fetch: FetchModel | None = None
     fetched_blocks: int = 0  # of the remote blocks, those fetched (and so served)
     single_cache: HitCounts | None = None  # one cache of nodes x the capacities, same policy
-    offline: HitCounts | None = None  # farthest-next-use at nodes x device_blocks
+    offline: HitCounts | None = None  # farthest-next-use at offline_blocks(spec): every tier of every node
     unlimited: HitCounts | None = None
 
     @property
@@ -367,7 +374,7 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
         loads.add(node, now, sum(block_tokens[hit_blocks + fetched :]), request.output_length)
         chosen[index] = node
         reasons[decision.reason] += 1
-    evicted = sum(cache.stats.prefix.evicted_blocks for cache in distinct)
+    evicted = sum(cache.trie.dropped_pages for cache in distinct)
     for cache in distinct:
         cache.close()
     return ClusterReplayReport(
@@ -430,7 +437,8 @@ def yardsticks(requests: Sequence[TraceRequest], spec: ClusterSpec) -> dict[str,
         "single_cache": replay_trace(requests, total, policy=spec.policy, block_tokens=spec.block_tokens,
                                      host_blocks=spec.nodes * spec.host_blocks,
                                      disk_blocks=spec.nodes * spec.disk_blocks, write_through=spec.write_through),
-        "offline": offline_replay(requests, offline_blocks(spec), block_tokens=spec.block_tokens),
+        "offline": offline_replay(requests, offline_blocks(spec), block_tokens=spec.block_tokens,
+                                  kept_blocks=spec.device_blocks),  # as every node computes no more
         "unlimited": unlimited_replay(requests, block_tokens=spec.block_tokens),
     }  # fmt: skip
 
@@ -460,7 +468,8 @@ def format_cluster_report(trace: str, report: ClusterReplayReport) -> str:
     total = spec.nodes * spec.device_blocks
     write = "write-through" if spec.write_through else "write-back"
     rates = [("served locally", local), (f"one cache of {total} device blocks", report.single_cache),
-             (f"offline at {total} blocks", report.offline), ("unlimited capacity", report.unlimited)]  # fmt: skip
+             (f"offline at {offline_blocks(spec)} blocks", report.offline),
+             ("unlimited capacity", report.unlimited)]  # fmt: skip
     lines = [
         f"trace {trace}: {local.requests} requests, {local.blocks} blocks, {local.tokens} prompt tokens",
         (f"cluster: {spec.nodes} nodes x {spec.device_blocks} device blocks ({spec.host_blocks} host, "

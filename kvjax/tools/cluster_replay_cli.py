@@ -74,6 +74,8 @@ def run_cluster_replay(args: argparse.Namespace, requests: Sequence[TraceRequest
     service = ServiceModel(**_given(args, _SERVICE_OPTIONS))
     if args.no_policy_sharing and args.policy_share_s is not None:
         raise ValueError(f"--policy-share-s {args.policy_share_s:g} and --no-policy-sharing contradict each other")
+    if args.no_remote_fetch and args.remote_fetch_cost is not None:  # the router would credit fetches never made
+        raise ValueError(f"--remote-fetch-cost {args.remote_fetch_cost:g} and --no-remote-fetch contradict each other")
     share = args.policy_share_s if args.policy_share_s is not None else DEFAULT_POLICY_SHARE_S
     spec = ClusterSpec(args.nodes, args.device_blocks, args.host_blocks, args.disk_blocks, args.write_through,
                        args.policy, args.block_tokens, None if args.no_policy_sharing else share,

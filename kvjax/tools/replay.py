@@ -49,14 +49,14 @@ from kvjax.tiers.page_pool import PoolConfig
 from kvjax.tools.replay_bounds import HitCounter, HitCounts, intern_block_paths, offline_replay, unlimited_replay
 from kvjax.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["DEFAULT_POLICY", "REPLAY_NAMESPACE", "ReplayReport", "matched_blocks", "replay_cache", "replay_report",
+__all__ = ["DEFAULT_POLICY", "MAX_BLOCKS", "REPLAY_NAMESPACE", "ReplayReport", "matched_blocks", "replay_cache", "replay_report",
            "replay_trace", "serve_request"]
 
 REPLAY_NAMESPACE = Namespace(tenant="trace-replay")
 """The namespace of every block a replay's caches hold (one interned block id per page)."""
 
 _SENTINEL = 0  # token admitted after the hash ids; never matched (admit stops before it)
-_MAX_BLOCKS = 2**31 - 2  # device blocks: the pool has one more (the sentinel's), ids are int32
+MAX_BLOCKS = 2**31 - 2  # device blocks: the pool has one more (the sentinel's), ids are int32
 _ALWAYS_FETCH = CostModel(recompute_seconds_per_token=1.0)  # a lower-tier hit is always fetched
 
 
@@ -69,7 +69,8 @@ class ReplayReport:
     policy: str
     device_blocks: int
     online: HitCounts  # the real KVCache with ``policy`` (and the lower tiers, if any)
-    offline: HitCounts  # farthest-next-use (Belady/MIN), prefix-aware
+    offline: HitCounts  # farthest-next-use (Belady/MIN), prefix-aware: a bound on block hits (not on
+    #                     token hits: it maximises blocks, and a partial last block holds fewer tokens)
     unlimited: HitCounts  # room for every block
     host_blocks: int = 0
     disk_blocks: int = 0
@@ -142,10 +143,11 @@ def replay_trace(
             now[0] = request.timestamp_ms / 1000.0
             counts.add(request, *serve_request(cache, path[:device_blocks]))
             if index < warmup_requests:
-                warm_evictions = cache.stats.prefix.evicted_blocks
+                warm_evictions = cache.trie.dropped_pages
             if check_every and (index + 1) % check_every == 0:
                 cache.check_invariants()
-    return counts.result(evicted_blocks=cache.stats.prefix.evicted_blocks - warm_evictions)
+    # blocks that left every tier, as the yardsticks count theirs (a move to a lower tier is not one)
+    return counts.result(evicted_blocks=cache.trie.dropped_pages - warm_evictions)
 
 
 def replay_cache(device_blocks: int, *, policy: str | EvictionPolicy = DEFAULT_POLICY, host_blocks: int = 0,
@@ -155,8 +157,8 @@ def replay_cache(device_blocks: int, *, policy: str | EvictionPolicy = DEFAULT_P
     reads (seconds). ValueError naming the value for a capacity out of range."""
     for name, value, low in (("device_blocks", device_blocks, 1), ("host_blocks", host_blocks, 0),
                              ("disk_blocks", disk_blocks, 0), ("disk_segment_blocks", disk_segment_blocks, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_BLOCKS:
-            raise ValueError(f"{name}={value!r} must be an int in [{low}, {_MAX_BLOCKS}] (blocks)")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_BLOCKS:
+            raise ValueError(f"{name}={value!r} must be an int in [{low}, {MAX_BLOCKS}] (blocks)")
     if disk_blocks and not host_blocks:
         raise ValueError(f"disk_blocks={disk_blocks} needs host_blocks > 0 (disk blocks are staged through host)")
     pool = PoolConfig(num_blocks=device_blocks + 1, num_layers=1, num_kv_heads=1, page_size=1, head_dim=1,
@@ -195,7 +197,8 @@ def replay_report(
         policy=policy,
         device_blocks=device_blocks,
         online=online,
-        offline=offline_replay(requests, device_blocks + host_blocks + disk_blocks, block_tokens=block_tokens),
+        offline=offline_replay(requests, device_blocks + host_blocks + disk_blocks, block_tokens=block_tokens,
+                               kept_blocks=device_blocks),  # fmt: skip
         unlimited=unlimited_replay(requests, block_tokens=block_tokens),
         **tiers,
     )

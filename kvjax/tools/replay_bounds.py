@@ -120,15 +120,21 @@ def offline_replay(
     *,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     warmup_requests: int = 0,
+    kept_blocks: int | None = None,
 ) -> HitCounts:
     """Hits of the offline farthest-next-use policy with room for ``num_blocks`` blocks.
+
+    ``kept_blocks``: how many leading blocks of each request the cache keeps (default all
+    that fit): a tiered or cluster replay computes only a request's first ``device_blocks``
+    (one node's device) though its tiers hold more, and a bound that had to keep longer
+    prefixes than the policies it bounds evicted what they kept (a replay beat it).
 
     O(total blocks x log) time: next uses are precomputed in one backward pass, and the
     eviction heap drops stale entries lazily (an entry is live while it matches the block's
     current priority).
     """
     return _keyed_replay(requests, num_blocks, block_tokens, warmup_requests,
-                         lambda next_use, index, depth: (-next_use, -depth))  # fmt: skip
+                         lambda next_use, index, depth: (-next_use, -depth), kept_blocks)  # fmt: skip
 
 
 def reuse_oracle_lru_replay(
@@ -150,12 +156,15 @@ def reuse_oracle_lru_replay(
 
 
 def _keyed_replay(requests: Sequence[TraceRequest], num_blocks: int, block_tokens: int, warmup_requests: int,
-                  priority) -> HitCounts:  # fmt: skip
+                  priority, kept_blocks: int | None = None) -> HitCounts:  # fmt: skip
     """Sequential replay evicting the cached block of least ``priority(next use, index of the
     request that last used it, depth)`` (a tuple; lowest goes first) that the current request
-    does not use."""
+    does not use; each request's first ``kept_blocks`` (default ``num_blocks``) are cached."""
     if num_blocks < 1:
         raise ValueError(f"{num_blocks=} must be >= 1")
+    if kept_blocks is not None and not 1 <= kept_blocks:
+        raise ValueError(f"{kept_blocks=} must be None or >= 1")
+    kept_blocks = num_blocks if kept_blocks is None else min(kept_blocks, num_blocks)
     counter = HitCounter(block_tokens, warmup_requests)
     paths, depth = intern_block_paths(requests)
     next_uses = _next_uses(paths)
@@ -164,7 +173,7 @@ def _keyed_replay(requests: Sequence[TraceRequest], num_blocks: int, block_token
     evicted = 0
     for index, (request, path, path_next) in enumerate(zip(requests, paths, next_uses)):
         counter.add(request, _leading_run(path, cached))
-        kept = path[:num_blocks]
+        kept = path[:kept_blocks]
         made_room = _make_room(cached, heap, kept, num_blocks)
         evicted += made_room if index >= warmup_requests else 0  # the warm-up's evictions are not counted
         for node, next_use in zip(kept, path_next):

@@ -86,6 +86,10 @@ def parse_trace_line(line: str, where: str, block_tokens: int) -> TraceRequest:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as error:  # e.g. an integer past Python's digit limit for int()
+        raise ValueError(f"{where}: not valid JSON ({error})") from None
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     timestamp = _field(record, "timestamp", (int, float), where)

@@ -274,8 +274,12 @@ def longtail_trace(*, num_requests: int = 4000, num_users: int = 2500, zipf_s: f
 def mixed_trace(*, num_requests: int = 4000, seed: int = 0) -> list[TraceRequest]:
     """Tenants of ``chat``, ``agent``, ``rag`` and ``scan`` sharing one cache (ids kept apart)."""
     shares = {"chat": 0.4, "agent": 0.3, "rag": 0.2, "scan": 0.1}
-    return _merge([SHAPES[shape](num_requests=round(num_requests * share), seed=seed * 16 + index)
-                   for index, (shape, share) in enumerate(shares.items())], num_requests)  # fmt: skip
+    counts = [int(num_requests * share) for share in shares.values()]  # rounded down, then the
+    by_remainder = sorted(range(len(counts)), key=lambda i: -(num_requests * list(shares.values())[i] % 1))
+    for i in by_remainder[: num_requests - sum(counts)]:  # largest remainders get one more: they sum up
+        counts[i] += 1
+    return _merge([SHAPES[shape](num_requests=count, seed=seed * 16 + index)
+                   for index, (shape, count) in enumerate(zip(shares, counts))], num_requests)  # fmt: skip
 
 
 SHAPES: dict[str, Callable[..., list[TraceRequest]]] = {
@@ -346,6 +350,8 @@ def _covered(requests: list[TraceRequest], count: int, next_start_ms: float) -> 
     """Whether sessions starting at ``next_start_ms`` or later can no longer be among the first
     ``count`` arrivals (so a truncated trace keeps every session's later turns, and its end looks
     like its middle)."""
+    if count == 0:  # nothing to cover: no session is needed
+        return True
     if len(requests) < count:
         return False
     return next_start_ms > sorted(request.timestamp_ms for request in requests)[count - 1]

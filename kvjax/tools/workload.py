@@ -145,9 +145,21 @@ def _submit(engine, live, session: Session, turn: int, history, isolate: bool) -
         engine.add_request(request_id, prompt=session.prefix + user, max_new_tokens=session.max_new_tokens,
                            namespace=namespace)  # fmt: skip
     else:
-        prompt = np.concatenate([history, np.asarray(engine.tokenizer.encode(user), np.int32)])
+        prompt = np.concatenate([history, _continuation(engine.tokenizer, user)])
         engine.add_request(request_id, tokens=prompt, max_new_tokens=session.max_new_tokens, namespace=namespace)
     live[request_id] = (session, turn)
+
+
+def _continuation(tokenizer, text: str) -> np.ndarray:
+    """``text``'s ids to append to a conversation: without the BOS (or EOS) the tokenizer adds
+    to a whole prompt, which mid-conversation would be a token the model never sees there."""
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    if len(ids) and bos is not None and ids[0] == bos and getattr(tokenizer, "add_bos", True):
+        ids = ids[1:]
+    if len(ids) and eos is not None and ids[-1] == eos and getattr(tokenizer, "add_eos", True):
+        ids = ids[:-1]
+    return ids
 
 
 def _sentence(rng: random.Random, num_words: int) -> str:
