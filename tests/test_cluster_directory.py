@@ -19,6 +19,8 @@ from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad, tier_mask
 from kvjax.cluster.publisher import DirectoryPublisher
 from kvjax.cluster.redis_process import RedisProcess
+from kvjax.text.canonicalize import CanonicalizeConfig
+from kvjax.text.tokenizer import ByteTokenizer, as_tokenizer
 
 CLUSTER = ClusterInfo(model="tiny", page_size=4)
 TENANT_A, TENANT_B = Namespace("tenant-a"), Namespace("tenant-b")
@@ -397,3 +399,29 @@ def _running(pid: int) -> bool:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().split()[2] != "Z"
     return True
+
+
+@pytest.mark.parametrize("tokenizer, canonicalize", [
+    (ByteTokenizer(), None), (ByteTokenizer(), CanonicalizeConfig()), (ByteTokenizer(add_bos=True), None),
+    (ByteTokenizer(), CanonicalizeConfig(tabs=True, dynamic_fields={"id": r"req-\d+"})),
+    (ByteTokenizer(), CanonicalizeConfig(enabled=False)),
+])  # fmt: skip
+def test_the_cluster_record_names_exactly_how_nodes_key_text(tokenizer, canonicalize):
+    # any ByteTokenizer was "byte" and any canonicalization the default: a router keyed prompts
+    # otherwise than the nodes, and no lookup ever matched
+    info = ClusterInfo.of("tiny", 16, tokenizer, canonicalize)
+    assert ClusterInfo.from_fields(info.to_fields()) == info
+    keyed_with, config = info.text_keying()
+    assert keyed_with == tokenizer
+    assert config == (canonicalize if canonicalize is not None and canonicalize.enabled else None)
+    default = ClusterInfo.of("tiny", 16, ByteTokenizer(), CanonicalizeConfig())
+    assert (default.tokenizer, default.canonicalize) == ("byte", True)
+    assert (info == default) == (tokenizer == ByteTokenizer() and canonicalize == CanonicalizeConfig())
+    checked = as_tokenizer(tokenizer, vocab_size=200)  # as an engine holds it: ids checked against the model's
+    assert ClusterInfo.of("tiny", 16, checked, canonicalize) == info
+
+
+def test_a_node_keying_text_otherwise_cannot_join(directory):
+    directory.register("n1", "http://a", ClusterInfo.of("tiny", 4, ByteTokenizer(), None))
+    with pytest.raises(ValueError, match=r"cannot join prefix .*: cluster tokenizer=byte but this node has byte:"):
+        directory.register("n2", "http://b", ClusterInfo.of("tiny", 4, ByteTokenizer(add_bos=True), None))

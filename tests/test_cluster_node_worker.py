@@ -175,3 +175,34 @@ def test_a_request_cancelled_while_its_fetch_is_in_flight_still_counts_the_fetch
         assert answers == [] and not engine.has_unfinished and worker.take_remote_report("gone") is None
     finally:
         worker.stop()
+
+
+class _RecordingPublisher:
+    def __init__(self):
+        self.loads = []
+
+    def submit(self, batches, load=None):
+        self.loads.append(load)
+
+    def close(self):
+        pass
+
+
+def test_a_request_counts_in_the_node_load_as_soon_as_it_is_handed_over(engine):
+    # the load counted only what the engine thread had taken: a node whose engine was stuck
+    # looked idle (and the heartbeat wrote that over the router's counts), so it kept getting work
+    publisher = _RecordingPublisher()
+    stuck = EngineWorker(engine, publisher, events=object())  # never started: its engine takes nothing
+    for index in range(3):
+        stuck.submit(f"r{index}", CompletionRequest("tiny", "x" * 40, None, max_tokens=1), lambda item: None)
+    assert stuck.load == NodeLoad(3, 0) and [load.inflight for load in publisher.loads] == [1, 2, 3]
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        answers = []
+        for index in range(3):
+            worker.submit(f"r{index}", CompletionRequest("tiny", "x" * 40, None, max_tokens=1), answers.append)
+        assert wait_until(lambda: sum(isinstance(answer, FinishEvent) for answer in answers) == 3)
+        assert wait_until(lambda: worker.load == NodeLoad(0, 0))  # taken, then finished: nothing left over
+    finally:
+        worker.stop()

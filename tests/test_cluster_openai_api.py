@@ -67,7 +67,10 @@ def test_bad_requests_name_the_field_and_what_was_expected(body, message):
 
 @pytest.mark.parametrize("raw, message", [(b"{", "not valid JSON"), (b"[1]", "must be a JSON object, got list"),
                                           (b"\xff", "not valid JSON"),
-                                          (b"[" * 100_000, "nests JSON too deeply")])  # fmt: skip
+                                          (b"[" * 100_000, "nests JSON too deeply"),
+                                          # past Python's digit limit: a plain ValueError, a 500
+                                          (b'{"model": "tiny", "max_tokens": ' + b"1" * 5000 + b"}",
+                                           "not valid JSON: Exceeds the limit")])  # fmt: skip
 def test_a_body_that_is_not_a_json_object_is_refused(raw, message):
     with pytest.raises(RequestError, match=message):
         parse_completion_request(raw)
@@ -78,6 +81,9 @@ def test_the_namespace_may_come_in_a_header_and_must_agree_with_the_body():
     assert parse({"model": "tiny", "prompt": "x", "namespace": "a"}, {NAMESPACE_HEADER: "a"}).namespace == "a"
     with pytest.raises(RequestError, match="namespace='a' in the body but 'b' in the x-kvjax-namespace header"):
         parse({"model": "tiny", "prompt": "x", "namespace": "a"}, {NAMESPACE_HEADER: "b"})
+    with pytest.raises(RequestError, match=r"namespace='\\ud800' must be valid Unicode text") as error:
+        parse_completion_request(b'{"model": "tiny", "prompt": "x", "namespace": "\\ud800"}')  # blamed the prompt
+    assert error.value.body()["error"]["param"] == "namespace"
 
 
 def test_sse_frames():

@@ -65,6 +65,7 @@ Not for Redis Cluster: the scripts read keys they do not declare (node records, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -72,6 +73,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import redis
 
 from kvjax.cluster.node_view import DEFAULT_BLOCK_TTL_S, NodeLoad, NodeView
+from kvjax.text.canonicalize import CanonicalizeConfig
+from kvjax.text.tokenizer import ByteTokenizer, TokenizerAdapter
 
 __all__ = [
     "TIER_BITS",
@@ -93,18 +96,22 @@ _ENTRY_FIELDS = ("model", "page_size", "tokenizer", "canonicalize")
 class ClusterInfo:
     """What every node of a cluster shares: the router keys prompts with it.
 
-    ``tokenizer`` names the tokenizer ("byte": ``kvjax.text.tokenizer.ByteTokenizer()``);
-    ``canonicalize``: nodes canonicalize text prompts (the default ``CanonicalizeConfig``).
+    ``tokenizer`` names the tokenizer: "byte" is ``kvjax.text.tokenizer.ByteTokenizer()``,
+    "byte:<json>" a ``ByteTokenizer`` of those settings, anything else one the router does
+    not know (it routes token-id prompts only). ``canonicalize``: nodes canonicalize text
+    prompts: False, True (the default ``CanonicalizeConfig``) or the JSON of another config.
+    A node whose record differs in any of these cannot join (``Directory.register``).
     """
 
     model: str
     page_size: int  # tokens per block
     tokenizer: str = "byte"
-    canonicalize: bool = False
+    canonicalize: bool | str = False
 
     def to_fields(self) -> dict[str, str]:
+        canonicalize = self.canonicalize if isinstance(self.canonicalize, str) else "1" if self.canonicalize else "0"
         return {"model": self.model, "page_size": str(self.page_size), "tokenizer": self.tokenizer,
-                "canonicalize": "1" if self.canonicalize else "0"}  # fmt: skip
+                "canonicalize": canonicalize}  # fmt: skip
 
     @classmethod
     def from_fields(cls, fields: Mapping[bytes | str, bytes | str]) -> ClusterInfo:
@@ -112,7 +119,47 @@ class ClusterInfo:
         missing = [name for name in _ENTRY_FIELDS if name not in text]
         if missing:
             raise ValueError(f"cluster record lacks {missing}; has {sorted(text)}")
-        return cls(text["model"], int(text["page_size"]), text["tokenizer"], text["canonicalize"] == "1")
+        canonicalize = {"1": True, "0": False}.get(text["canonicalize"], text["canonicalize"])
+        return cls(text["model"], int(text["page_size"]), text["tokenizer"], canonicalize)
+
+    @classmethod
+    def of(cls, model: str, page_size: int, tokenizer: object, canonicalize: CanonicalizeConfig | None) -> ClusterInfo:
+        """The record of nodes serving ``model`` with ``tokenizer`` and ``canonicalize`` (None or
+        disabled: off), each named exactly, so that a router keys prompts as those nodes do."""
+        if isinstance(tokenizer, TokenizerAdapter) and isinstance(tokenizer.wrapped, ByteTokenizer):
+            tokenizer = tokenizer.wrapped  # checked against the model's vocabulary: the same ids
+        if isinstance(tokenizer, ByteTokenizer):
+            name = "byte" if tokenizer == ByteTokenizer() else \
+                "byte:" + json.dumps(dataclasses.asdict(tokenizer), sort_keys=True)  # fmt: skip
+        else:
+            name = getattr(tokenizer, "name", type(tokenizer).__name__)
+        if canonicalize is None or not canonicalize.enabled:
+            canon: bool | str = False
+        elif canonicalize == CanonicalizeConfig():
+            canon = True
+        else:
+            canon = json.dumps(dataclasses.asdict(canonicalize), sort_keys=True)
+        return cls(model, page_size, name, canon)
+
+    def text_keying(self) -> tuple[ByteTokenizer, CanonicalizeConfig | None] | None:
+        """The tokenizer and canonicalization the nodes apply to a text prompt, or None when
+        the router cannot (a tokenizer other than the byte one)."""
+        return _text_keying(self.tokenizer, self.canonicalize)
+
+
+@functools.lru_cache(maxsize=16)  # per request on the router: parsed once per cluster record
+def _text_keying(tokenizer_name: str, canonicalize: bool | str) -> tuple[ByteTokenizer, CanonicalizeConfig | None] | None:
+    if tokenizer_name == "byte":
+        tokenizer = ByteTokenizer()
+    elif tokenizer_name.startswith("byte:"):
+        tokenizer = ByteTokenizer(**json.loads(tokenizer_name[len("byte:"):]))
+    else:
+        return None
+    if canonicalize is True:
+        return tokenizer, CanonicalizeConfig()
+    if isinstance(canonicalize, str):
+        return tokenizer, CanonicalizeConfig.from_dict(json.loads(canonicalize))
+    return tokenizer, None
 
 
 def block_key(prefix: str, namespace: bytes, key: bytes) -> str:

@@ -88,7 +88,11 @@ class EngineWorker:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._prefill_tokens: dict[str, int] = {}  # requests without a first token yet
-        self._load = NodeLoad()
+        self._load = NodeLoad()  # as of the engine thread's last step
+        # requests handed over (submit) that the engine thread has not taken yet: counted in the
+        # load at once, so that a node whose engine is slow or stuck does not look idle
+        self._not_taken = 0
+        self._not_taken_lock = threading.Lock()
         self._stop = threading.Event()
         self._next_share = 0.0  # monotonic s: next exchange of the policy's statistics
         self.error: BaseException | None = None
@@ -112,12 +116,19 @@ class EngineWorker:
 
     @property
     def load(self) -> NodeLoad:
-        return self._load
+        """In-flight requests (those handed over and not taken yet included) and prompt tokens
+        without a first token yet."""
+        load = self._load
+        return NodeLoad(load.inflight + self._not_taken, load.prefill_tokens)
 
     def submit(self, request_id: str, request: CompletionRequest, sink: Sink, hint: PeerHint | None = None) -> None:
         """Queue a request; its events (or a ValueError from the engine) go to ``sink``.
         ``hint``: a peer holding more of its prompt (``RemoteFetcher.find_peer``)."""
+        with self._not_taken_lock:
+            self._not_taken += 1
         self._commands.put(("add", request_id, request, sink, hint))
+        if self.publisher is not None:  # now, not after the engine's next step (which may never come)
+            self.publisher.submit([], self.load)
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
@@ -160,6 +171,7 @@ class EngineWorker:
                 except queue.Empty:
                     break
                 if command[0] == "add":
+                    self._taken()
                     command[3](failure)
                 elif command[0] == "export" and command[3].set_running_or_notify_cancel():
                     command[3].set_exception(failure)
@@ -176,9 +188,14 @@ class EngineWorker:
             except queue.Empty:
                 return
 
+    def _taken(self) -> None:
+        with self._not_taken_lock:
+            self._not_taken -= 1
+
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
             _, request_id, request, sink, hint = command
+            self._taken()  # in _sinks from here on, or answered
             try:
                 self._add(request_id, request, hint)
             except ValueError as error:
@@ -285,7 +302,9 @@ class EngineWorker:
             share_learned(self.engine.cache.trie.policy, self.publisher)
 
     def _publish(self) -> None:
-        load, self._load = self._load, NodeLoad(len(self._sinks), sum(self._prefill_tokens.values()))
+        last = self.load
+        self._load = NodeLoad(len(self._sinks), sum(self._prefill_tokens.values()))
+        load = self.load
         if self.publisher is None:
             return
         self._share_learned()
@@ -295,8 +314,8 @@ class EngineWorker:
             self._events = self.engine.cache.subscribe()
             self.publisher.reset(self._events.initial.entries())
             batches = []
-        if batches or self._load != load:
-            self.publisher.submit(batches, self._load)
+        if batches or load != last:
+            self.publisher.submit(batches, load)
 
 
 def share_learned(policy: object, publisher: DirectoryPublisher) -> bool:
@@ -338,10 +357,7 @@ def start_worker(engine: Engine, *, node_id: str, address: str, model: str,
 
 def cluster_info_of(engine: Engine, model: str) -> ClusterInfo:
     """What a router needs to key prompts the way ``engine`` does."""
-    tokenizer = getattr(engine.tokenizer, "name", type(engine.tokenizer).__name__)
-    canonicalize = engine.canonicalize is not None and engine.canonicalize.enabled
-    return ClusterInfo(model, engine.pool.config.page_size, "byte" if tokenizer == "ByteTokenizer" else tokenizer,
-                       canonicalize)  # fmt: skip
+    return ClusterInfo.of(model, engine.pool.config.page_size, engine.tokenizer, engine.canonicalize)
 
 
 def _remote_report(outcome: FetchOutcome, fetched_tokens: int, page_size: int) -> dict:

@@ -184,7 +184,7 @@ def _json_object(raw) -> dict:
         return dict(raw)
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an int past Python's digit limit
         raise RequestError(f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise RequestError("the request body nests JSON too deeply to parse") from None
@@ -211,7 +211,14 @@ def _namespace(body: Mapping, headers: Mapping[str, str]) -> str | None:
     if in_body is not None and in_header is not None and in_body != in_header:
         raise RequestError(f"namespace={in_body!r} in the body but {in_header!r} in the {NAMESPACE_HEADER} header",
                            param="namespace")  # fmt: skip
-    return in_body if in_body is not None else (in_header or None)
+    namespace = in_body if in_body is not None else (in_header or None)
+    if namespace is not None:
+        try:
+            namespace.encode()  # its digest keys every block: a lone surrogate cannot be hashed
+        except UnicodeEncodeError:
+            raise RequestError(f"namespace={_short(namespace)} must be valid Unicode text (it holds a lone "
+                               "surrogate)", param="namespace") from None
+    return namespace
 
 
 def _typed(body: Mapping, name: str, kind: type, default):

@@ -39,8 +39,7 @@ from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory
 from kvjax.cluster.openai_api import NAMESPACE_HEADER, CompletionRequest, RequestError, parse_completion_request
 from kvjax.cluster.router import Decision, RoutingPolicy
-from kvjax.text.canonicalize import CanonicalizeConfig, canonicalize
-from kvjax.text.tokenizer import ByteTokenizer
+from kvjax.text.canonicalize import canonicalize
 
 __all__ = ["RouterService", "create_router_app"]
 
@@ -57,7 +56,6 @@ class RouterService:
         self.directory, self.policy, self.max_attempts = directory, policy or RoutingPolicy(), max_attempts
         self._cluster: ClusterInfo | None = None
         self._lock = threading.Lock()
-        self._tokenizer = ByteTokenizer()
         self.registry = prometheus_client.CollectorRegistry()
         self.routed = prometheus_client.Counter("kvjax_router_requests", "Requests sent to a node, by reason",
                                                 ["node", "reason"], registry=self.registry)  # fmt: skip
@@ -87,11 +85,12 @@ class RouterService:
         if request.prompt is None:
             return np.asarray(request.prompt_tokens)
         cluster = self.cluster()
-        if cluster.tokenizer != "byte":
-            raise RequestError(f"the nodes tokenize with {cluster.tokenizer!r}; the router knows only 'byte'",
-                               status=500, kind="server_error")  # fmt: skip
-        text = canonicalize(request.prompt, CanonicalizeConfig()).text if cluster.canonicalize else request.prompt
-        return self._tokenizer.encode(text)
+        keying = cluster.text_keying()
+        if keying is None:
+            raise RequestError(f"the nodes tokenize with {cluster.tokenizer!r}; the router knows only the byte "
+                               "tokenizer: send token ids", status=500, kind="server_error")  # fmt: skip
+        tokenizer, config = keying
+        return tokenizer.encode(request.prompt if config is None else canonicalize(request.prompt, config).text)
 
     def decide(self, request: CompletionRequest, exclude: frozenset[str] = frozenset()) -> Decision:
         """Choose the node for ``request`` (blocking: one directory round trip).

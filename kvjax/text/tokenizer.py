@@ -154,6 +154,11 @@ class TokenizerAdapter:
     def vocab_size(self) -> int | None:
         return self._vocab_size
 
+    @property
+    def wrapped(self) -> object | None:
+        """The tokenizer whose bound ``encode`` this adapts (None for a plain function)."""
+        return getattr(self._encode, "__self__", None)
+
     def encode(self, text: str) -> np.ndarray:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
