@@ -5,8 +5,10 @@ choice, prefetch, failures (an injected failed fetch, a corrupt disk block), a w
 from the disk directory, bad input; and the scheduler's own scenarios run on a KVCache.
 """
 
+import gc
 import glob
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -179,6 +181,27 @@ def test_host_evictions_lose_only_what_no_lower_tier_takes(disk):
 
 
 # --- fetch or recompute ----------------------------------------------------------------------
+
+
+def test_a_finished_fetch_frees_its_blocks_without_the_garbage_collector():
+    # a fetch job kept its transfers' futures (their results: the fetched blocks, device memory
+    # on an accelerator) past the scatter, in a cycle with its waiters: freed only by the collector
+    tokens = prompt(9)
+    with make() as cache:
+        compute(cache, tokens, blocks=random_blocks(3, POOL.block_shape))
+        cache.evict(8)
+        fetches, fetch = [], cache.transfer.fetch
+        cache.transfer.fetch = lambda *args, **kwargs: fetches.append(fetch(*args, **kwargs)) or fetches[-1]
+        gc.collect()
+        gc.disable()
+        try:
+            handle = compute(cache, tokens)
+            assert handle.num_hit_tokens == 8 and len(fetches) == 1
+            cache.poll()
+            result = weakref.ref(fetches.pop())
+            assert result() is None
+        finally:
+            gc.enable()
 
 
 def test_cost_model_chooses_recompute_for_cheap_prefixes():

@@ -2,6 +2,7 @@
 answers slowly never holds a fetch past its deadline, a malformed offer is corrupt, and a node
 must tell its peers an address they can reach. (Real nodes: test_cluster_remote.)"""
 
+import argparse
 import socket
 import threading
 import time
@@ -9,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvjax.cluster.__main__ import main
+from kvjax.cluster.__main__ import _reachable_host, main
 from kvjax.cluster.remote_fetch import FetchPlan, PeerHint, RemoteFetcher
 from kvjax.cluster.remote_offers import OfferReply
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
@@ -19,9 +20,12 @@ from kvjax.tiers.remote_transport import RemoteTransport
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
 
 
-def dripping_peer(stop: threading.Event) -> str:
-    """An HTTP peer that answers /kv/offer with its headers, then one body byte every 50 ms:
-    each read well within any timeout, the whole answer 2 s."""
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+
+
+def dripping_peer(stop: threading.Event, headers_too: bool) -> str:
+    """An HTTP peer that answers /kv/offer a byte every 50 ms (its body, or its headers too):
+    each read well within any timeout, the whole answer seconds."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(4)
@@ -29,18 +33,22 @@ def dripping_peer(stop: threading.Event) -> str:
     def serve():
         connection, _ = server.accept()
         connection.recv(65536)
-        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n")
-        for _ in range(40):
+        answer = HEAD + b" " * 40
+        if not headers_too:
+            connection.sendall(HEAD)
+            answer = answer[len(HEAD):]
+        for byte in answer:
             if stop.wait(0.05):
                 break
-            connection.sendall(b" ")
+            connection.sendall(bytes([byte]))
         connection.close()
         server.close()
     threading.Thread(target=serve, daemon=True).start()
     return f"http://127.0.0.1:{server.getsockname()[1]}"
 
 
-def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline():
+@pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
+def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline(headers_too):
     # httpx's timeout bounds each read, not the answer: the ask ran 2 s past a 0.3 s deadline
     stop = threading.Event()
     transport = RemoteTransport(reap=False)
@@ -48,14 +56,14 @@ def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline():
         fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
         try:
             now = time.monotonic()
-            plan = FetchPlan(PeerHint("dripper", dripping_peer(stop), 4, 0), 0, 4, 0.15, now, now + 0.3)
+            plan = FetchPlan(PeerHint("dripper", dripping_peer(stop, headers_too), 4, 0), 0, 4, 0.15, now, now + 0.3)
             result = fetcher.start(plan, np.arange(20, dtype=np.int32), None).result(timeout=30)
             waited = time.monotonic() - now
             outcome = fetcher.finish(plan, result)
             assert waited < 1.0, waited  # its deadline plus scheduling slack, not the 2 s answer
             assert outcome.outcome == "timeout" and outcome.blocks is None
             assert fetcher.health.is_suspect("dripper")
-            assert cache.transfer.wait_idle(5)  # the worker was let go too, not only the request
+            assert cache.transfer.wait_idle(1)  # the link's worker was let go too, not only the request
         finally:
             stop.set()
             fetcher.close()
@@ -74,3 +82,11 @@ def test_an_offer_reply_must_name_a_transfer_server():
 def test_a_node_on_every_interface_needs_an_address_its_peers_can_reach():
     with pytest.raises(SystemExit, match=r"node: --host 0.0.0.0 listens on every interface; give --transfer-address"):
         main(["node", "--node-id", "n1", "--host", "0.0.0.0", "--redis", "redis://127.0.0.1:1/0"])
+
+
+@pytest.mark.parametrize("host, advertise, expected", [
+    ("127.0.0.1", None, "127.0.0.1"), ("::1", None, "[::1]"), ("0.0.0.0", "http://10.0.0.5:8001", "10.0.0.5"),
+    ("::", "http://[fd00::5]:8001", "[fd00::5]"),  # was "fd00::5": the port then read as part of it
+])  # fmt: skip
+def test_the_transfer_server_binds_an_address_a_port_can_follow(host, advertise, expected):
+    assert _reachable_host(argparse.Namespace(host=host, advertise=advertise)) == expected

@@ -466,6 +466,11 @@ def test_a_pull_waits_no_longer_than_its_deadline_behind_a_hung_one(tmp_path):
         assert engine.stats()["remote_to_host"] == {"jobs": 2, "failed": 2, "bytes": 0, "queued": 0}
         on_time = engine.pull_remote(lambda deadline: "pulled", 1, 8, deadline=time.monotonic() + WAIT_S)
         assert done(on_time).blocks == "pulled"  # the link works on
+        many = [engine.pull_remote(lambda deadline: "ok", 1, 8, deadline=time.monotonic() + WAIT_S) for _ in range(50)]
+        assert all(done(future).blocks == "ok" for future in many)
+        watchers = [t for t in threading.enumerate() if t.name == "kvjax-pull-deadlines" or isinstance(t, threading.Timer)]
+        assert len(watchers) == 1  # one watcher for every deadline (a Timer thread per pull cost ~0.3 ms each)
+        assert not engine._deadline_jobs  # pulls that ended in time leave nothing behind
 
 
 def test_close_fails_an_offload_still_waiting_for_the_reads_it_follows():

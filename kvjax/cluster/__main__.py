@@ -100,15 +100,17 @@ def _common(parser: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def _reachable_host(args) -> str:
-    """The host the transfer server binds by default: ``--host``, or, where that is every
-    interface, the host of ``--advertise`` (peers must be told an address they can reach)."""
-    if args.host not in ("0.0.0.0", "::", "[::]", ""):
-        return args.host
-    advertised = urllib.parse.urlsplit(args.advertise).hostname if args.advertise else None
-    if not advertised:
-        raise SystemExit(f"node: --host {args.host} listens on every interface; give --transfer-address HOST:PORT "
-                         "(or --advertise URL) with an address peers can reach for the block transfer server")
-    return advertised
+    """The host the transfer server binds by default (bracketed if IPv6, as its port follows):
+    ``--host``, or, where that is every interface, the host of ``--advertise`` (peers must be
+    told an address they can reach)."""
+    host = args.host
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        host = urllib.parse.urlsplit(args.advertise).hostname if args.advertise else None
+        if not host:
+            raise SystemExit(f"node: --host {args.host} listens on every interface; give --transfer-address "
+                             "HOST:PORT (or --advertise URL) with an address peers can reach for the block "
+                             "transfer server")
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _run_redis(args) -> int:
@@ -143,8 +145,8 @@ def _run_node(args) -> int:
 
         try:
             transport = RemoteTransport(transfer_address)
-        except ValueError as error:
-            raise SystemExit(f"node: {error}") from None
+        except Exception as error:  # noqa: BLE001 - a bad address or port: one line, not a traceback
+            raise SystemExit(f"node: the block transfer server cannot start at {transfer_address!r}: {error}") from None
         if not args.no_remote_fetch and engine.cache.config.tiered and not engine.cache.codec.lossy:
             remote = RemoteFetcher(engine.cache, transport, directory, args.node_id,
                                    suspect_s=args.remote_suspect_s)  # fmt: skip

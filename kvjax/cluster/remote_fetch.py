@@ -61,6 +61,7 @@ from that block on is used); the peer answered 503; the deadline passed while th
 still queued behind other fetches (not the peer's fault)."""
 _SUSPICIOUS = ("timeout", "failed", "corrupt", "refused")
 _RECENT = 1024  # fetch durations kept for the percentiles
+_ASK_THREADS = 4  # asks in flight at once: one runs per fetch, the others are peers too slow to give up on
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -184,6 +185,7 @@ class RemoteFetcher:
         self._links: dict[str, LinkEstimate] = {}
         self._http = httpx.Client(timeout=httpx.Timeout(5.0))
         self._acks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvjax-offer-ack")
+        self._asks = concurrent.futures.ThreadPoolExecutor(_ASK_THREADS, thread_name_prefix="kvjax-offer-ask")
         self._lock = threading.Lock()
         self.counters = collections.Counter({outcome: 0 for outcome in OUTCOMES})
         self.counters.update(fetched_blocks=0, asked_blocks=0, lookups=0, lookup_errors=0)
@@ -272,6 +274,7 @@ class RemoteFetcher:
 
     def close(self) -> None:
         self._acks.shutdown(wait=False)
+        self._asks.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
     # --- 3. the remote link's worker thread ------------------------------------------------
@@ -319,11 +322,22 @@ class RemoteFetcher:
         return payload[:good].view(self.codec.dtype).reshape(good, *self.codec.block_shape)
 
     def _ask(self, address: str, request: OfferRequest, deadline: float) -> OfferReply:
+        """The peer's offer, or _AskFailed by ``deadline``: the exchange runs on an ask thread,
+        abandoned at the deadline (httpx's timeout bounds each read, not the exchange: a peer
+        sending its headers a byte at a time held the remote link's worker for good)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _AskFailed("timeout", "no time left to ask")
+        exchange = self._asks.submit(self._exchange, address, request, deadline, remaining)
+        try:
+            return exchange.result(timeout=remaining)
+        except concurrent.futures.TimeoutError:
+            exchange.cancel()  # if it never started; else it ends on its own (its body read stops at the deadline)
+            raise _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s") from None
+
+    def _exchange(self, address: str, request: OfferRequest, deadline: float, remaining: float) -> OfferReply:
         late = _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s")
-        try:  # httpx's timeout bounds each read, not the answer: a peer sending it slowly is cut at the deadline
+        try:
             with self._http.stream("POST", f"{address}/kv/offer", json=request.to_json(), timeout=remaining) as response:
                 body = bytearray()
                 for chunk in response.iter_bytes():

@@ -260,13 +260,19 @@ def _apply_rule(name, pattern, replacement, text: str, changes: list[Change]) ->
 _FIELD_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _NUMBERED = re.compile(r".*_\d+")
 _ENTRY = re.compile(r"<([A-Za-z][A-Za-z0-9_]*?)(?:_([1-9]\d*))?>: (.*)")
-_PLACEHOLDER = re.compile(r"<([A-Za-z][A-Za-z0-9_]*?)(?:_([1-9]\d*))?>")  # <name> or <name_N> anywhere
 _CONTINUATION = "  "  # indent of a moved value's second and later lines
 
 
 @functools.lru_cache(maxsize=64)
 def _compiled_fields(fields: tuple[tuple[str, str], ...]) -> list[tuple[str, re.Pattern[str]]]:
     return [(name, re.compile(regex)) for name, regex in fields]
+
+
+@functools.lru_cache(maxsize=64)
+def _placeholders(names: tuple[str, ...]) -> re.Pattern[str]:
+    """``<name>`` or ``<name_N>`` of the declared names only (not every tag of an HTML prompt)."""
+    alternatives = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
+    return re.compile(rf"<({alternatives})(?:_([1-9]\d*))?>")
 
 
 def _move_dynamic_fields(
@@ -281,7 +287,7 @@ def _move_dynamic_fields(
     # A placeholder's text already in the prompt (typed by its author, not moved here) is
     # numbered past: a moved value's placeholder must not read the same as text that stays,
     # or two prompts differing only in where the value was would canonicalize alike.
-    for found in _PLACEHOLDER.finditer(body):
+    for found in _placeholders(tuple(seen)).finditer(body) if seen else ():
         if found.group(1) in seen:
             seen[found.group(1)] = max(seen[found.group(1)], int(found.group(2) or 1))
     pieces, copied = [], 0
@@ -343,7 +349,8 @@ def _split_trailer(text: str, config: CanonicalizeConfig) -> tuple[str, list[tup
     if start < 0:
         return text, []
     body, names = text[:start], {name for name, _ in config.dynamic_fields}
-    in_body = {found.group() for found in _PLACEHOLDER.finditer(body)}  # one pass, not one per entry
+    in_body = {found.group() for found in _placeholders(tuple(sorted(names))).finditer(body)} if names else set()
+    # one pass for every entry: a search of the body per entry was quadratic
     entries: list[tuple[str, str]] = []
     listed: set[str] = set()
     for line in text[start + len(separator) :].split("\n"):

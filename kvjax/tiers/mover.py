@@ -433,6 +433,7 @@ class TierMover:
             self.index.release_host(key)
         self._scatter(job)
         job.chunks = {}
+        job.transfers = []  # their results hold the fetched blocks (device memory): not past the scatter
         for waiter, _, _, _ in job.consumers:
             waiter.outstanding -= 1
             if waiter.outstanding == 0:

@@ -177,7 +177,6 @@ class _Job:
     pull: Callable[[float], object] | None = None  # remote_to_host: (deadline) -> blocks
     deadline: float = 0.0  # remote_to_host: time.monotonic() seconds the pull must end by
     num_blocks: int = 0  # remote_to_host: blocks it brings
-    timer: threading.Timer | None = None  # remote_to_host: fails it at its deadline, queued or running
     started: bool = False  # remote_to_host: its pull began
     finished: bool = False  # its future resolved (a pull abandoned at its deadline may still return later)
 
@@ -235,6 +234,11 @@ class TransferEngine:
         self._seq = itertools.count()
         self._closed, self._paused = False, paused
         self._after_jobs: dict[int, _Job] = {}  # id -> job submitted with after= futures not all resolved yet
+        # remote pulls' deadlines: (deadline, seq, job id) heap, the jobs not finished, their watcher
+        self._deadlines: list[tuple[float, int, int]] = []
+        self._deadline_jobs: dict[int, _Job] = {}
+        self._deadline_wake = threading.Condition(self._lock)
+        self._deadline_thread: threading.Thread | None = None
         self._running = {link: 0 for link in Link}
         self._counters = {link: {"jobs": 0, "failed": 0, "bytes": 0} for link in Link}
         self._runners = {Link.DEVICE_TO_HOST: self._run_offload, Link.HOST_TO_DEVICE: self._run_fetch,
@@ -378,12 +382,9 @@ class TransferEngine:
         job = _Job(Link.REMOTE_TO_HOST, priority, np.zeros(0, np.intp), num_blocks * int(block_nbytes),
                    _Future(), pull=pull, deadline=deadline, num_blocks=num_blocks)  # fmt: skip
         self._promotable(job)
-        self._submit(job)
-        if not self.synchronous and not job.finished:  # nobody waits past the deadline, whatever runs ahead
-            job.timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._expire_pull, (job,))
-            job.timer.daemon = True
-            job.timer.start()
-        return job.future
+        if not self.synchronous:  # nobody waits past the deadline, whatever runs ahead on the link
+            self._watch_deadline(job)
+        return self._submit(job)
 
     # ---- control -------------------------------------------------------------------------
 
@@ -438,7 +439,7 @@ class TransferEngine:
             self._notify_all()
         for job in pending:
             self._finish(job, self._failure(job, "engine closed"))
-        for worker in self._workers:
+        for worker in [*self._workers, *([self._deadline_thread] if self._deadline_thread else [])]:
             worker.join(timeout)
             if worker.is_alive():
                 _log.warning("transfer engine: %s did not stop within %.1f s", worker.name, timeout)
@@ -452,9 +453,10 @@ class TransferEngine:
     # ---- workers -------------------------------------------------------------------------
 
     def _notify_all(self) -> None:
-        """Wake every worker and ``wait_idle`` (the lock held)."""
+        """Wake every worker, the deadline watcher and ``wait_idle`` (the lock held)."""
         for wake in self._wake.values():
             wake.notify_all()
+        self._deadline_wake.notify_all()
         self._idle.notify_all()
 
     def _work(self, link: Link) -> None:
@@ -516,6 +518,34 @@ class TransferEngine:
                 heapq.heapify(queue)
                 self._wake[job.link].notify()  # its worker may be waiting for tokens for another
             return True
+
+    def _watch_deadline(self, job: _Job) -> None:
+        """Have ``job`` failed at its deadline unless it finished by then (one watcher thread
+        for every pull, started with the first)."""
+        with self._lock:
+            if self._deadline_thread is None:
+                self._deadline_thread = threading.Thread(target=self._watch_deadlines, daemon=True,
+                                                         name="kvjax-pull-deadlines")  # fmt: skip
+                self._deadline_thread.start()
+            self._deadline_jobs[id(job)] = job
+            heapq.heappush(self._deadlines, (job.deadline, next(self._seq), id(job)))
+            if self._deadlines[0][2] == id(job):  # a new earliest deadline: the watcher sleeps too long
+                self._deadline_wake.notify()
+
+    def _watch_deadlines(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    now = time.monotonic()
+                    if self._deadlines and self._deadlines[0][0] <= now:
+                        job = self._deadline_jobs.pop(heapq.heappop(self._deadlines)[2], None)
+                        if job is not None:
+                            break  # else it finished in time
+                        continue
+                    self._deadline_wake.wait(self._deadlines[0][0] - now if self._deadlines else None)
+            self._expire_pull(job)
 
     def _expire_pull(self, job: _Job) -> None:
         """A pull's deadline passed: fail it now, queued (taken off the queue) or running (its
@@ -665,8 +695,7 @@ class TransferEngine:
             if job.finished:
                 return
             job.finished = True
-        if job.timer is not None:
-            job.timer.cancel()
+            self._deadline_jobs.pop(id(job), None)  # a pull that ended in time: its heap entry lapses
         try:
             if job.pinned:
                 self.disk_tier.unlock(job.keys, job.namespaces[0])
