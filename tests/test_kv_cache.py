@@ -440,14 +440,17 @@ def test_config_from_dict_builds_nested_sections():
         KVCacheConfig.from_dict({"pool": config.pool, "hosts": 1})
     with pytest.raises(ValueError, match=r"unknown cost model keys \['latency'\]"):
         KVCacheConfig.from_dict({"pool": config.pool, "cost_model": {"latency": 1}})
-    with pytest.raises(ValueError, match=r"fetch_latency_seconds=-1 must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"fetch_latency_seconds=-1 must be a finite number >= 0"):
         CostModel(fetch_latency_seconds=-1)
     with pytest.raises(ValueError, match=r"host_bytes_per_second=0 must be > 0"):
         CostModel(host_bytes_per_second=0)
-    with pytest.raises(ValueError, match=r"recompute_seconds_per_token=nan must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"recompute_seconds_per_token=nan must be a finite number >= 0"):
         CostModel(recompute_seconds_per_token=float("nan"))
-    with pytest.raises(ValueError, match=r"disk_bytes_per_second=True must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"disk_bytes_per_second=True must be a finite number >= 0"):
         CostModel(disk_bytes_per_second=True)
+    # inf made page 0's cost 0 * inf = NaN: cost_aware evicted the hottest page, fetches chose none
+    with pytest.raises(ValueError, match=r"recompute_seconds_per_token_position=inf must be a finite number >= 0"):
+        CostModel(recompute_seconds_per_token_position=float("inf"))
 
 
 def test_bad_requests_raise_and_change_nothing():

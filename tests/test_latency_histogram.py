@@ -88,6 +88,15 @@ def test_values_outside_the_bucket_range_stay_within_the_observed_extremes():
     assert histogram.quantile(2 / 3) == pytest.approx(1e6, rel=0.01)
 
 
+def test_the_largest_samples_land_in_the_top_bucket():
+    # value / min_value overflowed to inf: the index became INT64_MIN, clipped to bucket 1
+    for exact_samples in (0, 3):
+        histogram = filled([1e15, 1e15, 1e15, 1e-3, 1e-3], exact_samples=exact_samples)
+        assert histogram.quantile(0.5) == pytest.approx(1e6, rel=0.01)  # the top bucket: about max_value
+        assert histogram.quantile(1.0) == 1e15 and math.isfinite(histogram.total)
+        histogram.check_invariants()
+
+
 def test_an_empty_histogram_has_no_percentiles():
     assert LatencyHistogram().quantiles([0.5, 0.99]) == [None, None]
 
@@ -95,9 +104,10 @@ def test_an_empty_histogram_has_no_percentiles():
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (-1e-3, r"latency sample -0.001 must be a finite number of seconds >= 0"),
-        (math.nan, r"latency sample nan must be a finite"),
-        (math.inf, r"latency sample inf must be a finite"),
+        (-1e-3, r"latency sample -0.001 must be a number of seconds in \[0, 1e\+15\]"),
+        (math.nan, r"latency sample nan must be a number of seconds in"),
+        (math.inf, r"latency sample inf must be a number of seconds in"),
+        (1e300, r"latency sample 1e\+300 must be a number of seconds in"),  # overflowed its bucket index, after counting
         ("fast", r"latency sample 'fast' must be a number of seconds"),
     ],
 )

@@ -256,6 +256,24 @@ def test_soft_pin_ttl_extends_and_expires(cache):
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("start", [100.0, -50.0], ids=["clock_steps_back", "negative_clock"])
+def test_a_pin_made_after_an_earlier_one_expired_expires_too(cache, start):
+    # an expired pin kept its time: a new pin ending earlier (the clock stepped back, or a
+    # replay clock below 0) queued no expiry, and its pages stayed pinned for good
+    cache.clock.now = start
+    cached(cache, [1, 2, 3, 4, 5])
+    cache.pin([1, 2, 3, 4], ttl=10.0)
+    cache.clock.now = start + 20.0
+    assert cache.evict(0) == []  # the pin expires (lazily)
+    cache.clock.now = start - 50.0
+    cache.pin([1, 2], ttl=10.0)  # until start - 40: before the first pin's time
+    cache.check_invariants()
+    cache.clock.now = start - 30.0
+    cache.evict(16)
+    assert cache.match([1, 2, 3, 4, 5]).num_hit_blocks == 0  # every page went: nothing stayed pinned
+    cache.check_invariants()
+
+
 def test_host_copy_survives_device_eviction_and_is_reattached_on_commit(cache):
     tokens = [1, 2, 3, 4, 5, 6]
     cached(cache, tokens)

@@ -51,6 +51,7 @@ parameters per layer). A deployment measures its own model and links and passes 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -76,8 +77,8 @@ class CostModel:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{field.name}={value!r} must be a number >= 0")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{field.name}={value!r} must be a finite number >= 0")  # inf: 0 * inf is NaN
         for name in ("host_bytes_per_second", "disk_bytes_per_second", "remote_bytes_per_second"):
             if getattr(self, name) == 0:
                 raise ValueError(f"{name}=0 must be > 0 bytes per second")

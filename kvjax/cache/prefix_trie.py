@@ -249,10 +249,12 @@ class PrefixTrie:
         while node.parent is not None:
             if self.is_candidate(node):
                 self.num_evictable -= len(node.blocks)
+            # a new pin always gets an expiry (an expired pin left its old, maybe later, time: after
+            # the clock stepped back, or before time 0, a pin never expired)
+            if until > node.soft_until or not node.soft_pinned:
+                node.soft_until = max(node.soft_until, until) if node.soft_pinned else until
+                heapq.heappush(self._soft, (node.soft_until, next(self._order), node))
             node.soft_pinned = True
-            if until > node.soft_until:
-                node.soft_until = until
-                heapq.heappush(self._soft, (until, next(self._order), node))
             node = node.parent
 
     def expire_soft_pins(self, now: float) -> None:
@@ -496,7 +498,8 @@ class PrefixTrie:
             raise RuntimeError(f"{where} is locked or pinned but was evicted from device")
         if parent.parent is not None and (
             node.lock > parent.lock or node.hard_pins > parent.hard_pins
-            or node.soft_pinned > parent.soft_pinned or node.soft_until > parent.soft_until
+            or node.soft_pinned > parent.soft_pinned
+            or (node.soft_pinned and node.soft_until > parent.soft_until)  # an unpinned node's time means nothing
         ):  # fmt: skip
             raise RuntimeError(f"{where} is locked or pinned more than its parent")
         if node.tiers is not None:

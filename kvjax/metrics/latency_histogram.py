@@ -135,7 +135,8 @@ class LatencyHistogram:
     def _bucket_index(self, value: float) -> int:
         if value < self.min_value:
             return 0
-        index = math.ceil(math.log(value / self.min_value) / self._gamma_log)
+        # a difference of logs: value / min_value overflows to inf for values near the largest float
+        index = math.ceil((math.log(value) - math.log(self.min_value)) / self._gamma_log)
         if index < 1:  # value == min_value exactly
             return 1
         return index if index < self.num_buckets else self.num_buckets - 1
@@ -144,7 +145,7 @@ class LatencyHistogram:
         samples = np.asarray(self._samples, np.float64)
         buckets = np.zeros(self.num_buckets, np.int64)
         large = samples[samples >= self.min_value]
-        index = np.ceil(np.log(large / self.min_value) / self._gamma_log).astype(np.int64)
+        index = np.ceil((np.log(large) - math.log(self.min_value)) / self._gamma_log).astype(np.int64)
         np.add.at(buckets, np.clip(index, 1, self.num_buckets - 1), 1)
         buckets[0] = samples.size - large.size
         self._buckets, self._samples = buckets.tolist(), None
@@ -167,6 +168,9 @@ def _checked_sample(value: float) -> float:
         value = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"latency sample {value!r} must be a number of seconds") from None
-    if not 0.0 <= value < math.inf:  # also rejects NaN
-        raise ValueError(f"latency sample {value!r} must be a finite number of seconds >= 0")
+    if not 0.0 <= value <= _MAX_SAMPLE_S:  # also rejects NaN and infinities
+        raise ValueError(f"latency sample {value!r} must be a number of seconds in [0, {_MAX_SAMPLE_S:g}]")
     return value
+
+
+_MAX_SAMPLE_S = 1e15  # 30 million years: anything larger is a clock bug; and sums of samples stay finite
