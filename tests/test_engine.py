@@ -380,3 +380,32 @@ def test_top_k_sampling_draws_only_the_k_largest():
     assert set(drawn.tolist()) == {1, 3}  # at temperature 50 both are drawn; nothing else ever is
     greedy = np.asarray(sample(logits, dataclasses.replace(params, temperature=jnp.zeros(64))))
     assert (greedy == 1).all()
+    # ties at the k-th logit: every tie used to be drawn (top_k=1 picked among tied maxima)
+    tied = jnp.tile(jnp.array([0.0, 3.0, 3.0, 1.0, 3.0]), (64, 1))
+    for k, allowed in ((1, {1}), (2, {1, 2}), (4, {1, 2, 3, 4})):
+        drawn = np.asarray(sample(tied, dataclasses.replace(params, top_k=jnp.full(64, k, jnp.int32))))
+        assert set(drawn.tolist()) == allowed  # the k largest, ties taken in index order as argmax does
+
+
+def test_a_step_that_fails_counts_for_nothing_and_the_engine_steps_on(engine, monkeypatch):
+    # the plan stayed in flight: every later step raised, even for new requests
+    tokens = np.arange(20, dtype=np.int32) % 256
+    engine.add_request("a", tokens=tokens, max_new_tokens=4)
+    run, calls = engine.runner.run, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("transient device error")
+        return run(*args, **kwargs)
+    monkeypatch.setattr(engine.runner, "run", fails_once)
+    prefill_before = engine.scheduler.stats.prefill_tokens
+    with pytest.raises(RuntimeError, match="transient device error"):
+        engine.step()
+    assert engine.scheduler.in_flight is None and engine.scheduler.stats.aborted_steps == 1
+    assert engine.scheduler.stats.prefill_tokens == prefill_before  # its scheduled work was given back
+    engine.add_request("b", tokens=[1, 2, 3], max_new_tokens=2)
+    finishes = {e.request_id: e for e in engine.run(summary=False) if isinstance(e, FinishEvent)}
+    assert finishes["a"].output_token_ids.tolist() == dense_greedy(tokens, 4)
+    assert finishes["b"].output_token_ids.tolist() == dense_greedy(np.array([1, 2, 3], np.int32), 2)
+    engine.check_invariants()

@@ -14,6 +14,7 @@ import pytest
 from engine_cases import (
     ATOL,
     BLOCKS,
+    BUCKETS,
     PAGE,
     dense_greedy,
     dense_logits,
@@ -21,6 +22,7 @@ from engine_cases import (
     random_prompts,
 )
 
+from kvjax.serving.engine_config import EngineConfig
 from kvjax.serving.engine_events import FinishEvent, TokenEvent
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.tiers.transfer import Priority, TransferEngine, TransferResult
@@ -194,3 +196,41 @@ def test_preempted_sequences_resume_exactly(preemption):
     assert sum(f.num_preemptions for f in finishes.values()) > 0
     for i, prompt in enumerate(prompts):
         assert finishes[f"r{i}"].output_token_ids.tolist() == dense_greedy(prompt, 10 * PAGE), i
+
+
+def test_a_prefetch_in_flight_holds_blocks_back_but_rejects_no_request():
+    """A prefetch for a waiting request holds free blocks until its fetch lands. Counted as
+    pinned, a lone running request that needed one more block was stopped, and the waiting
+    one rejected; both wait now, and both finish as the dense forward does."""
+    rng = np.random.default_rng(0)
+    scheduler = SchedulerConfig(max_num_seqs=1, token_budget=64, max_prefill_chunk=32)
+    engine = make_engine(host_bytes=32 * 8 * 1024, transfer_factory=GatedFetches, num_blocks=8, scheduler=scheduler,
+                         config=EngineConfig(max_model_len=8 * PAGE, token_buckets=BUCKETS))  # fmt: skip
+    with engine:
+        transfer = engine.cache.transfer
+        cached = rng.integers(0, 256, 4 * PAGE + 1).astype(np.int32)
+        transfer.gate.set()
+        _run(engine, [("seed", cached, 1, None)])
+        engine.cache.evict(8)  # its 4 pages now on host only
+        transfer.gate.clear()
+        running = rng.integers(0, 256, 17).astype(np.int32)  # grows to 7 of the 8 blocks
+        engine.add_request("running", tokens=running, max_new_tokens=39)
+        events = engine.step()
+        waiting = np.concatenate([cached, [7]]).astype(np.int32)
+        engine.add_request("waiting", tokens=waiting, max_new_tokens=2)  # waits (one sequence at a time); prefetched
+        for _ in range(60):
+            events += engine.step()
+            if engine.cache.num_prefetching_blocks:
+                break
+        assert engine.cache.num_prefetching_blocks == 4
+        for _ in range(20):  # "running" needs the prefetch's blocks by now: it waits, it is not stopped
+            events += engine.step()
+        generated = sum(isinstance(event, TokenEvent) and event.request_id == "running" for event in events)
+        assert generated == 4 * PAGE - len(running) + 1  # it filled the 4 blocks the prefetch leaves it
+        assert not any(isinstance(event, FinishEvent) and event.status == "rejected" for event in events)
+        transfer.gate.set()
+        events += list(engine.run(summary=False))
+    finishes = {event.request_id: event for event in events if isinstance(event, FinishEvent)}
+    assert {rid: finish.status for rid, finish in finishes.items()} == {"running": "finished", "waiting": "finished"}
+    assert finishes["running"].output_token_ids.tolist() == dense_greedy(running, 39)
+    assert finishes["waiting"].output_token_ids.tolist() == dense_greedy(waiting, 2)

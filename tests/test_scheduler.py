@@ -212,6 +212,29 @@ def test_preemption_swap_lists_blocks_and_swaps_back_in():
     assert scheduler.stats.preempted_swap == 1 and scheduler.stats.swap_out_blocks == pages
 
 
+def test_an_aborted_step_makes_the_requests_it_was_swapping_recompute():
+    # the step's engine failed before (or while) it moved the blocks: the swap slots hold
+    # nothing the request may read back, so it recomputes; the other requests just run again
+    scheduler, engine = _two_decoders(preemption="swap", host_swap_blocks=8)
+    for _ in range(6):
+        plan = scheduler.schedule()
+        if plan.swap_out:
+            break
+        scheduler.on_step_done(plan, engine.run(plan))
+    assert plan.swap_out and list(plan.preempted) == ["new"]
+    assert scheduler.abort_step(plan) == ["new"]  # never run: the engine moved nothing
+    victim = scheduler.get("new")
+    assert (victim.status, victim.swap_slots, victim.num_computed_tokens) == (RequestStatus.WAITING, [], 0)
+    assert scheduler.in_flight is None and scheduler.stats.aborted_steps == 1
+    with pytest.raises(ValueError, match=r"plan of step \d+ is not the step in flight"):
+        scheduler.abort_step(plan)
+    scheduler.check_invariants()
+    while scheduler.has_unfinished:
+        engine.step()  # asserts every KV it reads
+        scheduler.check_invariants()
+    assert victim.output_token_ids.tolist() == reference_output(range(20, 26), victim.namespace, 8, VOCAB)
+
+
 def test_auto_preemption_recomputes_when_host_space_is_short():
     scheduler, engine = _two_decoders(preemption="auto", host_swap_blocks=1)
     reasons = {}

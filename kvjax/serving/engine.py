@@ -43,7 +43,7 @@ from kvjax.serving.request import Request
 from kvjax.serving.sampling import GREEDY, SamplingParams
 from kvjax.serving.scheduler import Scheduler
 from kvjax.serving.scheduler_config import SchedulerConfig
-from kvjax.serving.step_plan import ScheduledSeq, StepPlan
+from kvjax.serving.step_plan import StepPlan
 from kvjax.serving.swap_store import SwapStore
 from kvjax.text.canonicalize import CanonicalizeConfig, template_fingerprint
 from kvjax.text.canonicalize import canonicalize as canonicalize_text
@@ -198,15 +198,21 @@ class Engine:
         tier_report = self.cache.poll()  # finished transfers take effect before the scheduler looks
         plan = self.scheduler.schedule()
         events += [self._finish(rid, "rejected") for rid in plan.rejected if rid in self._records]
-        self._move_blocks(plan)
         seqs = plan.sequences
-        if not seqs and self.scheduler.fetching:  # nothing runs until a fetch lands: wait for one
-            self.cache.wait_any(_FETCH_WAIT_SECONDS)
         records = [self._records[seq.request_id] for seq in seqs]
-        self._note_admitted(seqs, records)
+        try:
+            self._move_blocks(plan)
+            if not seqs and (self.scheduler.fetching or self.cache.num_prefetching_blocks):
+                self.cache.wait_any(_FETCH_WAIT_SECONDS)  # nothing runs until a transfer lands: wait for one
+            admitted_at = self.clock()
+            new_tokens, logits = self._run_model(seqs, records)
+        except BaseException:  # the step counts for nothing: the engine steps on (its events go out next)
+            self.scheduler.abort_step(plan)
+            self._pending = events + self._pending
+            raise
+        self._note_admitted(records, admitted_at)  # once the step counts (an aborted one runs again)
         for seq in plan.prefills:
             self._records[seq.request_id].num_computed_tokens += seq.num_tokens
-        new_tokens, logits = self._run_model(seqs, records)
         finished = self.scheduler.on_step_done(plan, new_tokens)
         now = self.clock()
         for row, (record, seq) in enumerate(zip(records, seqs)):
@@ -299,10 +305,9 @@ class Engine:
         if remaining > 0 and self.config.spill_ahead and self.cache.config.tiered:
             self.cache.evict(remaining)
 
-    def _note_admitted(self, seqs: list[ScheduledSeq], records: list[RequestRecord]) -> None:
-        """Record first runs (hits by tier, misses by cause). The scheduler runs a request
-        only once its fetched KV has landed, so its hits are final here."""
-        now = self.clock()
+    def _note_admitted(self, records: list[RequestRecord], now: float) -> None:
+        """Record first runs (hits by tier, misses by cause) at ``now``, the step's start. The
+        scheduler runs a request only once its fetched KV has landed, so its hits are final."""
         for record in records:
             if record.admitted is None:
                 self.observer.on_admitted(record, now, self.cache.admission_report(record.request.handle))

@@ -86,8 +86,14 @@ def sample(logits, params: SamplingBatch):
     k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
     descending = -jnp.sort(-logits, axis=-1)
     threshold = jnp.take_along_axis(descending, (k - 1)[:, None], axis=-1)  # [rows, 1]
+    # exactly k tokens: those above the k-th largest logit, then the ties at it in index order
+    # (every tie at the threshold drew: top_k=1 was not greedy when the top logits tied)
+    above = logits > threshold
+    ties = logits == threshold
+    room = k[:, None] - jnp.sum(above, axis=-1, keepdims=True)
+    keep = above | (ties & (jnp.cumsum(ties, axis=-1) <= room))
     safe_temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
-    scaled = jnp.where(logits >= threshold, logits / safe_temperature[:, None], -jnp.inf)
+    scaled = jnp.where(keep, logits / safe_temperature[:, None], -jnp.inf)
 
     def draw(row_logits, seed, index):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), index)

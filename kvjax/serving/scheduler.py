@@ -206,6 +206,36 @@ class Scheduler:
                 del prefilling[request.request_id]
         return finished
 
+    def abort_step(self, plan: StepPlan) -> list[str]:
+        """Forget ``plan``, whose block moves or model run failed: nothing of it counts (no
+        page committed, no token appended; its requests run again next step), and a request
+        whose KV it was swapping out or in recomputes instead (a move cut short leaves its
+        slots or blocks unknown). Returns those requests' ids. ValueError for a plan that is
+        not the one in flight."""
+        if plan is not self._in_flight:
+            raise ValueError(f"plan of step {plan.step} is not the step in flight")
+        self._in_flight = None
+        self.stats.prefill_tokens -= sum(seq.num_tokens for seq in plan.prefills)  # scheduled again
+        self.stats.decode_tokens -= len(plan.decodes)
+        out_slots = {slot for _, slot in plan.swap_out}
+        in_blocks = {block for _, block in plan.swap_in}
+        redo = []
+        for request in list(self._requests.values()):
+            if request.status is _SWAPPED and out_slots.intersection(request.swap_slots):
+                self._swap.release(request.swap_slots)
+                request.swap_slots, request.status = [], _WAITING
+            elif request.status is _RUNNING and in_blocks.intersection(request.handle.block_ids.tolist()):
+                self._stop_running(request)
+                request.status = _WAITING
+                self._waiting.push(request, urgent=True)
+            else:
+                continue
+            request.num_computed_tokens = 0  # generated tokens stay: the recompute prefills them too
+            self._queue_refresh(request.request_id)
+            redo.append(request.request_id)
+        self.stats.aborted_steps += 1
+        return redo
+
     # --- views and checks ----------------------------------------------------------------------
 
     @property
@@ -268,6 +298,8 @@ class Scheduler:
         while True:
             victim = next(reversed(self._running.values()))
             if victim is request and len(self._running) == 1:
+                if self._prefetching_blocks():  # a prefetch lands soon and its blocks are cached then:
+                    return False  # this request waits a step (nothing else runs), it is not stopped
                 allocator = self.cache.allocator
                 own = len(request.handle.block_ids)
                 pinned = allocator.num_blocks - allocator.num_free - self.cache.num_reclaimable - own
@@ -281,6 +313,10 @@ class Scheduler:
                 return False
             if self.cache.extend(request.handle, missing):
                 return True
+
+    def _prefetching_blocks(self) -> int:
+        """Device blocks held by prefetches in flight (a device index without tiers has none)."""
+        return getattr(self.cache, "num_prefetching_blocks", 0)
 
     def _schedule_prefills(self, plan: StepPlan, budget: int) -> int:
         for request in self._prefilling.values():
@@ -342,7 +378,7 @@ class Scheduler:
                 break  # high watermark: leave the headroom to running decodes
             handle = cache.admit(lookup, accept_lossy=request.accept_lossy)
             if handle is None:
-                if not self._running:  # even an empty pool cannot take it: pins hold the rest
+                if not self._running and not self._prefetching_blocks():  # an empty pool cannot take it: pins hold the rest
                     waiting.pop()
                     self._reject(request, f"request {request.request_id!r} needs {num_pages - num_hit} free "
                                  f"blocks; pins leave too few of the pool's {allocator.num_blocks}", plan)  # fmt: skip

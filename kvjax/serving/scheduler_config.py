@@ -78,6 +78,7 @@ class SchedulerStats:
     prefill_tokens: int = 0  # scheduled prefill tokens (recomputes included)
     decode_tokens: int = 0
     hit_tokens: int = 0  # tokens mapped from cached blocks at admission
+    aborted_steps: int = 0  # steps whose block moves or model run failed (``Scheduler.abort_step``)
 
 
 def _require(ok: bool, message: str) -> None:

@@ -220,6 +220,12 @@ class KVCache:
         return self.index.num_reclaimable
 
     @property
+    def num_prefetching_blocks(self) -> int:
+        """Device blocks prefetches hold until their fetches land (then they are cached pages,
+        reclaimable like any): neither free nor reclaimable now, but not held for long."""
+        return sum(len(w.handle.block_ids) for w in self._mover.waiters.values() if w.prefetch)
+
+    @property
     def num_sequences(self) -> int:
         """Live sequences admitted by the caller (a prefetch's own hold is not one)."""
         return self.index.num_sequences - sum(w.prefetch for w in self._mover.waiters.values())
