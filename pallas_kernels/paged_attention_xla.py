@@ -60,6 +60,8 @@ def paged_attention_xla(
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive int or None")
     num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:  # nothing to attend (a gather from an empty q would not even trace)
+        return jnp.zeros_like(q)
     max_num_seqs, pages_per_seq = block_tables.shape
     num_kv_heads, page_size = kv_pages.shape[3], kv_pages.shape[4]
     group = num_q_heads // num_kv_heads
@@ -106,7 +108,9 @@ def paged_attention_xla(
         ids = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, axis=1)
         kv = load(ids)  # [items, pps, 2, kvh, page, d] float32
         kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(num_items, 2, num_kv_heads, span, head_dim)
-        logits = jnp.einsum("nkrd,nksd->nkrs", qi, kv[:, 0])
+        # float32 operands at full precision: by default TPUs round them to bfloat16 passes
+        # and recent GPUs to TF32 (the Pallas kernels ask for the same)
+        logits = jnp.einsum("nkrd,nksd->nkrs", qi, kv[:, 0], precision=jax.lax.Precision.HIGHEST)
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         k_pos = i * span + jnp.arange(span)  # [span]
@@ -125,7 +129,7 @@ def paged_attention_xla(
         visible = (k_pos[None, :] < jnp.max(jnp.where(row_live, row_pos + 1, 0), axis=1)[:, None])
         v = jnp.where(visible[:, None, :, None], kv[:, 1], 0.0)
         l = l * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("nkrs,nksd->nkrd", p, v)
+        acc = acc * alpha[..., None] + jnp.einsum("nkrs,nksd->nkrd", p, v, precision=jax.lax.Precision.HIGHEST)
         return i + 1, m_new, l, acc
 
     rows_per_item = block_q * group

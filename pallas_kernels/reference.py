@@ -87,8 +87,10 @@ def paged_attention_reference(
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         logits = np.where(mask[None], logits, -np.inf)
-        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        probs = probs / probs.sum(axis=-1, keepdims=True)
+        # a row that sees no key (more new tokens than KV) is 0, as in every kernel, not NaN
+        peak = np.where(mask.any(axis=-1)[None, :, None], logits.max(axis=-1, keepdims=True), 0.0)
+        probs = np.exp(logits - peak)
+        probs = probs / np.maximum(probs.sum(axis=-1, keepdims=True), np.finfo(np.float32).tiny)
         out[q_start:q_end] = np.einsum("hqk,hkd->hqd", probs, v).transpose(1, 0, 2)
     return jnp.asarray(out).astype(q.dtype)
 
@@ -111,7 +113,7 @@ def write_kv_reference(
     page_size = pages.shape[4]
     k_np, v_np = np.asarray(k).astype(pages.dtype), np.asarray(v).astype(pages.dtype)
     for t, slot in enumerate(np.asarray(slot_mapping)):
-        if slot < 0:
+        if not 0 <= slot < pages.shape[0] * page_size:  # padding, or past the pool: dropped (copy_common.in_pool)
             continue
         block, offset = divmod(int(slot), page_size)
         pages[block, layer, 0, :, offset] = k_np[t]
@@ -142,7 +144,7 @@ def _write_quantized(kv_pages, k, v, slot_mapping, *, layer: int):
     slots = np.asarray(slot_mapping)
     by_block: dict[int, list[tuple[int, int]]] = {}
     for t, slot in enumerate(slots):
-        if slot >= 0:
+        if 0 <= slot < data.shape[0] * page_size:
             block, offset = divmod(int(slot), page_size)
             by_block.setdefault(block, []).append((t, offset))
     qmax = np.float32(fmt.qmax)
@@ -178,7 +180,7 @@ def gather_blocks_reference(kv_pages, block_ids):
     ids = np.asarray(block_ids)
     out = np.zeros((len(ids),) + pages.shape[1:], pages.dtype)
     for i, block in enumerate(ids):
-        if block >= 0:
+        if 0 <= block < pages.shape[0]:  # padding or past the pool: a zero row
             out[i] = pages[block]
     return jnp.asarray(out)
 
@@ -191,6 +193,6 @@ def scatter_blocks_reference(kv_pages, block_ids, blocks):
     pages = np.array(kv_pages)
     src = np.asarray(blocks)
     for i, block in enumerate(np.asarray(block_ids)):
-        if block >= 0:
+        if 0 <= block < pages.shape[0]:  # padding or past the pool: skipped
             pages[block] = src[i]
     return jnp.asarray(pages)

@@ -217,3 +217,6 @@ def test_an_id_past_the_pool_is_padding_on_every_implementation(impl):
     written = np.asarray(scatter_blocks(jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(blocks), impl=impl))
     np.testing.assert_array_equal(written[1], blocks[0])
     assert_same_bytes(np.delete(written, 1, axis=0), np.delete(pool, 1, axis=0))
+    # the references define what the kernels compute: they raised IndexError there
+    assert_same_bytes(gather_blocks_reference(jnp.asarray(pool), jnp.asarray(ids)), out)
+    assert_same_bytes(scatter_blocks_reference(jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(blocks)), written)

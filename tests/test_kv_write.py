@@ -192,3 +192,4 @@ def test_a_slot_past_the_pool_is_dropped_on_every_implementation(impl):
     expected = pool.copy()
     expected[0, 1, 0, :, 2], expected[0, 1, 1, :, 2] = k[0], v[0]
     np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+    assert_same_bytes(write_kv_reference(pool, k, v, slots, layer=1), out)  # the reference raised IndexError
