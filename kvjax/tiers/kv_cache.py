@@ -478,9 +478,10 @@ class KVCache:
         if not pages:
             return
         self._version += 1
-        self._counts["prefetches"] += 1
         if self.allocator.num_free < len(pages):
+            jobs = len(self._mover.live_jobs)
             self._mover.restore_only([key for key, disk in zip(pages, on_disk) if disk], ns.digest())
+            self._counts["prefetches"] += len(self._mover.live_jobs) > jobs  # only if it started one
             return
         held = self._mover.hold(pages)
         try:
@@ -490,6 +491,7 @@ class KVCache:
                 hold = self.index.complete_admission(admission, count=False)
                 waiter = Waiter(hold, first, on_disk[: len(pages)], prefetch=True)
                 self._mover.start_fetch(waiter, pages, ns.digest(), Priority.PREFETCH)
+                self._counts["prefetches"] += waiter.outstanding > 0  # calls that started a transfer
                 if not waiter.outstanding:  # no job took it (no host room): nothing will release it
                     self.index.release(hold)
                 # else the fetch's commit releases it (``_commit_fetched``), however soon it ends
@@ -706,9 +708,10 @@ class KVCache:
 
     def _apply_transfers(self) -> None:
         """Finished transfers take effect; fetched pages of finished waiters are committed."""
+        applied = self._mover.applied
         finished = self._mover.poll()
-        if finished or self._mover.report.fetch_seconds:
-            self._version += 1
+        if self._mover.applied != applied:  # a failed copy or restore may have split or dropped nodes
+            self._version += 1  # a Lookup taken before is stale (its nodes may be gone)
         for waiter in finished:
             self._commit_fetched(waiter)
         self.tiers.settle_handed()  # after the commits: fetched pages are on device now

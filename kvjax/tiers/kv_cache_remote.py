@@ -145,9 +145,11 @@ def import_pages(cache, tokens, namespace, first_page: int, blocks: np.ndarray) 
     parent_key = trie.page_keys(parent)[-1] if matched else None
     keys = chained_block_keys(np.frombuffer(buf[have * page_bytes : (have + count) * page_bytes], "<i4"),
                               cache.page_size, digest, parent=parent_key)  # fmt: skip
-    # a page whose old host entry gave its slot to a fetch in flight takes no new copy until that
-    # settles (as an offload): stop before it, the trie not yet touched
-    count = next((index for index, key in enumerate(keys) if tiers.is_handed(key)), count)
+    # a page whose old host entry gave its slot to a fetch in flight, or took a slot a fetch
+    # has not read yet, takes no new copy until that settles (writing now would overwrite
+    # what the fetch is about to read: another page's KV, maybe another tenant's): stop
+    # before it, the trie not yet touched
+    count = next((index for index, key in enumerate(keys) if tiers.is_handed(key) or tiers.awaits_slot(key)), count)
     if count <= 0:
         return 0
     keys = keys[:count]
@@ -180,6 +182,10 @@ def _read_lower(cache, export: ExportedPages, host_slots: list[int], disk_keys: 
     if disk_keys:
         read = cache.disk_tier.get(disk_keys, digest)
         lower[~is_host] = read.blocks
+        for key, hit in zip(disk_keys, read.hits):  # a corrupt or unreadable block left the disk tier:
+            if not hit and not cache.disk_tier.contains(key, digest):  # its page loses the DISK bit
+                cache.tiers.forget_disk(key, digest)
+        cache._mover._count_disk_errors()  # noqa: SLF001 - KVCache's own module, split off for length
         if not read.hits.all():
             bad_key = disk_keys[int(np.argmin(read.hits))]
             _truncate(export, export.keys.index(bad_key))

@@ -83,6 +83,7 @@ class TierMover:
         self.report = TierReport()
         self.finished: list[Waiter] = []  # waiters whose fetches all ended, for the cache
         self._callbacks: list[tuple[concurrent.futures.Future, Callable]] = []
+        self.applied = 0  # finished transfers applied so far (each may split or drop trie nodes)
         self._disk_errors_seen = 0
 
     # --- progress --------------------------------------------------------------------------
@@ -97,6 +98,7 @@ class TierMover:
             if not done:
                 break
             self._callbacks = waiting  # callbacks below may append to it
+            self.applied += len(done)
             for future, callback in done:
                 callback(future.result())
         finished, self.finished = self.finished, []
@@ -221,7 +223,8 @@ class TierMover:
                                            priority=Priority.SPILL, after=after)  # fmt: skip
             for key in run_keys:
                 self.copies[key] = future
-            self._on_done(future, lambda result, run_keys=run_keys: self._copied_down(run_keys, result))
+            self._on_done(future, lambda result, run_keys=run_keys, future=future:
+                          self._copied_down(run_keys, result, future))  # fmt: skip
 
     def spill_host(self, everything: bool = False) -> None:
         """Copy host pages without a disk copy to disk, LRU first: above the high watermark,
@@ -370,7 +373,7 @@ class TierMover:
         future = self.transfer.restore(keys, job.namespace, slots, priority=job.priority)
         for key in keys:
             self.copies[key] = future
-        self._on_done(future, lambda result: self._restored(keys, job.namespace, result))
+        self._on_done(future, lambda result: self._restored(keys, job.namespace, result, future))
 
     def _promote(self, job: FetchJob, priority: Priority) -> None:
         """Raise ``job`` and the transfers it waits on, started or not, to ``priority``."""
@@ -463,22 +466,24 @@ class TierMover:
 
     # --- helpers: copies down ----------------------------------------------------------------
 
-    def _copied_down(self, keys: list[bytes], result: TransferResult) -> None:
+    def _copied_down(self, keys: list[bytes], result: TransferResult, future) -> None:
         done = 0
         for key in keys:
-            if self.copies.get(key) is not None:
-                del self.copies[key]
+            if self.copies.get(key) is not future:  # a later writer (a restore) adopted its entry:
+                continue  # that one's end decides it (a failure here must not free the slot it writes)
+            del self.copies[key]
             self.index.host_done(key, result.ok)
             done += result.ok
         self.counts["offloaded"] += done
         if done:
             self.report.add_spill("device_to_host", done, done * self.block_nbytes)
 
-    def _restored(self, keys: list[bytes], namespace: bytes, result: TransferResult) -> None:
+    def _restored(self, keys: list[bytes], namespace: bytes, result: TransferResult, future) -> None:
         restored = set(result.done_keys)
         for key in keys:
-            self.copies.pop(key, None)
-            self.index.host_done(key, key in restored)
+            if self.copies.get(key) is future:  # else a later writer's end decides the entry
+                del self.copies[key]
+                self.index.host_done(key, key in restored)
             if not self.index.disk.contains(key, namespace):  # corrupt or unreadable: gone
                 self.index.forget_disk(key, namespace)
         self._count_disk_errors()

@@ -53,7 +53,7 @@ _HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
 class HostEntry:
     """One host block the index knows about (see the module docstring)."""
 
-    __slots__ = ("namespace", "slot", "ready", "busy", "dropped", "handed", "source")
+    __slots__ = ("namespace", "slot", "ready", "busy", "dropped", "handed", "source", "failed")
 
     def __init__(self, namespace: bytes, slot: int, ready: bool):
         self.namespace = namespace  # namespace digest
@@ -63,6 +63,7 @@ class HostEntry:
         self.dropped = False  # its page left the trie; discard once no transfer reads it
         self.handed = False  # its slot was handed to another entry (see ``hand_over``)
         self.source: bytes | None = None  # the handed entry whose slot this one took
+        self.failed = False  # its copy failed while transfers held it: it goes with the last release
 
 
 class TierIndex:
@@ -310,7 +311,7 @@ class TierIndex:
         if entry is not None and entry.handed:
             raise RuntimeError(f"host block {key.hex()[:8]}: its slot was handed over (check is_handed first)")
         if entry is not None and entry.dropped:  # same key, same content: adopt the old copy
-            entry.dropped = False
+            entry.dropped = entry.failed = False
         elif entry is None:
             slot = self._take_slot(key) if slot is None else slot
             self.host_entries[key] = entry = HostEntry(namespace, slot, ready)
@@ -339,9 +340,13 @@ class TierIndex:
             entry.ready = True
             self.release_host(key, 0)
             return
-        self._discard(key, entry)
+        was_dropped = entry.dropped
+        if entry.busy:  # held by transfers (none reads it: it is not ready): its slot stays theirs
+            entry.dropped = entry.failed = True  # until the last releases it (freed at once, it was
+        else:  # taken and written while still held: another page's KV in a slot a fetch reads)
+            self._discard(key, entry)
         self.undisked.pop(key, None)
-        if entry.dropped:
+        if was_dropped:
             return
         self._host_event(key, entry.namespace, "removed")
         located = self.trie.locate(key)
@@ -352,6 +357,12 @@ class TierIndex:
         """Whether ``key``'s host entry gave its slot away (no copy may be added meanwhile)."""
         entry = self.host_entries.get(key)
         return entry is not None and entry.handed
+
+    def awaits_slot(self, key: bytes) -> bool:
+        """Whether ``key``'s host entry took a handed slot that a fetch has not read yet: its
+        bytes may go there only once that read is done (the copy it waits for writes them)."""
+        entry = self.host_entries.get(key)
+        return entry is not None and entry.source is not None and not entry.ready
 
     def is_adoptable(self, key: bytes) -> bool:
         """Whether ``key`` left the trie while a transfer still used its host copy: a new copy
@@ -376,7 +387,7 @@ class TierIndex:
         if entry is None:
             return
         entry.busy -= count
-        if entry.dropped and not entry.busy and entry.ready:
+        if entry.dropped and not entry.busy and (entry.ready or entry.failed):
             self._discard(key, entry)
 
     # --- disk ------------------------------------------------------------------------------
