@@ -425,3 +425,34 @@ def test_a_node_keying_text_otherwise_cannot_join(directory):
     directory.register("n1", "http://a", ClusterInfo.of("tiny", 4, ByteTokenizer(), None))
     with pytest.raises(ValueError, match=r"cannot join prefix .*: cluster tokenizer=byte but this node has byte:"):
         directory.register("n2", "http://b", ClusterInfo.of("tiny", 4, ByteTokenizer(add_bos=True), None))
+
+
+def test_a_redis_started_on_a_port_another_server_holds_fails_and_names_it(redis_server):
+    # a PING answered by the other server: the wrapper said ready while its own server had exited
+    with pytest.raises(RuntimeError, match=rf"did not come up on 127.0.0.1:{redis_server.port} .*is the port in use"):
+        RedisProcess.start(port=redis_server.port, timeout=5.0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router", "--redis", "localhost:6379"], r"router: --redis 'localhost:6379': Redis URL must specify"),
+    (["node", "--node-id", "a:b"], r"node: node_id='a:b' must be a non-empty str"),
+])  # fmt: skip
+def test_cluster_commands_refuse_bad_settings_in_one_line_before_compiling(argv, message):
+    from kvjax.cluster.__main__ import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
+
+
+def test_a_port_in_use_is_named_before_a_node_compiles(redis_server):
+    from kvjax.cluster.__main__ import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(SystemExit, match=rf"node: cannot listen on 127.0.0.1:{port}: Address already in use"):
+            main(["node", "--node-id", "n9", "--port", str(port), "--redis", redis_server.url])
+    finally:
+        taken.close()

@@ -26,7 +26,7 @@ import urllib.parse
 
 import uvicorn
 
-from kvjax.cluster.directory import Directory
+from kvjax.cluster.directory import Directory, check_node_id
 from kvjax.cluster.node_server import create_node_app, start_worker
 from kvjax.cluster.redis_process import RedisProcess
 from kvjax.cluster.remote_fetch import RemoteFetcher
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--preset", default="tiny", help="configs/<preset>.toml")
     node.add_argument("--model-name", help="the model name clients send (default: the preset's name)")
     node.add_argument("--no-tiers", action="store_true", help="leave out the preset's host and disk tiers")
-    node.add_argument("--weights", help="an orbax checkpoint directory (default: random weights from the seed)")
+    node.add_argument("--weights", help="weights written by save_weights (an .npz file or an orbax directory), or "
+                      "'random' (default: the preset's own weights, e.g. configs/tiny.npz; random if it ships none)")
     node.add_argument("--no-remote-fetch", action="store_true",
                       help="never fetch a prefix from another node (this node still offers its own)")
     node.add_argument("--transfer-address", default=None,
@@ -117,7 +118,10 @@ def _run_redis(args) -> int:
     stop = threading.Event()
     for stop_signal in (signal.SIGINT, signal.SIGTERM):  # from before the start: one during it stops too
         signal.signal(stop_signal, lambda *_: stop.set())
-    server = RedisProcess.start(port=args.port)
+    try:
+        server = RedisProcess.start(port=args.port)
+    except (RuntimeError, FileNotFoundError, OSError) as error:  # port in use, no binary
+        raise SystemExit(f"redis: {str(error).splitlines()[0]}") from None
     try:
         print(json.dumps({"ready": server.url, "pid": server.pid, "binary": server.binary}), flush=True)
         while not stop.wait(0.2):
@@ -128,16 +132,20 @@ def _run_redis(args) -> int:
 
 
 def _run_node(args) -> int:
-    # before the engine compiles: a node that cannot serve its blocks fails at once
+    # everything that can fail by a setting fails before the engine compiles, in one line
+    try:
+        check_node_id(args.node_id)
+    except ValueError as error:
+        raise SystemExit(f"node: {error}") from None
     transfer_address = (args.transfer_address or f"{_reachable_host(args)}:0") if args.redis else None
+    directory = _directory(args, "node")
+    sock = _listen(args.host, args.port, "node")
     try:
         engine = Engine.from_preset(args.preset, tiers=not args.no_tiers, weights=args.weights)
     except ValueError as error:  # a bad preset or weights path: one line, not a traceback
         raise SystemExit(f"node: {error}") from None
     engine.warmup()  # compile before registering: a router must not send work to a compiling node
-    sock = _listen(args.host, args.port)
     address = args.advertise or f"http://{args.host}:{sock.getsockname()[1]}"
-    directory = _directory(args)
     model = args.model_name or args.preset
     transport = remote = None
     if directory is not None:  # peers find each other through the directory
@@ -150,8 +158,11 @@ def _run_node(args) -> int:
         if not args.no_remote_fetch and engine.cache.config.tiered and not engine.cache.codec.lossy:
             remote = RemoteFetcher(engine.cache, transport, directory, args.node_id,
                                    suspect_s=args.remote_suspect_s)  # fmt: skip
-    worker = start_worker(engine, node_id=args.node_id, address=address, model=model, directory=directory,
-                          remote=remote)  # fmt: skip
+    try:
+        worker = start_worker(engine, node_id=args.node_id, address=address, model=model, directory=directory,
+                              remote=remote)  # fmt: skip
+    except (ValueError, RuntimeError) as error:  # another model on the prefix, Redis unreachable
+        raise SystemExit(f"node: {error}") from None
     offers = None
     if transport is not None:
         codec = engine.cache.codec
@@ -179,7 +190,7 @@ def _run_node(args) -> int:
 
 
 def _run_router(args) -> int:
-    directory = _directory(args)
+    directory = _directory(args, "router")
     if directory is None:
         raise SystemExit("router: --redis URL is required (the directory it routes by)")
     try:
@@ -188,23 +199,31 @@ def _run_router(args) -> int:
         app = create_router_app(service, read_timeout_s=args.read_timeout_s)
     except ValueError as error:
         raise SystemExit(f"router: {error}") from None
-    sock = _listen(args.host, args.port)
+    sock = _listen(args.host, args.port, "router")
     address = f"http://{args.host}:{sock.getsockname()[1]}"
     _serve(app, sock, {"ready": address, "strategy": args.strategy})
     return 0
 
 
-def _directory(args) -> Directory | None:
+def _directory(args, who: str) -> Directory | None:
     if not args.redis:
         return None
-    return Directory.connect(args.redis, prefix=args.prefix, node_ttl_s=args.node_ttl)
+    try:
+        return Directory.connect(args.redis, prefix=args.prefix, node_ttl_s=args.node_ttl)
+    except ValueError as error:  # a malformed URL (redis-py's message does not echo it)
+        raise SystemExit(f"{who}: --redis {args.redis!r}: {error}") from None
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """Bind before serving, so that port 0 gives a known port and the ready line is true."""
+def _listen(host: str, port: int, who: str) -> socket.socket:
+    """Bind before serving, so that port 0 gives a known port and the ready line is true;
+    a port in use (or a host not here) is a one-line error naming it."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise SystemExit(f"{who}: cannot listen on {host}:{port}: {error.strerror or error}") from None
     sock.listen(2048)
     return sock
 
@@ -224,7 +243,10 @@ def _serve(app, sock: socket.socket, ready: dict) -> None:
         finally:
             announcer.cancel()
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; no traceback
+        print(json.dumps({"stopped": ready.get("ready")}), flush=True)
 
 
 if __name__ == "__main__":

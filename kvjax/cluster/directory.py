@@ -79,6 +79,7 @@ from kvjax.text.tokenizer import ByteTokenizer, TokenizerAdapter
 __all__ = [
     "TIER_BITS",
     "ClusterInfo",
+    "check_node_id",
     "Directory",
     "NodeLoad",
     "NodeView",
@@ -226,7 +227,7 @@ class Directory:
         ValueError if the cluster record disagrees with ``cluster`` (another model or page
         size on the same prefix), naming both values.
         """
-        _check_node_id(node_id)
+        check_node_id(node_id)
         fields = [item for pair in cluster.to_fields().items() for item in pair]
         keys = [f"{self.prefix}:cluster", f"{self.prefix}:nodes", f"{self.node_key(node_id)}:epoch",
                 self.node_key(node_id)]  # fmt: skip
@@ -286,7 +287,7 @@ class Directory:
     def write_learned(self, node_id: str, epoch: int, statistics: Mapping) -> None:
         """Publish what the node's eviction policy learned (a JSON-safe mapping) under its
         epoch; it expires with the node's record unless written again."""
-        _check_node_id(node_id)
+        check_node_id(node_id)
         self.client.set(self.learned_key(node_id), json.dumps({"epoch": int(epoch), "statistics": statistics}),
                         px=self._ms(self.node_ttl_s))  # fmt: skip
 
@@ -355,7 +356,8 @@ class Directory:
         return max(1, round(seconds * 1000))
 
 
-def _check_node_id(node_id: str) -> None:
+def check_node_id(node_id: str) -> None:
+    """ValueError naming ``node_id`` unless it can name a node (no ':' or whitespace)."""
     if not isinstance(node_id, str) or not node_id or any(c in node_id for c in ": \t\n"):
         raise ValueError(f"node_id={node_id!r} must be a non-empty str without ':' or whitespace")
 

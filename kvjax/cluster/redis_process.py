@@ -96,7 +96,10 @@ class RedisProcess:
                 break
         log_path = directory / "redis.log"
         log = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-        raise RuntimeError(f"{binary} did not answer on 127.0.0.1:{chosen} within {timeout}s; log:\n{log}")
+        if owns_directory:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise RuntimeError(f"{binary} did not come up on 127.0.0.1:{chosen} within {timeout}s (is the port in use?); "
+                           f"log:\n{log}")
 
     @property
     def url(self) -> str:
@@ -146,10 +149,16 @@ def _wait_ready(process: subprocess.Popen, port: int, timeout: float) -> bool:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             return False
-        try:
+        try:  # this process, not another server already on the port (a PING would answer from it)
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
-                conn.sendall(b"PING\r\n")
-                if conn.recv(64).startswith(b"+PONG"):
+                conn.sendall(b"INFO server\r\n")
+                reply = b""
+                while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    reply += chunk
+                if f"process_id:{process.pid}\r\n".encode() in reply:
                     return True
         except OSError:
             pass
