@@ -456,3 +456,15 @@ def test_a_port_in_use_is_named_before_a_node_compiles(redis_server):
             main(["node", "--node-id", "n9", "--port", str(port), "--redis", redis_server.url])
     finally:
         taken.close()
+
+
+def test_a_node_taking_a_live_nodes_id_says_so(directory, caplog):
+    from kvjax.cluster.__main__ import _warn_if_replacing
+
+    directory.register("n1", "http://127.0.0.1:8001", CLUSTER)
+    with caplog.at_level("WARNING", logger="kvjax.cluster"):
+        _warn_if_replacing(directory, "n1", "http://127.0.0.1:8003")  # took its place silently
+        _warn_if_replacing(directory, "n2", "http://127.0.0.1:8004")
+        _warn_if_replacing(directory, "n1", "http://127.0.0.1:8001")  # itself, restarted at its address
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert warning.startswith("node n1 is live at http://127.0.0.1:8001 (epoch 1): this node replaces it")

@@ -111,6 +111,14 @@ def test_events_stream_tokens_then_finish_then_summary(engine):
     assert isinstance(summary, RunSummary) and summary.num_finished == 1
     assert summary.metrics["latencies"]["ttft_seconds"]["count"] == 1
     assert summary.metrics["latencies"]["inter_token_seconds"]["count"] == 4
+    assert summary.metrics["gauges"]["generated_tokens_per_second"] > 0
+
+
+def test_a_run_without_a_summary_still_sets_the_throughput_gauge(engine):
+    # the README's first snippet runs with summary=False and printed a rate of 0
+    engine.add_request("r", tokens=np.arange(20, dtype=np.int32), max_new_tokens=3)
+    list(engine.run(summary=False))
+    assert engine.metrics.to_json()["gauges"]["generated_tokens_per_second"] > 0
 
 
 def test_stop_token_ends_a_request_early(engine):

@@ -24,6 +24,7 @@ import sys
 import threading
 import urllib.parse
 
+import redis
 import uvicorn
 
 from kvjax.cluster.directory import Directory, check_node_id
@@ -50,6 +51,8 @@ DESCRIPTION = ("Run the pieces of a kvjax cluster by hand: 'redis' (a redis-serv
                "'router' (the OpenAI-compatible front that routes by the directory). Each prints one JSON "
                "line once it serves; Ctrl-C or SIGTERM stops it cleanly.")
 
+
+_LOG = logging.getLogger("kvjax.cluster")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvjax.cluster", description=DESCRIPTION)
@@ -158,6 +161,8 @@ def _run_node(args) -> int:
         if not args.no_remote_fetch and engine.cache.config.tiered and not engine.cache.codec.lossy:
             remote = RemoteFetcher(engine.cache, transport, directory, args.node_id,
                                    suspect_s=args.remote_suspect_s)  # fmt: skip
+    if directory is not None:
+        _warn_if_replacing(directory, args.node_id, address)
     try:
         worker = start_worker(engine, node_id=args.node_id, address=address, model=model, directory=directory,
                               remote=remote)  # fmt: skip
@@ -203,6 +208,19 @@ def _run_router(args) -> int:
     address = f"http://{args.host}:{sock.getsockname()[1]}"
     _serve(app, sock, {"ready": address, "strategy": args.strategy})
     return 0
+
+
+def _warn_if_replacing(directory: Directory, node_id: str, address: str) -> None:
+    """A live node of the same id is replaced in the directory by this one (a restart within
+    its TTL does that on purpose): say so, naming it, rather than take its place silently."""
+    try:
+        live = [view for view in directory.live_nodes() if view.node_id == node_id]
+    except redis.RedisError:
+        return  # registering says what is wrong with Redis
+    for view in live:
+        if view.address != address:
+            _LOG.warning("node %s is live at %s (epoch %d): this node replaces it in the directory; "
+                         "use another --node-id unless that one is gone", node_id, view.address, view.epoch)
 
 
 def _directory(args, who: str) -> Directory | None:

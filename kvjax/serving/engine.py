@@ -231,8 +231,11 @@ class Engine:
         start, generated_before = self.clock(), self.num_generated_tokens
         while self.has_unfinished:
             yield from self.step()
+        wall, generated = self.clock() - start, self.num_generated_tokens - generated_before
+        if wall > 0:  # the throughput gauge too when no summary is asked for (it read 0 in tables)
+            self.metrics.set("generated_tokens_per_second", generated / wall)
         if summary:
-            yield self.summary(self.clock() - start, self.num_generated_tokens - generated_before)
+            yield self.summary(wall, generated)
 
     def finish(self) -> RunSummary:
         """Run every queued request to its end, dropping the events; return the summary."""
