@@ -35,6 +35,7 @@ from kvjax.cluster.remote_offers import FAULTS, OfferService
 from kvjax.cluster.router import STRATEGIES, RoutingPolicy
 from kvjax.cluster.router_options import add_router_options, router_config
 from kvjax.cluster.router_server import RouterService, create_router_app
+from kvjax.config.checks import is_wildcard_host
 from kvjax.serving.engine import Engine
 
 __all__ = ["main"]
@@ -108,7 +109,7 @@ def _reachable_host(args) -> str:
     ``--host``, or, where that is every interface, the host of ``--advertise`` (peers must be
     told an address they can reach)."""
     host = args.host
-    if host in ("0.0.0.0", "::", "[::]", ""):
+    if is_wildcard_host(host):
         host = urllib.parse.urlsplit(args.advertise).hostname if args.advertise else None
         if not host:
             raise SystemExit(f"node: --host {args.host} listens on every interface; give --transfer-address "

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["int_arg"]
+__all__ = ["int_arg", "is_wildcard_host"]
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Whether ``host`` (of a ``host:port``) means every interface: no peer can connect to it."""
+    return host in ("", "0.0.0.0", "::", "[::]")
 
 
 def int_arg(value, name: str, minimum: int = 0) -> int:

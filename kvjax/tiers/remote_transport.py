@@ -47,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import transfer
 
+from kvjax.config.checks import is_wildcard_host
+
 __all__ = ["PullError", "RemoteTransport", "block_checksums", "verified_blocks"]
 
 _LOG = logging.getLogger(__name__)
@@ -90,7 +92,6 @@ class _Offer:
     block_nbytes: int
 
 
-_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 class RemoteTransport:
     """One process's transfer server: offers its blocks, pulls its peers'; thread-safe.
@@ -108,7 +109,7 @@ class RemoteTransport:
         if not offer_ttl_s > 0:
             raise ValueError(f"offer_ttl_s={offer_ttl_s!r} must be > 0 seconds")
         host = address.rsplit(":", 1)[0]
-        if host in _WILDCARD_HOSTS:  # peers would be told to connect to it, and the puller aborts
+        if is_wildcard_host(host):  # peers would be told to connect to it, and the puller aborts
             raise ValueError(f"address={address!r} listens on every interface, and peers cannot connect to a "
                              "wildcard address: give this host's address that peers reach (e.g. its interface IP)")
         self.device = jax.devices()[0]
