@@ -87,15 +87,21 @@ def settle(cache):
         cache.poll()
 
 
-def test_restore_into_a_slot_a_failed_copy_frees():
-    cache, disk = make(write_policy="write_through", host_blocks=4)
-    T = [1, 2, 3, 4, 5]
-    serve(cache, T)
+def served_to_disk_only(cache, tokens, ns="a") -> int:
+    """Serve ``tokens``, copy its pages to host and disk, then drop them from device and host:
+    returns how many pages left host memory (they are on disk only now)."""
+    serve(cache, tokens, ns)
     settle(cache)
     cache._mover.spill_host(everything=True)
     settle(cache)
     cache.evict(8)
-    assert cache.evict_host(4) == 2
+    return cache.evict_host(8)
+
+
+def test_restore_into_a_slot_a_failed_copy_frees():
+    cache, disk = make(write_policy="write_through", host_blocks=4)
+    T = [1, 2, 3, 4, 5]
+    assert served_to_disk_only(cache, T) == 2
     assert cache.match(T, "a").tiers.tolist() == [Tier.DISK] * 2
     # recompute P1 on top of P0 (fetched): its write-through copy C1 stays in flight
     h = cache.admit([1, 2, 3, 4], "a")
@@ -190,12 +196,7 @@ def test_failed_restore_discards_a_held_entry_and_the_job_later_unholds_a_new_on
     cache, disk = make(write_policy="write_through", host_blocks=2)
     T = [1, 2, 3, 4, 5]
     blocks = np.stack([page_content("a", T[: (p + 1) * PAGE], POOL.block_shape) for p in range(2)])
-    serve(cache, T)
-    settle(cache)
-    cache._mover.spill_host(everything=True)
-    settle(cache)
-    cache.evict(8)
-    assert cache.evict_host(2) == 2
+    assert served_to_disk_only(cache, T) == 2
     k0, k1 = keys_of(cache, T, "a")
     disk.corrupt(k1, as_digest("a"))
     h = cache.admit(T, "a")                      # job [p0 p1], both restored from disk

@@ -23,9 +23,10 @@ POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
 
 
-def dripping_peer(stop: threading.Event, headers_too: bool) -> str:
-    """An HTTP peer that answers /kv/offer a byte every 50 ms (its body, or its headers too):
-    each read well within any timeout, the whole answer seconds."""
+def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Event) -> str:
+    """An HTTP peer that answers /kv/offer a byte every 50 ms (its body, or its headers): each
+    read well within any timeout, the whole answer seconds. ``sent`` is set once the dripped
+    part went (or it was stopped): a fetch that waited for it was held by the peer."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(4)
@@ -33,14 +34,15 @@ def dripping_peer(stop: threading.Event, headers_too: bool) -> str:
     def serve():
         connection, _ = server.accept()
         connection.recv(65536)
-        answer = HEAD + b" " * 40
+        dripped, rest = (HEAD, b" " * 40) if headers_too else (b" " * 40, b"")
         if not headers_too:
             connection.sendall(HEAD)
-            answer = answer[len(HEAD):]
-        for byte in answer:
+        for byte in dripped:
             if stop.wait(0.05):
                 break
             connection.sendall(bytes([byte]))
+        sent.set()
+        connection.sendall(rest)
         connection.close()
         server.close()
     threading.Thread(target=serve, daemon=True).start()
@@ -50,20 +52,19 @@ def dripping_peer(stop: threading.Event, headers_too: bool) -> str:
 @pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
 def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline(headers_too):
     # httpx's timeout bounds each read, not the answer: the ask ran 2 s past a 0.3 s deadline
-    stop = threading.Event()
+    stop, sent = threading.Event(), threading.Event()
     transport = RemoteTransport(reap=False)
     with KVCache(KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block)) as cache:
         fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
         try:
             now = time.monotonic()
-            plan = FetchPlan(PeerHint("dripper", dripping_peer(stop, headers_too), 4, 0), 0, 4, 0.15, now, now + 0.3)
+            plan = FetchPlan(PeerHint("dripper", dripping_peer(stop, headers_too, sent), 4, 0), 0, 4, 0.15, now, now + 0.3)
             result = fetcher.start(plan, np.arange(20, dtype=np.int32), None).result(timeout=30)
-            waited = time.monotonic() - now
+            assert not sent.is_set()  # the request went on at its deadline, not at the end of the answer
             outcome = fetcher.finish(plan, result)
-            assert waited < 1.0, waited  # its deadline plus scheduling slack, not the 2 s answer
             assert outcome.outcome == "timeout" and outcome.blocks is None
             assert fetcher.health.is_suspect("dripper")
-            assert cache.transfer.wait_idle(1)  # the link's worker was let go too, not only the request
+            assert cache.transfer.wait_idle(30) and not sent.is_set()  # its worker too was let go
         finally:
             stop.set()
             fetcher.close()

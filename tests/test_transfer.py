@@ -457,8 +457,8 @@ def test_a_pull_waits_no_longer_than_its_deadline_behind_a_hung_one(tmp_path):
         start = time.monotonic()
         hung = engine.pull_remote(lambda deadline: release.wait(WAIT_S), 1, 8, deadline=start + 0.6)
         queued = engine.pull_remote(lambda deadline: "never ran", 1, 8, deadline=start + 0.3)
-        assert queued.result(WAIT_S).error == transfer.PULL_EXPIRED  # at its own deadline
-        assert time.monotonic() - start < 0.6 and not hung.done()
+        assert queued.result(WAIT_S).error == transfer.PULL_EXPIRED  # at its own deadline:
+        assert not hung.done()  # before the pull ahead of it ended (it ends at its later deadline)
         assert hung.result(WAIT_S).error == transfer.PULL_ABANDONED  # the running one, at its deadline
         release.set()  # the hung pull returns at last: its late result is dropped, counted once
         assert engine.wait_idle(WAIT_S)
