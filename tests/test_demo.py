@@ -46,6 +46,9 @@ def test_demo_with_tiers_hits_host_and_disk_and_builds_nothing_after_warmup(tmp_
     # 64 device blocks over 24 host blocks: with 40, which pages reach disk depends on how the
     # requests batch (arrival timing), and about 1 run in 6 hit none there
     preset = write_preset(tmp_path / "tiered.toml", host_blocks=24)
+    preset_disk = tmp_path / "preset-disk"
+    with open(preset, "a") as file:  # the demo's disk tier replaces the preset's, and says so
+        file.write(f'disk_dir = "{preset_disk}"\ndisk_bytes = {1 << 20}\n')
     spec = WorkloadSpec(system_prompts=10, questions_per_system_prompt=3, system_prompt_chars=120,
                         rotate_prompts=True, conversations=1, turns_per_conversation=2, few_shot_templates=1,
                         queries_per_template=2, examples_per_template=2, max_new_tokens=4)  # fmt: skip
@@ -55,7 +58,10 @@ def test_demo_with_tiers_hits_host_and_disk_and_builds_nothing_after_warmup(tmp_
     assert result.identical and result.ok, text
     hits = result.engines["cached"].metrics.to_json()["counters"]["hit_tokens"]
     assert hits["host"] > 0 and hits["disk"] > 0, hits
-    assert "tiers of the cached run: device 64 blocks, host 24 blocks, disk 64 MiB" in text
+    assert ("tiers of the cached run: device 64 blocks, host 24 blocks, disk 64 MiB in a temporary directory "
+            f"(not the preset's disk_dir {str(preset_disk)!r})") in text
+    assert not preset_disk.exists()
+    assert "its misses of prompts seen before count as other_namespace)" in text
     assert "compilations after warm-up: 0 cached, 0 uncached" in text
 
 

@@ -35,7 +35,14 @@ from kvjax.serving.engine import Engine
 from kvjax.serving.preset import RANDOM_WEIGHTS
 from kvjax.tools.cli import CommandError
 from kvjax.tools.demo_kernels import kernel_checks
-from kvjax.tools.demo_report import ProgressLine, check_plot_path, headline, plot_ttft, sample_replies
+from kvjax.tools.demo_report import (
+    UNCACHED_CAPTION,
+    ProgressLine,
+    check_plot_path,
+    headline,
+    plot_ttft,
+    sample_replies,
+)
 from kvjax.tools.workload import Session, WorkloadResult, WorkloadSpec, build_workload, drive
 from pallas_kernels.kv_format import FORMATS, GRANULARITIES
 
@@ -50,6 +57,7 @@ DEFAULT_PLOT = "kvjax_demo_ttft.png"
 DEMO_SPEC = WorkloadSpec(max_new_tokens=32, system_prompts=10, questions_per_system_prompt=4,
                          system_prompt_chars=1200, rotate_prompts=True)
 DEMO_DISK_BYTES = 64 << 20
+_DISK_PREFIX = "kvjax-demo-disk-"  # the cached run's disk tier: a temporary directory of this name
 
 
 class DemoResult:
@@ -112,7 +120,7 @@ def run_demo(out=None, *, preset: str = "tiny", spec: WorkloadSpec | None = None
     out = out or sys.stdout  # looked up now: tests swap it
     if plot_path is not None:
         check_plot_path(plot_path)
-    with tempfile.TemporaryDirectory(prefix="kvjax-demo-disk-") as disk_dir:
+    with tempfile.TemporaryDirectory(prefix=_DISK_PREFIX) as disk_dir:
         cached = (_tier_options(preset, engine_overrides, disk_dir) if tiers else None) or {
             **engine_overrides, "tiers": False}
         engines = {"cached": Engine.from_preset(preset, **cached),
@@ -150,7 +158,7 @@ def _run(out, preset, engines, spec, plot_path, progress, with_kernel_checks, we
     print(f"page pool: {pool_cfg.num_blocks} blocks of {pool_cfg.page_size} tokens, pages stored as "
           f"{pool_cfg.kv_format.name() if pool_cfg.kv_quant else pool_cfg.dtype}, "
           f"{pool_cfg.bytes_per_block} bytes per block", file=out)  # fmt: skip
-    print(f"tiers of the cached run: {_tiers_line(cached.cache)}", file=out)
+    print(f"tiers of the cached run: {_tiers_line(cached.cache, preset)}", file=out)
     print(f"warm-up: {compiled} compilations (model step for token buckets {cached.runner.token_buckets}, "
           f"tier moves and swaps for transfer buckets {cached.cache.config.transfer_buckets}) "
           f"in {time.perf_counter() - start:.1f}s", file=out)  # fmt: skip
@@ -171,6 +179,7 @@ def _run(out, preset, engines, spec, plot_path, progress, with_kernel_checks, we
         print("\n".join(replies), file=out)
     metrics = {name: engine.metrics for name, engine in engines.items()}
     print("\n" + metrics["cached"].summary_table(metrics["uncached"], labels=("cached", "uncached")), file=out)
+    print(f"({UNCACHED_CAPTION}: its misses of prompts seen before count as other_namespace)", file=out)
     print("\n" + headline(result), file=out)
     print(f"compilations after warm-up: {after_warmup['cached']} cached, {after_warmup['uncached']} uncached",
           file=out)  # fmt: skip
@@ -179,12 +188,18 @@ def _run(out, preset, engines, spec, plot_path, progress, with_kernel_checks, we
     return result
 
 
-def _tiers_line(cache) -> str:
+def _tiers_line(cache, preset: str) -> str:
     config = cache.config
     if not config.tiered:
         return "device only"
     block = config.pool.bytes_per_block
-    disk = f", disk {config.disk_bytes >> 20} MiB in a temporary directory" if config.disk_dir else ""
+    disk = ""
+    if config.disk_dir:
+        preset_dir = load_preset(preset).get("tiers", {}).get("disk_dir", "")
+        instead = f" (not the preset's disk_dir {preset_dir!r})" if preset_dir and preset_dir != config.disk_dir else ""
+        temporary = Path(config.disk_dir).name.startswith(_DISK_PREFIX)
+        disk = f", disk {config.disk_bytes >> 20} MiB in " + (f"a temporary directory{instead}" if temporary
+                                                              else repr(config.disk_dir))  # fmt: skip
     return f"device {config.pool.num_blocks} blocks, host {config.host_bytes // block} blocks{disk}"
 
 
