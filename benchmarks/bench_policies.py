@@ -65,11 +65,13 @@ first C blocks, as the tiered replay must (a prompt longer than the device canno
 only the agent shape at 1% has such prompts). Cells read ``hit%``; the verdict line says
 whether the tiered cache hits at least as much as the flat LRU cache at every capacity.
 Host victims follow a flat cache of C + M blocks without KV (``kvjax.tiers.shadow_cache``), so
-the tiered column tracks the flat one under the same policy: on the shared trace 16.26%,
-35.55%, 59.34% at C = 1%, 3%, 10% against flat LRU's 15.66%, 33.50%, 58.88% (ranked by the
+the tiered column tracks the flat one under the same policy: on the shared trace 16.19%,
+35.95%, 59.40% at C = 1%, 3%, 10% against flat LRU's 15.66%, 33.50%, 58.88% (ranked by the
 device policy alone, the host held 15.34%, 32.98%, 58.75%). Where flat reuse stays under flat
-LRU, so does the tiered cache: chat at 3% (-0.2%), mixed at 10% (-0.15%), agent at 1% (-0.1%),
-chat_scan at 10% (-0.04%). With ``--host-ratio 2`` it is at or above flat LRU on 9 of 10 traces
+LRU, so does the tiered cache: agent at 1% (-0.4%), mixed at 10% (-0.17%), chat_scan at 10%
+(-0.04%), rag at 10% (-0.00%); at or above flat LRU on 6 of 10 traces. (Before pages
+added below a hit node formed a fresh child of it, chat at 3% was under too, -0.2%, and agent
+at 1% -0.1%; the host ratios below measured that form.) With ``--host-ratio 2`` it is at or above flat LRU on 9 of 10 traces
 (not chat at 3%: -0.4%), with ``--host-ratio 8`` on 7 (shared trace at 10% -0.2%, bursty and
 mixed -0.04% or less), the device policy's rank alone on 6 and 6.
 

@@ -137,6 +137,18 @@ def test_write_policies_decide_when_pages_get_host_copies(policy, copies_after_c
         cache.check_invariants()
 
 
+def test_selective_copies_only_pages_hit_often_enough_not_pages_added_below_a_hit():
+    blocks = random_blocks(6, POOL.block_shape, seed=5)
+    with make(write_policy="selective", selective_min_hits=2) as cache:
+        compute(cache, prompt(9), blocks=blocks)  # pages 0, 1
+        compute(cache, prompt(17), blocks=blocks)  # hits 0, 1 (once); adds pages 2, 3 below them
+        hit_pages(cache, prompt(21))  # hits 0-3: pages 0, 1 a second time, pages 2, 3 a first
+        assert cache.flush(TIMEOUT)
+        assert cache.match(prompt(21)).tiers.tolist() == [Tier.DEVICE | Tier.HOST] * 2 + [Tier.DEVICE] * 2
+        assert cache.stats.host_blocks == 2
+        cache.check_invariants()
+
+
 def test_without_lower_tiers_eviction_drops_pages():
     with KVCache(KVCacheConfig(pool=POOL)) as cache:
         tokens = prompt(9)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cache.device_index import DeviceIndex
 from kvjax.cache.prefix_trie import Tier
 
@@ -100,6 +100,26 @@ def test_decode_commits_grow_the_sequence_own_leaf_in_place(cache):
     assert cache.match(tokens).blocks.tolist() == handle.block_table[:3]  # 7 tokens: 3 full pages
     cache.check_invariants()
 
+
+
+def test_pages_after_a_hit_form_a_fresh_child_with_their_own_history(cache):
+    cached(cache, [1, 2, 3, 4, 5])  # pages [1, 2], [3, 4]: one node
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    handle = cache.admit(tokens)  # hits both pages: the node, locked by this sequence alone
+    assert handle.num_hit_tokens == 4
+    cache.commit(handle, tokens)  # page [5, 6]
+    for token in (8, 9):  # decoded: page [7, 8] joins the sequence's own new node in place
+        assert cache.extend(handle, 1)
+        tokens.append(token)
+        cache.commit(handle, tokens)
+    (hit,) = cache.trie.root(as_namespace(None), create=False).children.values()
+    (fresh,) = hit.children.values()
+    assert (hit.num_pages, hit.hits) == (2, 1)
+    assert (fresh.num_pages, fresh.hits) == (2, 0)  # not counted as reused: they never were
+    assert cache.trie.num_nodes == 2
+    cache.release(handle)
+    assert cache.match(tokens).blocks.tolist() == handle.block_table[:4]
+    cache.check_invariants()
 
 def test_extend_fails_cleanly_when_the_pool_is_full():
     cache = DeviceIndex(2, 2, clock=Clock())

@@ -531,15 +531,19 @@ class DeviceIndex:
     def _insert_pages(self, handle: SeqHandle, buf: bytes, start: int, end: int, now: float,
                       lossy: bool) -> None:  # fmt: skip
         trie, page_bytes = self.trie, self.trie.page_bytes
-        node = handle._tail
+        node, replaced = handle._tail, False
         for child, num_pages in trie.walk(node, buf, start, end):
             if num_pages < child.num_pages:
                 child = trie.split(child, num_pages)
             first = start // page_bytes
             own = handle.block_ids[first : first + num_pages]
-            if child.on_device and self._replaces_lossy(handle, child, lossy):
+            # below a replaced lossy node, cached pages may hold KV computed over the lossy
+            # context (flagged exact): this exact recompute replaces them too where it can
+            if child.on_device and (self._replaces_lossy(handle, child, lossy)
+                                    or (replaced and not child.lock)):  # fmt: skip
                 self.allocator.free(trie.replace(child, own, now), check=False)
                 self._stats.inserted_blocks += num_pages
+                replaced = True
             elif child.on_device:  # cached meanwhile by another sequence: hold that copy too
                 trie.lock(child, whole_path=False)
                 self.allocator.incref(child.blocks, check=False)
@@ -552,14 +556,18 @@ class DeviceIndex:
                 if self.events.active:
                     self._record_pages(child, 0, num_pages, "stored")
             node = child
+            handle._own_tail = False
             start += num_pages * page_bytes
         if start < end:
             own = handle.block_ids[start // page_bytes : end // page_bytes]
             label = memoryview(buf)[start:end]  # zero-copy: the trie keeps a view of buf
-            if trie.can_extend(node):
+            # pages joining a node this sequence hit would inherit its hits and age: eviction
+            # policies (and the selective write policy) would see them as reused before they were
+            if handle._own_tail and trie.can_extend(node):
                 trie.extend(node, label, own, now, lossy=lossy)
             else:
                 node = trie.insert(node, label, own, now, lossy=lossy)
+                handle._own_tail = True
             self._stats.inserted_blocks += len(own)
             if self.events.active:
                 self._record_pages(node, node.num_pages - len(own), node.num_pages, "stored")

@@ -175,7 +175,8 @@ class PrefixTrie:
         return node
 
     def can_extend(self, node: Node) -> bool:
-        """Whether new pages may join ``node`` in place: a device leaf held by one sequence only."""
+        """Whether new pages may join ``node`` in place: a device leaf held by one sequence only
+        (DeviceIndex also asks that the sequence inserted it: pages never join a node it hit)."""
         return (node.parent is not None and node.lock == 1 and not node.children
                 and node.hard_pins == 0 and not node.soft_pinned)  # fmt: skip
 

@@ -80,7 +80,7 @@ class SeqHandle:
     """A running sequence's hold on the cache. Block tables are append-only."""
 
     __slots__ = ("seq_id", "namespace", "num_tokens", "num_hit_tokens", "block_ids",
-                 "_tokens", "_tail", "_committed", "_dup_own", "_dup_trie", "_alive")  # fmt: skip
+                 "_tokens", "_tail", "_own_tail", "_committed", "_dup_own", "_dup_trie", "_alive")  # fmt: skip
 
     def __init__(self, seq_id, namespace, num_tokens, num_hit_pages, page_size, block_ids, tokens, tail):
         self.seq_id: int = seq_id
@@ -90,6 +90,9 @@ class SeqHandle:
         self.block_ids: np.ndarray = block_ids  # BLOCK_DTYPE [ceil(num_tokens / page_size)]
         self._tokens: bytes = tokens  # longest token bytes seen (admit or commit)
         self._tail: Node = tail  # deepest trie node this sequence locks (a root if none)
+        # _tail holds only pages this sequence inserted (it may grow in place); a node it hit
+        # or found cached keeps its own history, so new pages go to a fresh child of it
+        self._own_tail = False
         self._committed: int = num_hit_pages  # pages on the locked trie path
         self._dup_own: list[np.ndarray] = []  # own blocks of pages another sequence cached first
         self._dup_trie: list[np.ndarray] = []  # ... and the trie's blocks we hold for them
