@@ -63,7 +63,10 @@ on the shared trace with the default eviction policy (reuse), statistics shared 
 
 Pages a sequence adds below a node it hit form a fresh child of it (they used to join that
 node, and its hit count): before that change, 4 x 2,000 +1.12 / +0.78, 4 x 8,000 +0.07 / -0.21,
-8 x 2,000 +0.68 / +0.24, 8 x 8,000 the same. The paragraphs below measured that earlier form.
+8 x 2,000 +0.68 / +0.24, 8 x 8,000 the same. ``--resample 4`` since (271 s, loaded), mean of the
+copies, gap local / served (range of local): 4 x 2,000 +1.57 / +1.01 (+0.42 to +2.42), 8 x 2,000
++0.66 / +0.03 (+0.03 to +1.35), 4 x 8,000 +0.28 / -0.24, 8 x 8,000 +0.78 / -0.00 (before: +1.65 /
++0.92, +0.81 / +0.14, +0.29 / -0.23, +0.78 / -0.00). The paragraphs below measured the earlier form.
 
 ``--no-policy-sharing`` (each node learns alone): local 39.26 / 62.38 / 53.58 / 63.18%, gaps
 local +1.42, +0.59, +1.66, +0.79, served +1.13, +0.19, +1.16, +0.00. The 2,000-block cells
