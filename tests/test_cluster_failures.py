@@ -1,11 +1,11 @@
 """Failures with a real Redis and real node processes behind a real router: a node killed
 mid-run, a node restarted, Redis restarted, a node that stalls (SIGSTOP) so its records lag,
-and two tenants sending identical prompts.
+two tenants sending identical prompts, and a node stopped by SIGTERM while it serves.
 
 The module runs its own redis-server (restarting the session's would disturb the other
 tests' cluster), three nodes of the tiny preset with a 2 s heartbeat TTL, and a prefix
 router. Tests share the processes and run in file order: f3 is killed in the first test and
-stays dead, f2 is restarted in the second.
+stays dead, f2 is restarted in the second and stopped in the last.
 """
 
 import concurrent.futures
@@ -193,3 +193,21 @@ def test_identical_prompts_of_two_tenants_share_no_hit_and_no_routing_signal(fai
     again = post(failures.router.url, text, namespace="tenant-a")
     assert again.headers["x-kvjax-node"] == holder and again.headers["x-kvjax-route"].startswith("affinity")
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_node_stopped_by_sigterm_while_serving_loses_no_request_and_exits_cleanly(failures):
+    """SIGTERM f2 (last: it stays stopped) with requests in flight through the router, and more
+    sent while it drains: those it had finish there, the rest go to f1, and none fails."""
+    router, stopping = failures.router.url, failures.nodes["f2"]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        first = [pool.submit(post, router, prompt(f"term-{i}"), max_tokens=100) for i in range(4)]
+        assert wait_until(lambda: httpx.get(f"{stopping.url}/health").json()["inflight"] > 0, timeout=30)
+        stopping.process.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: "f2" not in failures.live())  # routers stop choosing it
+        later = [pool.submit(post, router, prompt(f"term-later-{i}"), max_tokens=100) for i in range(4)]
+        responses = [future.result() for future in first + later]
+    assert stopping.process.wait(timeout=60) == 0
+    assert [r.status_code for r in responses] == [200] * len(responses)
+    assert all(r.json()["usage"]["completion_tokens"] == 100 for r in responses)
+    assert "f2" in {r.headers["x-kvjax-node"] for r in responses[:4]}  # in flight at SIGTERM: finished there
+    assert {r.headers["x-kvjax-node"] for r in responses[4:]} == {"f1"}

@@ -7,8 +7,9 @@
 * ``router``: the OpenAI-compatible front that routes by the directory.
 
 Each prints one JSON line once it serves, e.g. ``{"ready": "http://127.0.0.1:8001",
-"node_id": "n1"}``, then logs warnings only; Ctrl-C (SIGINT) or SIGTERM stops it cleanly
-(a node drops its directory record on the way out).
+"node_id": "n1"}``, then logs warnings only; Ctrl-C (SIGINT) or SIGTERM stops it cleanly: a
+node leaves the directory at once, takes no new request and gives those in flight
+``--drain-s`` seconds (``kvjax.cluster.node_drain``; a second signal cuts them now).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import socket
 import sys
 import threading
 import urllib.parse
+from collections.abc import Callable
 
 import redis
 import uvicorn
 
 from kvjax.cluster.directory import Directory, check_node_id
+from kvjax.cluster.node_drain import DEFAULT_GRACE_S, DrainingServer, NodeDrain
 from kvjax.cluster.node_server import create_node_app, start_worker
 from kvjax.cluster.redis_process import RedisProcess
 from kvjax.cluster.remote_fetch import RemoteFetcher
@@ -50,7 +53,8 @@ ROUTER_DESCRIPTION = ("The OpenAI-compatible front of the cluster: per request i
 DESCRIPTION = ("Run the pieces of a kvjax cluster by hand: 'redis' (a redis-server on loopback for the "
                "directory), 'node' (an engine behind the OpenAI-compatible API, registered at --redis) and "
                "'router' (the OpenAI-compatible front that routes by the directory). Each prints one JSON "
-               "line once it serves; Ctrl-C or SIGTERM stops it cleanly.")
+               "line once it serves; Ctrl-C or SIGTERM stops it cleanly (a node first finishes the requests "
+               "it has, for up to --drain-s seconds).")
 
 
 _LOG = logging.getLogger("kvjax.cluster")
@@ -76,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="host:port of the block transfer server (default: --host, any free port)")
     node.add_argument("--remote-suspect-s", type=float, default=10.0,
                       help="seconds a peer whose fetch failed is not asked again")
+    node.add_argument("--drain-s", type=float, default=DEFAULT_GRACE_S, metavar="S",
+                      help="on SIGTERM or Ctrl-C, seconds the requests in flight may still run (new ones get a "
+                           "503, the node leaves the directory at once); then a stream still open ends with an "
+                           "error event and a non-streamed request gets a 503 (default: %(default)s)")
     node.add_argument("--remote-fault", default=None, choices=FAULTS,
                       help="misbehave when peers ask for blocks, and take POST /kv/fault to change how (fault "
                            "tests only)")
@@ -141,6 +149,10 @@ def _run_node(args) -> int:
         check_node_id(args.node_id)
     except ValueError as error:
         raise SystemExit(f"node: {error}") from None
+    try:
+        drain = NodeDrain(args.node_id, args.drain_s)
+    except ValueError as error:
+        raise SystemExit(f"node: --drain-s: {error}") from None
     transfer_address = (args.transfer_address or f"{_reachable_host(args)}:0") if args.redis else None
     directory = _directory(args, "node")
     sock = _listen(args.host, args.port, "node")
@@ -175,7 +187,9 @@ def _run_node(args) -> int:
         offers = OfferService(transport, worker.export, codec.name, codec.block_nbytes,
                               fault=args.remote_fault or "none")  # fmt: skip
     try:
-        _serve(create_node_app(worker, model, args.node_id, offers, fault_control=args.remote_fault is not None), sock,
+        app = create_node_app(worker, model, args.node_id, offers, fault_control=args.remote_fault is not None,
+                              drain=drain)  # fmt: skip
+        _serve(lambda config: DrainingServer(config, drain, worker.leave_directory), app, sock,
                {"ready": address, "node_id": args.node_id, "model": model,
                 "transfer": None if transport is None else transport.address,
                 "remote_fetch": remote is not None})  # fmt: skip
@@ -207,7 +221,7 @@ def _run_router(args) -> int:
         raise SystemExit(f"router: {error}") from None
     sock = _listen(args.host, args.port, "router")
     address = f"http://{args.host}:{sock.getsockname()[1]}"
-    _serve(app, sock, {"ready": address, "strategy": args.strategy})
+    _serve(uvicorn.Server, app, sock, {"ready": address, "strategy": args.strategy})
     return 0
 
 
@@ -247,8 +261,10 @@ def _listen(host: str, port: int, who: str) -> socket.socket:
     return sock
 
 
-def _serve(app, sock: socket.socket, ready: dict) -> None:
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+def _serve(server_class: Callable[[uvicorn.Config], uvicorn.Server], app, sock: socket.socket, ready: dict) -> None:
+    """Serve ``app`` on ``sock`` with ``server_class`` (uvicorn's, or the node's ``DrainingServer``);
+    print ``ready`` once it serves, and a ``stopped`` line once it stopped at a signal."""
+    server = server_class(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
 
     async def serve():
         async def announce():
@@ -265,6 +281,9 @@ def _serve(app, sock: socket.socket, ready: dict) -> None:
     try:
         asyncio.run(serve())
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; no traceback
+        print(json.dumps({"stopped": ready.get("ready")}), flush=True)
+        return
+    if isinstance(server, DrainingServer) and server.signals:  # it drained and stopped without raising
         print(json.dumps({"stopped": ready.get("ready")}), flush=True)
 
 

@@ -2,15 +2,18 @@
 
 Endpoints: ``POST /v1/completions`` (streamed as server-sent events or not; see
 ``kvjax.cluster.openai_api`` for the fields and the ``namespace`` extension), ``GET
-/v1/models``, ``GET /health`` (200 while the engine loop runs, 503 after it failed or a newer
-process took over the node id) and ``GET /metrics`` (Prometheus text: the engine's metrics and
-the node's own). With remote fetch, ``POST /kv/offer`` and ``POST /kv/ack`` for peers
+/v1/models``, ``GET /health`` (200 while the engine loop runs, 503 after it failed, while the
+node drains on its way out, or once a newer process took over the node id) and ``GET
+/metrics`` (Prometheus text: the engine's metrics and the node's own). With remote fetch, ``POST /kv/offer`` and ``POST /kv/ack`` for peers
 (``kvjax.cluster.remote_offers``).
 
 The engine runs on its own thread (``kvjax.cluster.node_worker.EngineWorker``): handlers hand
 it requests through a queue and read each request's events from an asyncio queue. A handler
 with a ``RemoteFetcher`` first looks up which peer holds more of the prompt (a directory round
 trip, on a worker thread) and hands that along; the engine thread decides fetch or recompute.
+
+Every completion is open in the app's ``NodeDrain`` until answered to the end: on SIGTERM the
+node refuses new ones and gives those open a grace period (``kvjax.cluster.node_drain``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.background import BackgroundTask
 
+from kvjax.cluster.node_drain import NodeDrain
 from kvjax.cluster.node_worker import EngineWorker, cluster_info_of, start_worker
 from kvjax.cluster.openai_api import (
     CompletionRequest,
@@ -46,10 +51,12 @@ __all__ = ["EngineWorker", "cluster_info_of", "create_node_app", "start_worker"]
 
 
 def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: OfferService | None = None, *,
-                    fault_control: bool = False) -> FastAPI:  # fmt: skip
+                    fault_control: bool = False, drain: NodeDrain | None = None) -> FastAPI:  # fmt: skip
     """The node's FastAPI app around a started ``worker``; ``offers``: serve ``/kv/offer``
-    and ``/kv/ack`` to peers; ``fault_control``: also ``/kv/fault`` (fault tests)."""
+    and ``/kv/ack`` to peers; ``fault_control``: also ``/kv/fault`` (fault tests); ``drain``:
+    what a ``DrainingServer`` drains on SIGTERM (default: one of ``DEFAULT_GRACE_S``)."""
     app = FastAPI(title=f"kvjax node {node_id}")
+    drain = drain if drain is not None else NodeDrain(node_id)
     registry = _node_metrics(worker, offers)
     decode = worker.engine.tokenizer.decode
     engine = worker.engine
@@ -72,14 +79,18 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
         hint = None
         if worker.remote is not None and request.remote_fetch:
             hint = await anyio.to_thread.run_sync(_find_peer, worker.remote, engine, request)
-        worker.submit(request_id, request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item), hint)
+        drain.open(request_id, events, lambda: worker.cancel(request_id))  # a 503 while the node drains
+        streaming = False
         try:
+            worker.submit(request_id, request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item), hint)
             first = await events.get()
             _raise_if_failed(first)
             headers = {"x-kvjax-node": node_id}
             if request.stream:
-                chunks = _stream(worker, request_id, request, first, events, TextStream(decode))
-                return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+                chunks = _stream(worker, request_id, request, first, events, TextStream(decode), drain)
+                streaming = True  # open until its last chunk went out, or its client left
+                return StreamingResponse(chunks, media_type="text/event-stream", headers=headers,
+                                         background=BackgroundTask(drain.close, request_id))  # fmt: skip
             finish = first
             while not isinstance(finish, FinishEvent):
                 finish = await events.get()
@@ -87,6 +98,9 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
         except asyncio.CancelledError:  # the client went away before the answer was complete
             worker.cancel(request_id)
             raise
+        finally:
+            if not streaming:
+                drain.close(request_id)
         usage = _usage(finish, worker.take_remote_report(request_id))
         body = completion_body(request_id, model, finish.text or "", _finish_reason(finish), usage)
         return JSONResponse(body, headers=headers)
@@ -129,11 +143,12 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
     @app.get("/health")
     async def health():
         publisher = worker.publisher
-        body = {"status": "ok" if worker.alive else "failed", "node_id": node_id, "model": model,
+        status = "failed" if not worker.alive else "draining" if drain.draining else "ok"
+        body = {"status": status, "node_id": node_id, "model": model,
                 "inflight": worker.load.inflight, "prefill_tokens": worker.load.prefill_tokens,
                 "directory": None if publisher is None else publisher.status,
                 "epoch": None if publisher is None else publisher.epoch}  # fmt: skip
-        healthy = worker.alive and (publisher is None or publisher.status != "superseded")
+        healthy = status == "ok" and (publisher is None or publisher.status != "superseded")
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics")
@@ -145,11 +160,14 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
 
 
 async def _stream(worker: EngineWorker, request_id: str, request: CompletionRequest, first,
-                  events: asyncio.Queue, text: TextStream):  # fmt: skip
-    """The SSE chunks of one streamed request; a client that goes away cancels it."""
+                  events: asyncio.Queue, text: TextStream, drain: NodeDrain):  # fmt: skip
+    """The SSE chunks of one streamed request; a client that goes away cancels it; a failure
+    (the engine's, or the node's shutdown cutting it) is an error event, then ``[DONE]``."""
     event, finished = first, False
     try:
         while True:
+            if drain.cut is not None:  # at once, not after the tokens queued for a slow client
+                event = drain.cut
             if isinstance(event, Exception):
                 yield sse(error_body(str(event), kind="server_error"))
                 break
@@ -167,6 +185,7 @@ async def _stream(worker: EngineWorker, request_id: str, request: CompletionRequ
             event = await events.get()
         yield sse("[DONE]")
     finally:
+        drain.close(request_id)
         if not finished:
             worker.cancel(request_id)
 

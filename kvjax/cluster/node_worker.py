@@ -110,6 +110,12 @@ class EngineWorker:
         if self.publisher is not None:
             self.publisher.close()
 
+    def leave_directory(self) -> None:
+        """Drop the node's record now and stop publishing (a draining node: routers stop
+        choosing it at once, not after its TTL); blocking, one Redis round trip."""
+        if self.publisher is not None:
+            self.publisher.close()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None

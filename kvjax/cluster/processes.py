@@ -65,9 +65,9 @@ class ServiceProcess:
     def pid(self) -> int:
         return self.process.pid
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM by pid (a clean shutdown: a node drops its directory record), SIGKILL after
-        ``timeout_s``; idempotent."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM by pid (a clean shutdown: a node leaves the directory and drains its requests
+        for up to its ``--drain-s``, 20 s by default), SIGKILL after ``timeout_s``; idempotent."""
         if self.process.poll() is None:
             self.process.terminate()
             try:

@@ -1,0 +1,162 @@
+"""A node stopped by SIGTERM while it serves, as a real process on a real Redis: it leaves the
+directory, refuses new requests with a 503, lets the requests in flight finish, and exits 0; a
+request it must cut ends with an error event (a stream) or a JSON 503 (which routers retry),
+never a cut connection or a plain-text 500. The drain's wait and cut, in process.
+
+Nodes of their own (each test stops one), started together; no timing is asserted: the
+requests in flight are long enough (hundreds of tokens) that every step before the cut
+happens while they run.
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import signal
+import uuid
+
+import httpx
+import pytest
+from cluster_fixtures import start_node, wait_until
+
+from kvjax.cluster.__main__ import main as cluster_main
+from kvjax.cluster.directory import Directory
+from kvjax.cluster.node_drain import NodeDrain
+from kvjax.cluster.openai_api import RequestError
+
+LONG = 1800  # tokens: a request still running while a test signals, probes and signals again
+
+
+@pytest.fixture(scope="module")
+def nodes(redis_server, tmp_path_factory, jax_cache_env):
+    """g1 drains for up to 120 s, g2 for 600 s (only a second signal cuts it); a long node
+    TTL, so that a node missing from the directory deregistered rather than expired."""
+    log_dir = tmp_path_factory.mktemp("shutdown-logs")
+    prefix = f"shutdown{uuid.uuid4().hex[:8]}"
+    started = {node_id: start_node(node_id, redis_server.url, prefix, log_dir, jax_cache_env,
+                                   ["--no-tiers", "--node-ttl", "60", "--drain-s", drain_s])
+               for node_id, drain_s in (("g1", "120"), ("g2", "600"))}  # fmt: skip
+    try:
+        for process in started.values():
+            process.wait_ready()
+        yield started, Directory.connect(redis_server.url, prefix=prefix)
+    finally:
+        for process in started.values():
+            process.stop()
+
+
+def body(max_tokens, stream):
+    prompt = f"Shutdown {uuid.uuid4().hex}: say something long.\nA:"
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": stream,
+            "stream_options": {"include_usage": True}} if stream else \
+        {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}  # fmt: skip
+
+
+def read_stream(url, request_body, started: concurrent.futures.Future):
+    """The stream's events (parsed JSON, or "[DONE]"); ``started`` is set at the first one."""
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=request_body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if not started.done():
+                    started.set_result(None)
+    return events
+
+
+def live(directory):
+    return {view.node_id for view in directory.live_nodes()}
+
+
+def test_a_stream_in_flight_at_sigterm_finishes_then_the_node_exits_and_has_left_the_directory(nodes):
+    processes, directory = nodes
+    node = processes["g1"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = concurrent.futures.Future()
+        stream = pool.submit(read_stream, node.url, body(300, stream=True), started)
+        started.result(timeout=120)
+        node.process.send_signal(signal.SIGTERM)
+        events = stream.result()
+    assert node.process.wait(timeout=60) == 0  # it stopped; SIGTERM did not kill it
+    assert events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
+    assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert events[-2]["usage"]["completion_tokens"] == 300
+    assert "g1" not in live(directory)  # dropped its record (its TTL is 60 s)
+    assert json.loads(node.process.stdout.readline()) == {"stopped": node.url}
+    assert "g1: SIGTERM: draining 1 open request(s)" in node.log_path.read_text()
+
+
+def test_a_draining_node_refuses_new_requests_and_a_second_signal_cuts_those_in_flight(nodes):
+    processes, directory = nodes
+    node = processes["g2"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = concurrent.futures.Future()
+        stream = pool.submit(read_stream, node.url, body(LONG, stream=True), started)
+        plain = pool.submit(httpx.post, f"{node.url}/v1/completions", json=body(LONG, stream=False), timeout=120)
+        started.result(timeout=120)
+        assert wait_until(lambda: httpx.get(f"{node.url}/health").json()["inflight"] == 2, timeout=30)
+        node.process.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: httpx.get(f"{node.url}/health").json()["status"] == "draining")
+        health = httpx.get(f"{node.url}/health")
+        assert health.status_code == 503
+        refused = httpx.post(f"{node.url}/v1/completions", json=body(4, stream=False), timeout=30)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"] == ("node g2 is shutting down (SIGTERM) and takes no new "
+                                                      "requests; send it to another node")  # fmt: skip
+        assert wait_until(lambda: "g2" not in live(directory))  # routers stop choosing it
+        assert not stream.done() and not plain.done()  # still running, not cut
+        node.process.send_signal(signal.SIGTERM)  # the second: cut them now
+        events, cut = stream.result(), plain.result()
+    assert node.process.wait(timeout=60) == 0
+    message = "node g2 shut down before the request finished (cut at a second signal); no more tokens come"
+    assert events[-2:] == [{"error": {"message": message, "type": "server_error", "param": None, "code": None}},
+                           "[DONE]"]  # fmt: skip
+    assert all("choices" in event for event in events[:-2]) and len(events) > 2  # tokens came before the cut
+    assert cut.status_code == 503 and cut.headers["content-type"] == "application/json"
+    assert cut.json()["error"]["message"] == message  # a JSON 503, which a router retries elsewhere
+
+
+# --- the drain in process --------------------------------------------------------------------
+
+
+def test_requests_still_open_after_the_grace_are_cut_and_told_why():
+    async def scenario():
+        drain, events, cancelled, left = NodeDrain("n7", grace_s=0), asyncio.Queue(), [], []
+        drain.open("r1", events, lambda: cancelled.append("r1"))
+        await drain.run("SIGTERM", lambda: left.append("n7"))
+        return drain, events.get_nowait(), cancelled, left
+
+    drain, told, cancelled, left = asyncio.run(scenario())
+    assert isinstance(told, RequestError) and told.status == 503 and told is drain.cut
+    assert str(told) == "node n7 shut down before the request finished (still open 0 s after SIGTERM); " \
+        "no more tokens come"  # fmt: skip
+    assert cancelled == ["r1"] and left == ["n7"]
+    with pytest.raises(RequestError, match=r"node n7 is shutting down \(SIGTERM\) and takes no new requests"):
+        drain.open("r2", asyncio.Queue(), lambda: None)
+
+
+def test_a_drain_ends_when_the_last_open_request_is_answered_and_cuts_nothing():
+    async def scenario():
+        drain, events = NodeDrain("n7", grace_s=600), asyncio.Queue()
+        drain.open("r1", events, lambda: None)
+        running = asyncio.ensure_future(drain.run("SIGTERM", lambda: None))
+        await asyncio.sleep(0)
+        assert not running.done() and drain.draining
+        drain.close("r1")  # answered
+        await running
+        return drain, events
+
+    drain, events = asyncio.run(scenario())
+    assert drain.cut is None and events.empty() and drain.num_open == 0
+
+
+@pytest.mark.parametrize("grace_s", [-1, float("inf"), float("nan"), "5", True])
+def test_a_grace_that_is_not_a_finite_number_of_seconds_is_refused(grace_s):
+    with pytest.raises(ValueError, match=r"grace_s=.* must be a finite number of seconds >= 0"):
+        NodeDrain("n7", grace_s)
+
+
+def test_a_bad_drain_setting_is_refused_in_one_line_before_compiling():
+    with pytest.raises(SystemExit, match=r"node: --drain-s: grace_s=-1.0 must be a finite number of seconds >= 0"):
+        cluster_main(["node", "--node-id", "n7", "--drain-s", "-1"])
