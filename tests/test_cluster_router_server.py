@@ -2,6 +2,7 @@
 through it gives a single node's text; routing follows the directory, per namespace; a node
 that cannot be reached is skipped; a second router process sees the same state."""
 
+import json
 import socket
 import threading
 import uuid
@@ -167,6 +168,91 @@ def test_a_node_that_breaks_off_its_answer_is_skipped(cluster):
             assert response.json()["choices"][0]["finish_reason"] == "length"
         finally:
             directory.client.delete(directory.node_key("broken"))
+
+
+class FakeNode:
+    """A node in the directory that seems to hold a fresh prompt, served by a socket that reads
+    one request, sends ``reply`` (raw HTTP) and hangs up."""
+
+    def __init__(self, cluster, node_id, reply: bytes):
+        self.directory, self.node_id = cluster.directory(), node_id
+        self.prompt = f"A prompt {uuid.uuid4().hex} whose blocks node {node_id} seems to hold.\nQ: hi\nA:"
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(4)
+        threading.Thread(target=self._answer, args=(reply,), daemon=True).start()
+
+    def _answer(self, reply):
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(reply)
+
+    def __enter__(self):
+        address = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.directory.register(self.node_id, address, ClusterInfo("tiny", 16))
+        pretend_node_holds(self.directory, self.node_id, self.prompt)
+        return self
+
+    def __exit__(self, *_):
+        self.directory.client.delete(self.directory.node_key(self.node_id))
+        self.listener.close()
+
+
+def sse_head():
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def stream_events(url, prompt):
+    """The streamed answer's node and events (parsed JSON, or "[DONE]")."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    return response.headers["x-kvjax-node"], [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+def test_a_node_that_answers_a_plain_text_500_is_skipped(cluster):
+    """A 500 (a node whose server cancelled the request, a proxy's error page): the client has
+    no token of it, so the router sends it to another node instead of passing the 500 on."""
+    reply = b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\ncontent-length: 21\r\n\r\n" \
+        b"Internal Server Error"  # fmt: skip
+    with FakeNode(cluster, "failing", reply) as fake:
+        response = post(cluster.router.url, {"model": "tiny", "prompt": fake.prompt, "max_tokens": 2})
+    assert response.status_code == 200 and response.headers["x-kvjax-node"] in {"n1", "n2"}
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        pytest.param(sse_head(), id="broken-before-its-first-event"),
+        pytest.param(sse_head() + chunk(b'data: {"id'), id="broken-within-its-first-event"),
+        pytest.param(sse_head() + chunk(b'data: {"error":{"message":"node shut down"}}\n\ndata: [DONE]\n\n')
+                     + b"0\r\n\r\n", id="an-error-event-first"),  # fmt: skip
+    ],
+)
+def test_a_stream_that_fails_before_its_first_token_is_sent_to_another_node(cluster, reply):
+    with FakeNode(cluster, "cut", reply) as fake:
+        node, events = stream_events(cluster.router.url, fake.prompt)
+    assert node in {"n1", "n2"} and events[-1] == "[DONE]"
+    assert not any("error" in event for event in events[:-1])
+    assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
+
+
+def test_a_stream_broken_after_a_token_ends_with_an_error_event_and_is_not_retried(cluster):
+    token = b'data: {"id":"cmpl-1","object":"text_completion","created":0,"model":"tiny","choices":[{"index":0,' \
+        b'"text":"A","logprobs":null,"finish_reason":null}]}\n\n'  # fmt: skip
+    with FakeNode(cluster, "broke", sse_head() + chunk(token) + chunk(b"data: {")) as fake:
+        node, events = stream_events(cluster.router.url, fake.prompt)
+    assert node == "broke"  # the client had text from it: not sent again elsewhere
+    assert events[0]["choices"][0]["text"] == "A"
+    assert events[1:] == [{"error": {"message": "node broke broke off the stream: RemoteProtocolError",
+                                     "type": "server_error", "param": None, "code": None}}, "[DONE]"]  # fmt: skip
 
 
 def test_a_node_that_stays_silent_gets_the_client_a_504_not_a_retry(cluster):

@@ -9,9 +9,14 @@ streamed answer is passed through chunk by chunk. The answer carries the
 chosen node in the ``X-KVJax-Node`` header and why in ``X-KVJax-Route`` (the decision's reason
 and the prefix blocks it holds).
 
-A node that cannot be reached, answers 503 (rejected, failed), or breaks off a non-streamed
-answer is excluded and the request routed again, up to ``max_attempts`` nodes. A stream that
-breaks after it started is not retried (the client has text already).
+A request that failed before its client got a token is routed again, the node excluded, up to
+``max_attempts`` nodes: a node that cannot be reached, answers a 5xx (503: rejected, failed,
+shutting down or taken over; 500: its engine failed), breaks off a non-streamed answer, or
+whose stream breaks or fails (an error event) before its first event. The router reads a
+stream's first event before it answers the client, so this holds for streams too. A stream that
+breaks after that is not retried (the client has text already): it ends with an error event
+(``data: {"error": ...}``) and ``data: [DONE]``, and the router passes on only whole events,
+never half of one.
 
 Nothing is kept here that a restart would lose: the directory, the nodes' records and their
 loads live in Redis; only the round-robin position and the cluster record are cached.
@@ -24,7 +29,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import anyio.to_thread
 import httpx
@@ -37,14 +42,22 @@ from starlette.background import BackgroundTask
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory
-from kvjax.cluster.openai_api import NAMESPACE_HEADER, CompletionRequest, RequestError, parse_completion_request
+from kvjax.cluster.openai_api import (
+    NAMESPACE_HEADER,
+    CompletionRequest,
+    RequestError,
+    error_body,
+    parse_completion_request,
+    sse,
+)
 from kvjax.cluster.router import Decision, RoutingPolicy
 from kvjax.text.canonicalize import canonicalize
 
 __all__ = ["RouterService", "create_router_app"]
 
 _LOG = logging.getLogger(__name__)
-_RETRY_STATUS = 503
+_EVENT_END = b"\n\n"  # ends a server-sent event
+_ERROR_EVENT = b'data: {"error"'  # how a node's stream that failed starts its event
 
 
 class RouterService:
@@ -211,8 +224,8 @@ async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes
 
 
 class _NodeFailed(Exception):
-    """A node gave no answer the client can have: unreachable, broke off a non-streamed
-    answer, or said 503 (rejected, failed)."""
+    """A node gave no answer the client can have, and no token of it: unreachable, broke off
+    before its first event, said 5xx, or its stream's first event is an error."""
 
     def __init__(self, message: str, unreachable: bool):
         super().__init__(message)
@@ -233,8 +246,20 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
                      "x-kvjax-route": f"{decision.reason}; prefix_blocks={decision.prefix_blocks}"}  # fmt: skip
     media_type = upstream.headers.get("content-type")
     if stream and upstream.status_code == 200:
-        return StreamingResponse(upstream.aiter_raw(), media_type=media_type, headers=reply_headers,
-                                 background=BackgroundTask(upstream.aclose))  # fmt: skip
+        events = _whole_events(upstream.aiter_raw())
+        try:
+            first = await anext(events, b"")
+        except httpx.ReadTimeout:
+            await upstream.aclose()
+            raise _silent(decision, client) from None
+        except httpx.TransportError as error:
+            await upstream.aclose()
+            raise _NodeFailed(f"{type(error).__name__} before the stream's first event", unreachable=True) from None
+        if not first or first.startswith(_ERROR_EVENT):
+            await upstream.aclose()
+            raise _NodeFailed(first.decode(errors="replace")[:200] or "an empty stream", unreachable=False)
+        return StreamingResponse(_relay(first, events, decision, client), media_type=media_type,
+                                 headers=reply_headers, background=BackgroundTask(upstream.aclose))  # fmt: skip
     try:
         body = await upstream.aread()
     except httpx.ReadTimeout:
@@ -243,9 +268,40 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
         raise _NodeFailed(f"{type(error).__name__} while answering", unreachable=True) from None
     finally:
         await upstream.aclose()
-    if upstream.status_code == _RETRY_STATUS:
-        raise _NodeFailed(body.decode(errors="replace")[:200], unreachable=False)
+    if upstream.status_code >= 500:  # the client has nothing of it: another node may serve it
+        raise _NodeFailed(f"{upstream.status_code} {body.decode(errors='replace')[:200]}", unreachable=False)
     return Response(body, status_code=upstream.status_code, headers=reply_headers, media_type=media_type)
+
+
+async def _whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``chunks`` regrouped into whole server-sent events (one or more each); what follows
+    the last event when the stream ends cleanly comes last."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        end = pending.rfind(_EVENT_END)
+        if end >= 0:
+            events, pending = pending[: end + len(_EVENT_END)], pending[end + len(_EVENT_END) :]
+            yield events
+    if pending:
+        yield pending
+
+
+async def _relay(first: bytes, events: AsyncIterator[bytes], decision: Decision,
+                 client: httpx.AsyncClient) -> AsyncIterator[bytes]:  # fmt: skip
+    """A started stream, passed on; if the node breaks it off, an error event and ``[DONE]``
+    end it (not a cut connection: clients tell a failed stream from a finished one)."""
+    yield first
+    try:
+        async for chunk in events:
+            yield chunk
+    except httpx.ReadTimeout:
+        yield sse(_silent(decision, client).body())
+        yield sse("[DONE]")
+    except httpx.TransportError as error:
+        message = f"node {decision.node_id} broke off the stream: {type(error).__name__}"
+        yield sse(error_body(message, kind="server_error"))
+        yield sse("[DONE]")
 
 
 def _silent(decision: Decision, client: httpx.AsyncClient) -> RequestError:
