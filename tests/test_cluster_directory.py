@@ -348,6 +348,7 @@ def test_a_second_process_with_the_same_id_supersedes_the_first(directory):
     with running_publisher(directory) as first, running_publisher(directory) as second:
         assert wait_until(lambda: first.status == "superseded")
         assert second.status == "registered" and directory.live_nodes()[0].epoch == second.epoch
+        assert first.successor.epoch == second.epoch  # what the first node's refusals name
 
 
 def test_the_publisher_refreshes_block_ttls(redis_server, redis_prefix):

@@ -1,11 +1,14 @@
-"""A node stopped by SIGTERM while it serves, as a real process on a real Redis: it leaves the
-directory, refuses new requests with a 503, lets the requests in flight finish, and exits 0; a
-request it must cut ends with an error event (a stream) or a JSON 503 (which routers retry),
-never a cut connection or a plain-text 500. The drain's wait and cut, in process.
+"""A node that must stop serving, as a real process on a real Redis.
 
-Nodes of their own (each test stops one), started together; no timing is asserted: the
-requests in flight are long enough (hundreds of tokens) that every step before the cut
-happens while they run.
+Stopped by SIGTERM while it serves: it leaves the directory, refuses new requests with a 503,
+lets the requests in flight finish, and exits 0; a request it must cut ends with an error
+event (a stream) or a JSON 503 (which routers retry), never a cut connection or a plain-text
+500. Taken over by a newer process of its node id: it refuses requests with a 503 naming the
+takeover and says so on /health. The drain's wait and cut, in process.
+
+Nodes of their own (each test stops or supersedes one), started together; no timing is
+asserted: the requests in flight are long enough (hundreds of tokens) that every step before
+the cut happens while they run.
 """
 
 import asyncio
@@ -28,13 +31,15 @@ LONG = 1800  # tokens: a request still running while a test signals, probes and 
 
 @pytest.fixture(scope="module")
 def nodes(redis_server, tmp_path_factory, jax_cache_env):
-    """g1 drains for up to 120 s, g2 for 600 s (only a second signal cuts it); a long node
-    TTL, so that a node missing from the directory deregistered rather than expired."""
+    """g1 drains for up to 120 s, g2 for 600 s (only a second signal cuts it), both with a
+    long node TTL, so that a node missing from the directory deregistered rather than expired;
+    g3 heartbeats every 2/3 s, so that it soon sees a takeover."""
     log_dir = tmp_path_factory.mktemp("shutdown-logs")
     prefix = f"shutdown{uuid.uuid4().hex[:8]}"
-    started = {node_id: start_node(node_id, redis_server.url, prefix, log_dir, jax_cache_env,
-                                   ["--no-tiers", "--node-ttl", "60", "--drain-s", drain_s])
-               for node_id, drain_s in (("g1", "120"), ("g2", "600"))}  # fmt: skip
+    settings = {"g1": ["--node-ttl", "60", "--drain-s", "120"], "g2": ["--node-ttl", "60", "--drain-s", "600"],
+                "g3": ["--node-ttl", "2"]}  # fmt: skip
+    started = {node_id: start_node(node_id, redis_server.url, prefix, log_dir, jax_cache_env, ["--no-tiers", *extra])
+               for node_id, extra in settings.items()}  # fmt: skip
     try:
         for process in started.values():
             process.wait_ready()
@@ -115,6 +120,30 @@ def test_a_draining_node_refuses_new_requests_and_a_second_signal_cuts_those_in_
     assert all("choices" in event for event in events[:-2]) and len(events) > 2  # tokens came before the cut
     assert cut.status_code == 503 and cut.headers["content-type"] == "application/json"
     assert cut.json()["error"]["message"] == message  # a JSON 503, which a router retries elsewhere
+
+
+def test_a_node_whose_id_a_newer_process_took_over_serves_nothing_more(nodes):
+    processes, directory = nodes
+    node = processes["g3"]
+    assert httpx.post(f"{node.url}/v1/completions", json=body(2, stream=False), timeout=60).status_code == 200
+    old_epoch = httpx.get(f"{node.url}/health").json()["epoch"]
+    # what a second process started with --node-id g3 does first (a Directory of a 60 s TTL,
+    # so that the newer record outlives g3's next heartbeat)
+    newer = Directory(directory.client, prefix=directory.prefix, node_ttl_s=60.0)
+    epoch = newer.register("g3", "http://127.0.0.1:9", newer.cluster_info())
+    try:
+        assert wait_until(lambda: httpx.get(f"{node.url}/health").status_code == 503)
+        health = httpx.get(f"{node.url}/health").json()
+        message = (f"node g3 was taken over by a newer process of the same node id (epoch {epoch} at "
+                   f"http://127.0.0.1:9; this process had epoch {old_epoch}) and serves no more requests; stop it, "
+                   "or start it with another --node-id")  # fmt: skip
+        assert health["status"] == "superseded" and health["directory"] == "superseded"
+        assert health["error"] == message
+        refused = httpx.post(f"{node.url}/v1/completions", json=body(2, stream=True), timeout=60)
+        assert refused.status_code == 503 and refused.json()["error"]["message"] == message
+        assert {view.node_id: view.address for view in directory.live_nodes()}["g3"] == "http://127.0.0.1:9"
+    finally:
+        newer.deregister("g3", epoch)
 
 
 # --- the drain in process --------------------------------------------------------------------

@@ -4,7 +4,10 @@ Endpoints: ``POST /v1/completions`` (streamed as server-sent events or not; see
 ``kvjax.cluster.openai_api`` for the fields and the ``namespace`` extension), ``GET
 /v1/models``, ``GET /health`` (200 while the engine loop runs, 503 after it failed, while the
 node drains on its way out, or once a newer process took over the node id) and ``GET
-/metrics`` (Prometheus text: the engine's metrics and the node's own). With remote fetch, ``POST /kv/offer`` and ``POST /kv/ack`` for peers
+/metrics`` (Prometheus text: the engine's metrics and the node's own). A node whose id a newer
+process took over (its publisher says "superseded") answers every completion with a 503
+naming the takeover: the directory lists the newer one, and nothing may be served by a node
+it no longer lists. With remote fetch, ``POST /kv/offer`` and ``POST /kv/ack`` for peers
 (``kvjax.cluster.remote_offers``).
 
 The engine runs on its own thread (``kvjax.cluster.node_worker.EngineWorker``): handlers hand
@@ -42,6 +45,7 @@ from kvjax.cluster.openai_api import (
     stream_chunk,
     usage_body,
 )
+from kvjax.cluster.publisher import describe_successor
 from kvjax.cluster.remote_fetch import OUTCOMES, PeerHint, RemoteFetcher
 from kvjax.cluster.remote_offers import OfferService
 from kvjax.serving.engine import Engine
@@ -71,8 +75,9 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
         if request.model != model:
             raise RequestError(f"model={request.model!r} is not served here; this node serves {model!r}",
                                status=404, param="model")  # fmt: skip
-        if not worker.alive:
-            raise RequestError(f"node {node_id} cannot serve: {worker.error}", status=503, kind="server_error")
+        refusal = _refusal(worker, node_id)
+        if refusal is not None:
+            raise refusal
         request_id = f"cmpl-{uuid.uuid4().hex}"
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -143,13 +148,16 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
     @app.get("/health")
     async def health():
         publisher = worker.publisher
-        status = "failed" if not worker.alive else "draining" if drain.draining else "ok"
+        refusal = _refusal(worker, node_id)
+        status = "failed" if not worker.alive else "superseded" if refusal is not None else \
+            "draining" if drain.draining else "ok"  # fmt: skip
         body = {"status": status, "node_id": node_id, "model": model,
                 "inflight": worker.load.inflight, "prefill_tokens": worker.load.prefill_tokens,
                 "directory": None if publisher is None else publisher.status,
                 "epoch": None if publisher is None else publisher.epoch}  # fmt: skip
-        healthy = status == "ok" and (publisher is None or publisher.status != "superseded")
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        if refusal is not None:
+            body["error"] = str(refusal)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -188,6 +196,20 @@ async def _stream(worker: EngineWorker, request_id: str, request: CompletionRequ
         drain.close(request_id)
         if not finished:
             worker.cancel(request_id)
+
+
+def _refusal(worker: EngineWorker, node_id: str) -> RequestError | None:
+    """Why the node takes no new request (its engine failed, or a newer process took over its
+    id: the directory lists that one, so this one must not serve), or None."""
+    if not worker.alive:
+        return RequestError(f"node {node_id} cannot serve: {worker.error}", status=503, kind="server_error")
+    publisher = worker.publisher
+    if publisher is not None and publisher.status == "superseded":
+        return RequestError(f"node {node_id} was taken over by a newer process of the same node id "
+                            f"({describe_successor(publisher.successor)}; this process had epoch {publisher.epoch}) "
+                            "and serves no more requests; stop it, or start it with another --node-id",
+                            status=503, kind="server_error")  # fmt: skip
+    return None
 
 
 def _raise_if_failed(event) -> None:

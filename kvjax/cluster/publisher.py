@@ -13,7 +13,8 @@ Failures and what follows them:
 * Its record gone (it expired, or Redis restarted empty): the heartbeat says so; same as above,
   which is how a lost Redis is rebuilt from the nodes.
 * A newer epoch of the same node id registered (a second process claiming the id): this one
-  stops writing (``status`` "superseded").
+  stops writing (``status`` "superseded", ``successor`` the newer record as read then); the
+  node stops serving (``kvjax.cluster.node_server``): the directory no longer lists it.
 * The cache's subscription lost batches: the node calls ``reset`` with the cache's full
   holdings (a fresh ``KVCache.subscribe()``'s ``initial``), then as above.
 
@@ -44,9 +45,9 @@ from collections.abc import Iterable, Sequence
 import redis
 
 from kvjax.cache.block_events import BlockEvent
-from kvjax.cluster.directory import TIER_BITS, ClusterInfo, Directory, NodeLoad
+from kvjax.cluster.directory import TIER_BITS, ClusterInfo, Directory, NodeLoad, NodeView
 
-__all__ = ["DirectoryPublisher"]
+__all__ = ["DirectoryPublisher", "describe_successor"]
 
 _LOG = logging.getLogger(__name__)
 _FULL_PUBLISH_CHUNK = 2000  # blocks per transaction when writing everything (bounded latency)
@@ -71,6 +72,7 @@ class DirectoryPublisher:
             raise ValueError(f"heartbeat_s={heartbeat_s!r} must be > 0 and below node_ttl_s={directory.node_ttl_s}")
         self.epoch: int | None = None
         self.status = "starting"  # registered | disconnected | superseded | closed
+        self.successor: NodeView | None = None  # the newer process of this id, once superseded
         self.last_error: str | None = None
         self.counters = {"published_batches": 0, "published_blocks": 0, "resyncs": 0, "errors": 0}
         self._holdings: dict[_Block, int] = {}
@@ -190,8 +192,8 @@ class DirectoryPublisher:
                 self.status, self._needs_resync = "disconnected", True
                 next_heartbeat = min(next_heartbeat, time.monotonic() + min(self.heartbeat_s, 0.5))
             if self.status == "superseded":
-                _LOG.error("node %s: a newer epoch registered the same id; this process stops publishing",
-                           self.node_id)  # fmt: skip
+                _LOG.error("node %s: a newer process registered the same id (%s); this one stops publishing and "
+                           "serving", self.node_id, describe_successor(self.successor))  # fmt: skip
                 return
 
     def _drain(self) -> tuple[dict[_Block, int], dict[_Block, int], NodeLoad]:
@@ -284,6 +286,7 @@ class DirectoryPublisher:
             self._wake.set()
             return
         if status == "superseded":
+            self.successor = self._read_successor()  # before the status: readers of one expect the other
             self.status = "superseded"
             return
         self._written_load = load
@@ -296,6 +299,14 @@ class DirectoryPublisher:
             with self._lock:
                 self._peers_learned = peers
 
+    def _read_successor(self) -> NodeView | None:
+        """The record that superseded this node (None if it is gone too, or Redis fails: a
+        RedisError here would make the thread register again and take the id back)."""
+        try:
+            return next((view for view in self.directory.live_nodes() if view.node_id == self.node_id), None)
+        except redis.RedisError:
+            return None
+
     def _refresh_slice(self) -> None:
         """Extend the TTL of the next slice of held blocks (all of them every block_ttl_s / 2)."""
         if not self._refresh_queue:
@@ -305,3 +316,10 @@ class DirectoryPublisher:
         if count:
             blocks, self._refresh_queue = self._refresh_queue[:count], self._refresh_queue[count:]
             self.directory.refresh_blocks(blocks)
+
+
+def describe_successor(successor: NodeView | None) -> str:
+    """The newer process of a node id, as messages name it."""
+    if successor is None:
+        return "which has left the directory since"
+    return f"epoch {successor.epoch} at {successor.address}"
