@@ -15,8 +15,9 @@ from fastapi.testclient import TestClient
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.__main__ import main as cluster_main
-from kvjax.cluster.directory import ClusterInfo, tier_mask
+from kvjax.cluster.directory import ClusterInfo, Directory, tier_mask
 from kvjax.cluster.openai_api import CompletionRequest, RequestError
+from kvjax.cluster.redis_process import RedisProcess
 from kvjax.cluster.router_server import RouterService, create_router_app
 
 PROMPT = "You are a terse assistant.\nQ: name a prime number.\nA:"
@@ -326,6 +327,38 @@ def test_a_router_without_nodes_says_so(directory):
     directory.client.delete(directory.node_key("gone"))  # registered once, not live now
     with pytest.raises(RequestError, match=r"no live node to route to \(0 live, excluded: \[\]\)"):
         service.decide(CompletionRequest("tiny", "x", None))
+
+
+def test_a_router_started_before_redis_is_not_ready_naming_it_until_it_answers(tmp_path):
+    with socket.socket() as probe:  # a free port, where Redis will come up later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url, prefix = f"redis://127.0.0.1:{port}/0", f"late{uuid.uuid4().hex[:8]}"
+    router = start_router(url, prefix, tmp_path)  # it serves: /health is there to say why it is not ready
+    try:
+        health = httpx.get(f"{router.url}/health", timeout=30)
+        assert health.status_code == 503
+        assert health.json()["status"] == "directory unreachable" and health.json()["directory"] == url
+        assert health.json()["error"].startswith(f"the directory at {url} cannot be reached: ConnectionError")
+        refused = post(router.url, {"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"].startswith(f"the directory at {url} cannot be reached")
+        assert f"router: the directory at {url} cannot be reached" in router.log_path.read_text()
+        with RedisProcess.start(port=port) as server:
+            directory = Directory.connect(server.url, prefix=prefix)
+            assert httpx.get(f"{router.url}/health").json()["status"] == "no live node"  # Redis answers
+            directory.register("n1", "http://127.0.0.1:1", ClusterInfo("tiny", 16))
+            health = httpx.get(f"{router.url}/health")
+            assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["directory"] == url
+            directory.client.close()
+    finally:
+        router.stop()
+
+
+def test_the_directory_names_its_redis_without_the_password():
+    assert Directory.connect("redis://:secret@10.0.0.5:6380/2").address == "redis://10.0.0.5:6380/2"
+    assert Directory.connect("rediss://user:secret@cache.example:6390/0").address == "rediss://cache.example:6390/0"
+    assert Directory.connect("unix:///run/redis.sock?db=1").address == "unix:///run/redis.sock"
 
 
 def test_an_unknown_strategy_is_refused_at_start(capsys):

@@ -37,7 +37,7 @@ from kvjax.cluster.remote_fetch import RemoteFetcher
 from kvjax.cluster.remote_offers import FAULTS, OfferService
 from kvjax.cluster.router import STRATEGIES, RoutingPolicy
 from kvjax.cluster.router_options import add_router_options, router_config
-from kvjax.cluster.router_server import RouterService, create_router_app
+from kvjax.cluster.router_server import RouterService, create_router_app, directory_down
 from kvjax.config.checks import is_wildcard_host
 from kvjax.serving.engine import Engine
 
@@ -221,6 +221,11 @@ def _run_router(args) -> int:
         raise SystemExit(f"router: {error}") from None
     sock = _listen(args.host, args.port, "router")
     address = f"http://{args.host}:{sock.getsockname()[1]}"
+    try:
+        directory.client.ping()
+    except redis.RedisError as error:  # it serves anyway, and routes from the moment Redis answers
+        _LOG.warning("router: %s; until it answers, /health says not ready and requests get a 503",
+                     directory_down(directory, error))  # fmt: skip
     _serve(uvicorn.Server, app, sock, {"ready": address, "strategy": args.strategy})
     return 0
 

@@ -208,6 +208,17 @@ class Directory:
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         return cls(client, **options)
 
+    @property
+    def address(self) -> str:
+        """The Redis this directory is on, for messages: ``redis://host:port/db`` (or
+        ``rediss://``, ``unix://path``), never the password."""
+        pool = self.client.connection_pool
+        kwargs = pool.connection_kwargs
+        if "path" in kwargs:
+            return f"unix://{kwargs['path']}"
+        scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
+        return f"{scheme}://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+
     # --- keys ------------------------------------------------------------------------------
 
     def node_key(self, node_id: str) -> str:

@@ -53,7 +53,7 @@ from kvjax.cluster.openai_api import (
 from kvjax.cluster.router import Decision, RoutingPolicy
 from kvjax.text.canonicalize import canonicalize
 
-__all__ = ["RouterService", "create_router_app"]
+__all__ = ["RouterService", "create_router_app", "directory_down"]
 
 _LOG = logging.getLogger(__name__)
 _EVENT_END = b"\n\n"  # ends a server-sent event
@@ -86,7 +86,7 @@ class RouterService:
                 try:
                     self._cluster = self.directory.cluster_info()
                 except redis.RedisError as error:
-                    raise _directory_down(error) from None
+                    raise directory_down(self.directory, error) from None
                 if self._cluster is None:
                     raise RequestError(f"no node has registered under prefix {self.directory.prefix!r} yet",
                                        status=503, kind="server_error")  # fmt: skip
@@ -125,7 +125,7 @@ class RouterService:
         try:
             views = self.directory.lookup(namespace.digest(), keys)
         except redis.RedisError as error:
-            raise _directory_down(error) from None
+            raise directory_down(self.directory, error) from None
         try:
             decision = self.policy.choose(views, len(tokens), cluster.page_size, exclude)
         except ValueError as error:
@@ -182,11 +182,17 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
 
     @app.get("/health")
     async def health():
+        """Readiness: 200 while the directory answers and lists a live node; 503 naming the
+        directory's Redis while it cannot be reached (the router may start before Redis:
+        it serves from the moment Redis answers, nothing to restart)."""
+        address = service.directory.address
         try:
             nodes = await anyio.to_thread.run_sync(service.directory.live_nodes)
         except redis.RedisError as error:
-            return JSONResponse({"status": "directory unreachable", "error": str(error)}, status_code=503)
-        body = {"status": "ok" if nodes else "no live node", "strategy": service.policy.config.strategy,
+            return JSONResponse({"status": "directory unreachable", "directory": address,
+                                 "error": str(directory_down(service.directory, error))}, status_code=503)  # fmt: skip
+        body = {"status": "ok" if nodes else "no live node", "directory": address,
+                "strategy": service.policy.config.strategy,
                 "nodes": {view.node_id: {"address": view.address, "epoch": view.epoch, "inflight": view.load.inflight,
                                          "prefill_tokens": view.load.prefill_tokens} for view in nodes}}  # fmt: skip
         return JSONResponse(body, status_code=200 if nodes else 503)
@@ -311,6 +317,7 @@ def _silent(decision: Decision, client: httpx.AsyncClient) -> RequestError:
                         status=504, kind="server_error")  # fmt: skip
 
 
-def _directory_down(error: Exception) -> RequestError:
-    return RequestError(f"the directory cannot be reached: {type(error).__name__}: {error}", status=503,
-                        kind="server_error")  # fmt: skip
+def directory_down(directory: Directory, error: Exception) -> RequestError:
+    """A 503 naming the directory's Redis and why it cannot be reached."""
+    return RequestError(f"the directory at {directory.address} cannot be reached: {type(error).__name__}: {error}",
+                        status=503, kind="server_error")  # fmt: skip
