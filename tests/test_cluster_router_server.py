@@ -3,6 +3,7 @@ through it gives a single node's text; routing follows the directory, per namesp
 that cannot be reached is skipped; a second router process sees the same state."""
 
 import json
+import re
 import socket
 import threading
 import uuid
@@ -186,7 +187,13 @@ class FakeNode:
     def _answer(self, reply):
         conn, _ = self.listener.accept()
         with conn:
-            conn.recv(65536)
+            request = b""
+            while b"\r\n\r\n" not in request:  # all of it: a close with unread bytes is a reset
+                request += conn.recv(65536)
+            head, body = request.split(b"\r\n\r\n", 1)
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+            while len(body) < length:
+                body += conn.recv(65536)
             conn.sendall(reply)
 
     def __enter__(self):
