@@ -48,7 +48,9 @@ def write_kv(
     """Returns the pool with each token's K/V stored at its slot of ``layer``; donates the pool.
 
     Slots must be distinct and inside the pool (``check_slot_mapping`` checks a concrete
-    mapping on the host); two tokens on one slot leave either one's values. With no tokens
+    mapping on the host); two tokens on one slot leave either one's values, and in a pool with
+    per-token scales (rows and scales are two scatters) possibly one's rows under the other's
+    scale on a GPU, where each scatter picks its own winner. With no tokens
     the pool comes back as it was, not donated. ``impl`` picks
     the implementation (see :mod:`pallas_kernels.dispatch`); ``tuning`` passes
     implementation-specific sizes through (``tokens_per_step`` for ``pallas_tpu``).
