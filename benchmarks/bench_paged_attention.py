@@ -92,15 +92,20 @@ def main() -> None:
         if time.perf_counter() - started > args.budget_s:
             skipped.append(f"{kind} {case}")
             continue
-        if kind == "quant":
-            report["quant"] += bench_quant_decode(*case, args, impl, copy_bw)
-        elif kind == "decode":
-            report["decode"].append(bench_decode(*case, args, impl, on_gpu, copy_bw,
-                                                 report["notes"]))
-        elif kind == "sweep":
-            report["sweep"].append(bench_variant(*case, args, impl, copy_bw))
-        else:
-            report["prefill"].append(bench_prefill(*case, args, impl))
+        try:
+            if kind == "quant":
+                report["quant"] += bench_quant_decode(*case, args, impl, copy_bw)
+            elif kind == "decode":
+                report["decode"].append(bench_decode(*case, args, impl, on_gpu, copy_bw,
+                                                     report["notes"]))
+            elif kind == "sweep":
+                report["sweep"].append(bench_variant(*case, args, impl, copy_bw))
+            else:
+                report["prefill"].append(bench_prefill(*case, args, impl))
+        except Exception as error:  # one failing case (compile, OOM) must not end the run
+            text = " ".join(str(error).split())[:300]
+            report["notes"].append(f"{kind} {case} failed: {type(error).__name__}: {text}")
+            print(f"{kind} {case} failed: {type(error).__name__}: {text}", file=sys.stderr, flush=True)
         _write(report, args.out)  # after every job: a step killed by its time limit keeps these
     if skipped:
         report["notes"].append(f"{len(skipped)} jobs not started, past --budget-s="

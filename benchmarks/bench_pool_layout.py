@@ -148,7 +148,9 @@ def _per_layer_table(page_major, layer_list, args):
 
     kv = jnp.ones((num_seqs, H, D), page_major.dtype)
     slots = tables[:, -1] * P + P - 1
-    state = {"page": page_major, "layer": one_layer}
+    # write_kv donates the pool it writes: write into copies, so the caller's page_major
+    # stays alive for the --impls rows.
+    state = {"page": jnp.array(page_major), "layer": jnp.array(one_layer)}
 
     def write(key, l):
         state[key] = write_kv(state[key], kv, kv, slots, layer=l).block_until_ready()

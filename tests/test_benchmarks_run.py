@@ -113,6 +113,14 @@ def test_pool_layout_bench_refuses_a_pool_its_decode_table_cannot_split():
                                                                       "--num-blocks", "20")  # fmt: skip
 
 
+def test_pool_layout_bench_compares_copy_implementations():
+    # --impls read the pool after the write table had donated it (the GPU check runs it)
+    out = run_bench("benchmarks/bench_pool_layout.py", "--num-blocks", "16", "--layers", "2", "--heads", "2",
+                    "--head-dim", "32", "--n", "1,8", "--repeats", "2", "--impls", "xla,pallas_gpu")  # fmt: skip
+    for impl in ("xla", "pallas_gpu"):
+        assert re.search(rf"impl={impl}, n=8: gather {NUMBER} / {NUMBER} ms, scatter {NUMBER} / {NUMBER} ms", out), out
+
+
 def test_policies_bench_splits_a_trace_into_per_node_streams():
     """``--streams 3``: each cell sums three caches' hits; at a capacity that holds every
     stream whole, every policy hits what unlimited capacity does."""
