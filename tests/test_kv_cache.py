@@ -149,6 +149,54 @@ def test_selective_copies_only_pages_hit_often_enough_not_pages_added_below_a_hi
         cache.check_invariants()
 
 
+def _fetched_chain_with_two_leaves(cache):
+    """Pages 1-2 are evicted to host and fetched back (their host copies stay: 2 of the host's
+    4 slots), then grown into 1-2-3-4 and 1-2-3-4' (3, 4 and 4' on device only). Returns the
+    two sequences."""
+    longer, other = prompt(17), np.concatenate([prompt(12), prompt(5, start=50)])
+    compute(cache, prompt(9))
+    cache.evict(8)
+    assert cache.flush(TIMEOUT) and cache.stats.host_blocks == 2
+    compute(cache, longer)
+    compute(cache, other)
+    assert cache.match(longer).tiers.tolist() == [Tier.DEVICE | Tier.HOST] * 2 + [Tier.DEVICE] * 2
+    return longer, other
+
+
+def test_write_back_counts_no_host_copy_the_same_eviction_keeps_as_room():
+    """Evicting all five pages copies 3, 4 and 4' (1 and 2 have copies) into a host with two
+    free slots. Its budget counted the copies of 1 and 2 as room (they may be evicted in
+    general), but the write-back keeps them (1 and 2 are only on host now), so it kept three
+    pages and the copies had room for two, given to the leaves, evicted first: 3 had none and
+    left the trie with both leaves, two slots stayed free. Counted without those copies, the
+    budget is two, and it goes to 3 and one leaf (a leaf is found only through 3)."""
+    with make(host_blocks=4, write_policy="write_back") as cache:
+        longer, other = _fetched_chain_with_two_leaves(cache)
+        dropped = cache.trie.dropped_pages
+        cache.evict(8)
+        assert cache.flush(TIMEOUT)
+        assert cache.trie.dropped_pages - dropped == 1  # one leaf, not 3 and both leaves
+        assert cache.stats.host_blocks == 4  # every slot used
+        assert cache.match(prompt(13)).tiers.tolist() == [Tier.HOST] * 3  # 1-2-3 all kept
+        assert sorted([cache.match(longer).num_hit_blocks, cache.match(other).num_hit_blocks]) == [3, 4]
+        cache.check_invariants()
+
+
+def test_a_write_back_eviction_keeps_only_the_pages_the_host_has_room_to_copy():
+    """``Eviction.kept`` is what write-back copies, each before its block is reused: the budget
+    is counted once the victims are known, without the host copies they already had (with
+    them, the eviction above kept three pages, and write-back, with room for two, cut one)."""
+    with make(host_blocks=4, write_policy="write_back") as cache:
+        _fetched_chain_with_two_leaves(cache)
+        eviction = cache._reclaim(8)  # what evict does: the eviction, then its copies
+        assert len(eviction.blocks) == 5 and len(eviction.kept) == 2
+        cache._write_back(eviction)
+        cache._forget_dropped()
+        assert cache.flush(TIMEOUT) and cache.stats.host_blocks == 4
+        assert all(cache.trie.locate(key) is not None for key, _ in eviction.kept)  # each one copied
+        cache.check_invariants()
+
+
 def test_without_lower_tiers_eviction_drops_pages():
     with KVCache(KVCacheConfig(pool=POOL)) as cache:
         tokens = prompt(9)

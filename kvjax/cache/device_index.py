@@ -305,15 +305,21 @@ class DeviceIndex:
         """Evict up to ``num_blocks`` cached blocks into the free queue; return their ids."""
         return self.reclaim(num_blocks).blocks.tolist()
 
-    def reclaim(self, num_blocks: int, *, keep_without_copy: int = 0) -> Eviction:
+    def reclaim(self, num_blocks: int, *,
+                keep_without_copy: int | Callable[[list[bytes]], int] = 0) -> Eviction:  # fmt: skip
         """Evict up to ``num_blocks`` cached blocks, in policy order, into the free queue.
 
         ``keep_without_copy`` (write-back): up to that many evicted pages without a host/disk
         copy get a HOST bit and stay indexed off device; ``Eviction.kept`` lists them for the
         caller to copy. Pages with copies that leave the trie go to ``dropped``.
+
+        It may be a function of the keys of the evicted pages that stay indexed with copies
+        they already had, called once the victims are known: host room depends on them (the
+        caller keeps their host copies, so they make no room for the pages it copies).
         """
         num_blocks = int_arg(num_blocks, "num_blocks")
-        keep_without_copy = int_arg(keep_without_copy, "keep_without_copy")
+        if not callable(keep_without_copy):
+            keep_without_copy = int_arg(keep_without_copy, "keep_without_copy")
         now = self.clock()
         self.trie.expire_soft_pins(now)
         num_blocks = min(num_blocks, self.trie.num_evictable)
@@ -336,6 +342,9 @@ class DeviceIndex:
             kept += node_kept
             self.dropped += dropped
             num_blocks -= take
+        if callable(budget):
+            to_copy = {key for key, _ in kept}
+            budget = budget([key for key in offloaded if key not in to_copy])
         if len(kept) > budget:
             kept, offloaded = self._trim_kept(kept, offloaded, budget)
         blocks = runs[1] if len(runs) == 2 else np.concatenate(runs)

@@ -688,13 +688,25 @@ class KVCache:
         be fetched to the device, whose slots the copies may take (``TierMover.write_back``)."""
         if num_blocks <= 0:
             return None
-        write_back = self.config.write_policy == "write_back" and self.config.tiered
-        budget = 0
-        if write_back:
-            budget = max(0, self.tiers.host_room(num_blocks + host_reserve) - host_reserve)
-            if budget < num_blocks and fetching:
-                budget += sum(1 for key in fetching if self.tiers.host_state(key) is not None)
-        return self.index.reclaim(num_blocks, keep_without_copy=min(budget, num_blocks))
+        keep = 0
+        # The copies write-back makes may displace other host copies, but not those of the pages
+        # this eviction offloads (``_write_back`` keeps them): the budget is known once the
+        # victims are. Counting those copies as room kept more pages than fit, and the pages cut
+        # then were the last kept, nearest the root: each took every page after it along.
+        if self.config.write_policy == "write_back" and self.config.tiered:
+            if self._host_budget(num_blocks, host_reserve, fetching):  # else none even with those copies
+                keep = functools.partial(self._host_budget, num_blocks, host_reserve, fetching)
+        return self.index.reclaim(num_blocks, keep_without_copy=keep)
+
+    def _host_budget(self, num_blocks: int, host_reserve: int, fetching: list[bytes],
+                     exclude: list[bytes] = ()) -> int:  # fmt: skip
+        """How many of ``num_blocks`` evicted pages write-back can copy to host: the room
+        ``make_host_room`` can make without the copies in ``exclude``, less ``host_reserve``,
+        plus the slots of pages being fetched (``TierMover.write_back``) if that is short."""
+        budget = max(0, self.tiers.host_room(num_blocks + host_reserve, exclude) - host_reserve)
+        if budget < num_blocks and fetching:
+            budget += sum(1 for key in fetching if self.tiers.host_state(key) is not None)
+        return min(budget, num_blocks)
 
     def _write_back(self, eviction: Eviction | None, fetching: list[bytes] = ()) -> None:
         if eviction is not None and eviction.kept:

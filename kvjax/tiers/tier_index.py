@@ -110,14 +110,16 @@ class TierIndex:
         entry = self.host_entries.get(key)
         return None if entry is None or entry.dropped or entry.handed else entry
 
-    def host_room(self, limit: int) -> int:
-        """How many of ``limit`` blocks ``make_host_room`` could fit now: free slots, then
-        ready, unheld entries it may evict (counted only as far as needed)."""
+    def host_room(self, limit: int, exclude: Iterable[bytes] = ()) -> int:
+        """How many of ``limit`` blocks ``make_host_room(limit, exclude)`` could fit now: free
+        slots, then ready, unheld entries it may evict (none in ``exclude``; counted only as
+        far as needed)."""
         free = self.host_capacity - self.host_used
         if free >= limit:
             return limit
-        evictable = (1 for entry in self.host_entries.values()
-                     if entry.ready and not entry.busy and not entry.handed)  # fmt: skip
+        exclude = set(exclude)
+        evictable = (1 for key, entry in self.host_entries.items()
+                     if entry.ready and not entry.busy and not entry.handed and key not in exclude)  # fmt: skip
         return free + sum(itertools.islice(evictable, limit - free))
 
     def make_host_room(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> int:
