@@ -38,7 +38,7 @@ def prompt(n, start=0):
 
 
 def make(pool=POOL, *, host_blocks=8, disk_dir=None, cost=ALWAYS_FETCH, **kwargs):
-    config_keys = {"write_policy", "selective_min_hits", "vocab_size"}
+    config_keys = {"write_policy", "selective_min_hits", "vocab_size", "high_watermark", "low_watermark"}
     config = KVCacheConfig(pool=pool, host_bytes=host_blocks * pool.bytes_per_block, cost_model=cost,
                            disk_dir=None if disk_dir is None else str(disk_dir),
                            disk_bytes=0 if disk_dir is None else 1 << 26,
@@ -194,6 +194,33 @@ def test_a_write_back_eviction_keeps_only_the_pages_the_host_has_room_to_copy():
         cache._forget_dropped()
         assert cache.flush(TIMEOUT) and cache.stats.host_blocks == 4
         assert all(cache.trie.locate(key) is not None for key, _ in eviction.kept)  # each one copied
+        cache.check_invariants()
+
+
+def test_write_back_short_of_room_lets_the_deepest_pages_go():
+    """An admission fetching a1-a2 from host evicts b2-b3 and b2-b3' of another prompt (b1
+    stays on device) into a host with one free slot. Its budget counts the host slots of a1
+    and a2, which write-back takes over once the fetch has read them; but a spill to disk
+    reads them too, so write-back may not: room for one of the three pages kept. It must go
+    to b2: in eviction order the leaves come first, and b2, cut, took the copied leaf along
+    (a slot spent on an unreachable page, and nothing kept)."""
+    disk = MemoryDisk(POOL.block_shape, POOL.dtype, 8)
+    with make(host_blocks=3, write_policy="write_back", disk_tier=disk, transfer_factory=ManualTransfer,
+              high_watermark=0.5, low_watermark=0.0) as cache:  # fmt: skip
+        compute(cache, prompt(9))
+        cache.evict(8)
+        _complete_offloads(cache.transfer)
+        cache.poll()  # a1-a2 on host (2 of 3 slots), their spill to disk starts and stays in flight
+        chain, branch = prompt(13, start=100), np.concatenate([prompt(8, start=100), prompt(5, start=200)])
+        compute(cache, chain)
+        compute(cache, branch)  # b1-b2-b3 and b1-b2-b3' on device: 4 of 8 blocks
+        handle = cache.admit(np.concatenate([prompt(8), prompt(19, start=300)]))  # 7 blocks: evicts 3
+        assert handle is not None and handle.num_hit_tokens == 8
+        assert cache.match(chain).tiers.tolist() == [Tier.DEVICE, Tier.HOST]  # b2 kept, on host
+        assert cache.match(branch).tiers.tolist() == [Tier.DEVICE, Tier.HOST]
+        cache.transfer.complete_all()
+        assert cache.wait_ready(handle, TIMEOUT)
+        cache.release(handle)
         cache.check_invariants()
 
 

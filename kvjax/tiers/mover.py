@@ -175,6 +175,8 @@ class TierMover:
         short = len(kept) - (index.host_capacity - index.host_used)
         sources = self._slots_to_hand_over(fetching)[:short] if short > 0 and fetching else []
         fit = self.make_host_room(len(kept) - len(sources), exclude=exclude)
+        if fit + len(sources) < len(kept):  # less room than the eviction counted on: see _nearest_first
+            kept = self._nearest_first(kept)
         by_namespace: dict[bytes, tuple[list[bytes], list[int], list]] = {}
         for row, (key, block) in enumerate(kept):
             located = trie.locate(key)
@@ -199,6 +201,19 @@ class TierMover:
                 group[2].append(after)
         for namespace, (keys, blocks, after) in by_namespace.items():
             self._copy_down(keys, np.asarray(blocks), namespace, after=list({id(f): f for f in after}.values()))
+
+    def _nearest_first(self, kept: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        """``kept`` pages nearest the root first, so the pages ``write_back`` has no room for
+        are the deepest: a page is found only through its prefix, so losing a page loses every
+        page after it too, copied or not (in eviction order, leaves come first and the room
+        would go to them)."""
+        trie = self.trie
+
+        def depth(item: tuple[bytes, int]) -> tuple[bool, int]:
+            located = trie.locate(item[0])  # None: it left the trie (skipped): last, taking no row
+            return (True, 0) if located is None else (False, located[0].first_page + located[1])
+
+        return sorted(kept, key=depth)
 
     def _slots_to_hand_over(self, fetching: list[bytes]) -> list[tuple[bytes, object]]:
         """(key, its fetch's ``read``) of each page of ``fetching`` whose host copy only that
