@@ -7,7 +7,9 @@ page p)`` written into its block when computed, so after every step every cached
 every tier (device pool, host, disk) must hold exactly what an uncached run would have
 written for its prefix and tenant, and every hit a sequence is handed must too. Transfers
 run only when a rule completes them (``ManualTransfer``), so fetches, copies and spills
-stay in flight across evictions, releases and other admissions.
+stay in flight across evictions, releases and other admissions. An eviction with write-back
+must give the host room it has to the evicted pages without a copy: none may leave the trie
+for want of one while the host had room for it that no kept page took.
 
 Variants (``Variant``): a float pool (blocks stored as they are), quantized pools (the model
 writes quantized pages; every tier must hold them bit-exact, data and scales) and a float
@@ -36,7 +38,7 @@ from scheduler_cases import Clock
 
 from kvjax.cache.block_keys import as_namespace
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.trie_node import Tier
+from kvjax.cache.trie_node import LOWER_TIERS, Tier
 from kvjax.tiers.block_codec import make_codec
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.kv_cache_config import WRITE_POLICIES
@@ -190,6 +192,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.serve(tokens, namespace, 0, accept_lossy)
 
     @precondition(lambda self: self.served)
+    @rule(i=index_st, more=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def serve_longer(self, i, more):
+        """An earlier request comes back longer (a conversation's next turn) after its pages
+        went down to host: they are fetched back, keeping their host copies, under new pages
+        that have none (what a later eviction then copies, and must find host room for)."""
+        tokens, namespace = self.served[i % len(self.served)]
+        self.evict(8)
+        self.serve((tokens + more)[: self.variant.pool.num_blocks * PAGE], namespace, 0, None)  # as the pool fits
+
+    @precondition(lambda self: self.served)
     @rule(i=index_st)
     def serve_refusing_after_a_fetch(self, i):
         """An earlier request is served from host (lossy, with a lossy codec), then by one that
@@ -235,9 +247,13 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule(num_blocks=st.integers(0, 8))
     def evict(self, num_blocks):
+        write_back = self.cache.config.write_policy == "write_back"
+        before = self._host_room_before_eviction() if write_back else None
         evicted = self.cache.evict(num_blocks)
         held = {b for s in self.seqs for b in s.handle.block_ids.tolist()}
         assert not held & set(evicted), "a block held by a sequence was evicted"
+        if before is not None:
+            self._check_write_back_used_the_room(*before)
 
     @rule(num_blocks=st.integers(0, 4))
     def evict_host(self, num_blocks):
@@ -293,6 +309,50 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._check_block_events()
 
     # --- helpers ---------------------------------------------------------------------------
+
+    def _host_room_before_eviction(self) -> tuple[dict, int, dict]:
+        """(device page key -> (whether it has a host/disk copy, the key of the page before
+        it), free host slots, host key -> whether ``make_host_room`` may evict its copy)
+        before an eviction."""
+        cache, trie = self.cache, self.cache.trie
+        device = {}
+        for node in trie.nodes():
+            if node.parent is not None and node.on_device:
+                tiers, keys = node.page_tiers(), trie.page_keys(node)
+                device.update((key, (bool(tiers[i] & LOWER_TIERS), keys[i - 1] if i else trie.parent_key(node, 0)))
+                              for i, key in enumerate(keys))  # fmt: skip
+        index = cache.tiers
+        evictable = {key: entry.ready and not entry.busy and not entry.handed and not entry.dropped
+                     for key, entry in index.host_entries.items()}  # fmt: skip
+        return device, index.host_capacity - index.host_used, evictable
+
+    def _check_write_back_used_the_room(self, device: dict, free: int, evictable: dict) -> None:
+        """After an eviction with write-back, no evicted page left the trie for want of a host
+        copy while the host had room for it that no kept page took: free slots, and copies it
+        may evict other than those of the evicted pages that had one (they stay, indexed off
+        device). Counting those as room kept more pages than fit, and cut the last kept ones,
+        the nearest the root, each taking the pages after it along.
+
+        Pages below an evicted page that had a copy and lost it meanwhile are not counted: a
+        disk making room for the spill that saves a host victim may drop that copy (the disk's
+        choice, not write-back's)."""
+        trie = self.cache.trie
+        on_device = {key for node in trie.nodes() if node.parent is not None and node.on_device
+                     for key in trie.page_keys(node)}  # fmt: skip
+        evicted = device.keys() - on_device
+        had_copy = {key for key in evicted if device[key][0]}
+        lost_copy = {key for key in had_copy if trie.locate(key) is None}
+
+        def below_a_lost_copy(key):
+            while key is not None and key not in lost_copy:
+                key = device.get(key, (None, None))[1]
+            return key is not None
+
+        needing = {key for key in evicted - had_copy if not below_a_lost_copy(key)}
+        room = free + sum(1 for key, ok in evictable.items() if ok and key not in had_copy)
+        kept = [key for key in needing if trie.locate(key) is not None]
+        lost = f"write-back kept {len(kept)} of {len(needing)} evicted pages without a copy; host room: {room}"
+        assert len(kept) >= min(len(needing), room), lost
 
     def _check_block_events(self):
         """A shadow index built only from the block events equals what the tiers hold; the
@@ -447,3 +507,17 @@ def test_a_failed_copy_into_a_handed_slot_gives_the_slot_back():
         ("finish_transfer", dict(i=1, ok=True)),  # the copy into the handed slot, before the read
         ("serve_again", dict(accept_lossy=None, i=0, to_disk=False)),
     ], write_policy="write_back", cost=0, host_blocks=2, variant=0)  # fmt: skip
+
+
+def test_write_back_gives_the_room_it_has_to_an_evicted_chain_nearest_the_root_first():
+    """Pages 1-2 are evicted to host and fetched back (their copies stay), then grown into
+    1-2-3-4 and 1-2-3-4'. Evicting all five with two free host slots used to keep none of
+    3, 4, 4': the budget counted the copies of 1 and 2, which the eviction keeps, as room,
+    and the two slots went to the leaves, lost with 3 (``_check_write_back_used_the_room``)."""
+    _replay(KVCacheMachine(), [
+        ("serve", dict(accept_lossy=None, evict=0, namespace=A, tokens=[0, 1, 2, 0, 1])),
+        ("evict", dict(num_blocks=8)),
+        ("serve", dict(accept_lossy=None, evict=0, namespace=A, tokens=[0, 1, 2, 0, 1, 2, 0, 1, 2])),
+        ("serve", dict(accept_lossy=None, evict=0, namespace=A, tokens=[0, 1, 2, 0, 1, 2, 1, 1, 0])),
+        ("evict", dict(num_blocks=8)),
+    ], write_policy="write_back", cost=0, host_blocks=4, variant=0)  # fmt: skip
