@@ -15,10 +15,6 @@ from jax.experimental.pallas import triton as plgpu
 __all__ = ["in_pool", "on_bits", "pow2_pieces", "largest_pow2_divisor", "run_copies", "tpu_interpret_mode",
            "triton_params"]
 
-# The Triton compiler-params class was renamed across JAX versions (0.11.2 vs 0.12).
-_TritonCompilerParams = (getattr(plgpu, "CompilerParams", None)
-                         or getattr(plgpu, "TritonCompilerParams"))  # noqa: B009
-
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 _BITS_NOT_KEPT = frozenset({jnp.dtype(jnp.float8_e5m2)})
 
@@ -107,4 +103,6 @@ def tpu_interpret_mode(interpret: bool | pltpu.InterpretParams):
 
 def triton_params(num_warps: int, num_stages: int = 1):
     """Triton compiler parameters for a compiled (not interpreted) GPU ``pallas_call``."""
-    return _TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
+    # plgpu.CompilerParams in every supported JAX (0.11.2 and 0.12 alike); the older name,
+    # TritonCompilerParams, belongs to releases below setup.cfg's floor.
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
