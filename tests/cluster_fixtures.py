@@ -10,9 +10,13 @@ No server binary is a failure with the install command, not a skip.
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import re
+import socket
 import time
 
+import httpx
 import pytest
 
 from kvjax.cluster.directory import Directory
@@ -30,6 +34,22 @@ def wait_until(predicate, timeout=10.0, interval=0.05):
             return True
         time.sleep(interval)
     return False
+
+
+def decode_tokens(url):
+    """Tokens the node's engine computed in decode steps so far."""
+    return float(re.search(r"^kvjax_decode_tokens_total (\S+)$", httpx.get(f"{url}/metrics").text, re.M).group(1))
+
+
+def hang_up_while_generating(url, node_urls, body):
+    """POST ``body`` to ``url`` on a raw connection, wait until one of ``node_urls`` has it in
+    flight, then close the connection without reading the answer."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: kvjax\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+        assert wait_until(lambda: sum(httpx.get(f"{u}/health").json()["inflight"] for u in node_urls) == 1, timeout=60)
 
 
 @pytest.fixture(scope="session")

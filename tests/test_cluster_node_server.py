@@ -6,7 +6,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from cluster_fixtures import wait_until
+from cluster_fixtures import decode_tokens, hang_up_while_generating, wait_until
 
 PROMPT = "You are a terse assistant.\nQ: what is a KV cache?\nA:"
 
@@ -114,3 +114,13 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(node_url):
         next(response.iter_lines())
     # the node goes back to idle instead of generating 1,500 tokens for nobody
     assert wait_until(lambda: httpx.get(f"{node_url}/health").json()["inflight"] == 0, timeout=20)
+
+
+def test_a_client_that_leaves_a_non_streamed_request_cancels_it(node_url):
+    """uvicorn does not cancel a handler whose client left: the node used to generate all
+    1,500 tokens for nobody (a client's timeout and retries made that 3x)."""
+    assert wait_until(lambda: httpx.get(f"{node_url}/health").json()["inflight"] == 0, timeout=60)
+    before = decode_tokens(node_url)
+    hang_up_while_generating(node_url, [node_url], {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500})
+    assert wait_until(lambda: httpx.get(f"{node_url}/health").json()["inflight"] == 0, timeout=120)
+    assert decode_tokens(node_url) - before < 1000  # cancelled, not run to its 1,500th token

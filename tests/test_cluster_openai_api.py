@@ -1,12 +1,14 @@
 """The completions protocol: every validation message, and streamed text that concatenates to
 the final text whatever bytes the model produces."""
 
+import asyncio
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvjax.cluster.http_front import ClientGone, unless_client_leaves
 from kvjax.cluster.openai_api import (
     NAMESPACE_HEADER,
     CompletionRequest,
@@ -114,3 +116,32 @@ def test_streaming_waits_for_the_rest_of_a_character_only():
     assert [stream.push(t) for t in [ord("a"), *euro[:2]]] == ["a", "", ""]
     assert stream.push(euro[2]) == "€"
     assert [stream.push(t) for t in [0xF8, 0xF8, ord("b")]] == ["", "\ufffd", "\ufffdb"]  # invalid bytes do not stall
+
+
+def test_a_wait_ends_when_its_client_leaves_and_runs_its_clean_up():
+    """What the node and the router wrap a request's wait in: uvicorn never cancels a handler
+    whose client left, so the ASGI disconnect message has to be watched for."""
+
+    async def scenario(disconnect_first):
+        left, cleaned_up = asyncio.Event(), []
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def work():
+            try:
+                await asyncio.sleep(0 if not disconnect_first else 3600)
+                return "answer"
+            finally:
+                cleaned_up.append(True)
+
+        if disconnect_first:
+            left.set()
+        try:
+            return await unless_client_leaves(receive, work()), cleaned_up
+        except ClientGone:
+            return "gone", cleaned_up
+
+    assert asyncio.run(scenario(False)) == ("answer", [True])
+    assert asyncio.run(scenario(True)) == ("gone", [True])

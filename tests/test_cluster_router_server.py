@@ -11,7 +11,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from cluster_fixtures import start_router, wait_until
+from cluster_fixtures import decode_tokens, hang_up_while_generating, start_router, wait_until
 from fastapi.testclient import TestClient
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
@@ -285,6 +285,19 @@ def test_a_node_that_stays_silent_gets_the_client_a_504_not_a_retry(cluster):
             directory.client.delete(directory.node_key("silent"))
             for conn, _ in held:
                 conn.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_the_router_cancels_the_nodes_work(cluster, stream):
+    """The router closes its request to the node when its client leaves (before the answer, or
+    mid-stream), so the node cancels the engine's work; a non-streamed one used to wait on."""
+    urls = [node.url for node in cluster.nodes.values()]
+    assert wait_until(lambda: sum(httpx.get(f"{url}/health").json()["inflight"] for url in urls) == 0, timeout=60)
+    before = sum(decode_tokens(url) for url in urls)
+    body = {"model": "tiny", "prompt": f"Q: {uuid.uuid4().hex}\nA:", "max_tokens": 1500, "stream": stream}
+    hang_up_while_generating(cluster.router.url, urls, body)
+    assert wait_until(lambda: sum(httpx.get(f"{url}/health").json()["inflight"] for url in urls) == 0, timeout=120)
+    assert sum(decode_tokens(url) for url in urls) - before < 1000  # cancelled, not run to its 1,500th token
 
 
 def test_a_read_timeout_that_is_not_a_positive_number_is_refused(directory):

@@ -14,6 +14,9 @@ The engine runs on its own thread (``kvjax.cluster.node_worker.EngineWorker``): 
 it requests through a queue and read each request's events from an asyncio queue. A handler
 with a ``RemoteFetcher`` first looks up which peer holds more of the prompt (a directory round
 trip, on a worker thread) and hands that along; the engine thread decides fetch or recompute.
+A client that leaves before its answer is complete cancels its request: the handler watches
+for the disconnect while it waits (``kvjax.cluster.http_front``), a stream's response after
+its first event.
 
 Every completion is open in the app's ``NodeDrain`` until answered to the end: on SIGTERM the
 node refuses new ones and gives those open a grace period (``kvjax.cluster.node_drain``).
@@ -32,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.background import BackgroundTask
 
+from kvjax.cluster.http_front import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
 from kvjax.cluster.node_drain import NodeDrain
 from kvjax.cluster.node_worker import EngineWorker, cluster_info_of, start_worker
 from kvjax.cluster.openai_api import (
@@ -69,6 +73,10 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
     async def request_error(_, error: RequestError):
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(_, error: ClientGone):
+        return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it
+
     @app.post("/v1/completions")
     async def completions(http_request: Request):
         request = parse_completion_request(await http_request.body(), http_request.headers)
@@ -88,8 +96,10 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
         streaming = False
         try:
             worker.submit(request_id, request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item), hint)
-            first = await events.get()
-            _raise_if_failed(first)
+            # a stream waits for its first event only (the response watches its client after
+            # that); a plain answer waits for the whole of it
+            wait = _next_event(events) if request.stream else _finish_event(events)
+            first = await unless_client_leaves(http_request.receive, wait)
             headers = {"x-kvjax-node": node_id}
             if request.stream:
                 chunks = _stream(worker, request_id, request, first, events, TextStream(decode), drain)
@@ -97,10 +107,7 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
                 return StreamingResponse(chunks, media_type="text/event-stream", headers=headers,
                                          background=BackgroundTask(drain.close, request_id))  # fmt: skip
             finish = first
-            while not isinstance(finish, FinishEvent):
-                finish = await events.get()
-                _raise_if_failed(finish)
-        except asyncio.CancelledError:  # the client went away before the answer was complete
+        except (asyncio.CancelledError, ClientGone):  # the client went away before the answer was complete
             worker.cancel(request_id)
             raise
         finally:
@@ -196,6 +203,21 @@ async def _stream(worker: EngineWorker, request_id: str, request: CompletionRequ
         drain.close(request_id)
         if not finished:
             worker.cancel(request_id)
+
+
+async def _next_event(events: asyncio.Queue):
+    """The request's next event; RequestError if it is a failure."""
+    event = await events.get()
+    _raise_if_failed(event)
+    return event
+
+
+async def _finish_event(events: asyncio.Queue) -> FinishEvent:
+    """The request's FinishEvent, its tokens skipped; RequestError for a failure."""
+    event = None
+    while not isinstance(event, FinishEvent):
+        event = await _next_event(events)
+    return event
 
 
 def _refusal(worker: EngineWorker, node_id: str) -> RequestError | None:

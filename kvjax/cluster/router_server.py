@@ -16,7 +16,8 @@ whose stream breaks or fails (an error event) before its first event. The router
 stream's first event before it answers the client, so this holds for streams too. A stream that
 breaks after that is not retried (the client has text already): it ends with an error event
 (``data: {"error": ...}``) and ``data: [DONE]``, and the router passes on only whole events,
-never half of one.
+never half of one. A client that leaves before its answer is complete closes the request to
+the node, which then cancels it too (``kvjax.cluster.http_front``).
 
 Nothing is kept here that a restart would lose: the directory, the nodes' records and their
 loads live in Redis; only the round-robin position and the cluster record are cached.
@@ -42,6 +43,7 @@ from starlette.background import BackgroundTask
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory
+from kvjax.cluster.http_front import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
 from kvjax.cluster.openai_api import (
     NAMESPACE_HEADER,
     CompletionRequest,
@@ -169,11 +171,18 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
     async def request_error(_, error: RequestError):
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(_, error: ClientGone):
+        return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it
+
     @app.post("/v1/completions")
     async def completions(http_request: Request):
         raw = await http_request.body()
         request = parse_completion_request(raw, http_request.headers)
-        return await _forward(service, client, raw, http_request.headers, request)
+        # a client that leaves before the answer (or a stream's first event) closes the
+        # request to its node, whose own watch then cancels the engine's work
+        return await unless_client_leaves(http_request.receive,
+                                          _forward(service, client, raw, http_request.headers, request))
 
     @app.get("/v1/models")
     async def models():
