@@ -1,12 +1,17 @@
 """A node as a real process: the official openai client, streamed and not, health, metrics,
 bad input, and namespaces on the node's own cache."""
 
+import json
 import uuid
 
 import httpx
 import openai
 import pytest
 from cluster_fixtures import decode_tokens, hang_up_while_generating, wait_until
+from fastapi.testclient import TestClient
+
+from kvjax.cluster.node_server import create_node_app, start_worker
+from kvjax.serving.engine import Engine
 
 PROMPT = "You are a terse assistant.\nQ: what is a KV cache?\nA:"
 
@@ -124,3 +129,53 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it(node_url):
     hang_up_while_generating(node_url, [node_url], {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500})
     assert wait_until(lambda: httpx.get(f"{node_url}/health").json()["inflight"] == 0, timeout=120)
     assert decode_tokens(node_url) - before < 1000  # cancelled, not run to its 1,500th token
+
+
+@pytest.fixture(scope="module")
+def small_pool():
+    """A node (in this process) whose page pool, 64 blocks of 16 tokens, holds less than its
+    max_model_len of 2,048, with 40 of its blocks hard-pinned by a cached prompt."""
+    with Engine.from_preset("tiny", tiers=False, cache_options={"num_blocks": 64}) as engine:
+        pinned = list(b"pinned system prompt. " * 30)[:640]
+        engine.add_request("pin", tokens=pinned, max_new_tokens=1)
+        engine.finish()
+        assert engine.cache.pin(pinned) == 640
+        worker = start_worker(engine, node_id="small", address="http://small", model="tiny")
+        try:
+            with TestClient(create_node_app(worker, "tiny", "small")) as client:
+                yield client
+        finally:
+            worker.stop()
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": "a" * 1100, "max_tokens": 1}, "prompt",
+     "a prompt of 1100 tokens + max_tokens=1 needs 1101 tokens; this node's page pool holds 1024 tokens (64 blocks "
+     "of 16): shorten the prompt to at most 1023 tokens"),
+    ({"prompt": "b" * 900, "max_tokens": 300}, "max_tokens",
+     "a prompt of 900 tokens + max_tokens=300 needs 1200 tokens; this node's page pool holds 1024 tokens (64 "
+     "blocks of 16): lower max_tokens to at most 124"),
+])  # fmt: skip
+def test_a_request_larger_than_the_pool_is_a_400_naming_both_lengths(small_pool, body, param, message):
+    """It used to be a 503 (which a router retries on every node), or stopped mid-generation
+    with its tokens thrown away."""
+    for stream in (False, True):
+        response = small_pool.post("/v1/completions", json={"model": "tiny", **body, "stream": stream})
+        assert response.status_code == 400
+        assert response.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                            "code": None}  # fmt: skip
+
+
+def test_a_request_stopped_for_pool_room_keeps_its_text_and_ends_as_length(small_pool):
+    """The pins leave 24 blocks: 200 prompt tokens + 400 fit the pool, not what is free. The
+    answer so far used to be a 503 (non-streamed) or end with finish_reason "rejected"."""
+    body = {"model": "tiny", "prompt": "c" * 200, "max_tokens": 400}
+    response = small_pool.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    completion = response.json()
+    assert completion["choices"][0]["finish_reason"] == "length"
+    assert 0 < completion["usage"]["completion_tokens"] < 400
+    streamed = small_pool.post("/v1/completions", json={**body, "prompt": "d" * 200, "stream": True})
+    events = [json.loads(e[len("data: ") :]) for e in streamed.text.split("\n\n") if e and e != "data: [DONE]"]
+    assert not any("error" in event for event in events)
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]

@@ -177,6 +177,37 @@ def test_a_request_cancelled_while_its_fetch_is_in_flight_still_counts_the_fetch
         worker.stop()
 
 
+class _RecordingFetch(_FailingFetch):
+    """A remote fetcher that records the fetches it starts."""
+
+    def __init__(self):
+        self.started = []
+
+    def start(self, plan, tokens, namespace):
+        self.started.append(plan)
+        return super().start(plan, tokens, namespace)
+
+
+def test_a_request_the_node_refuses_fetches_nothing_first(engine):
+    """A prompt past max_model_len whose prefix a peer held pulled the peer's pages first, and
+    only then got its 400."""
+    fetch = _RecordingFetch()
+    worker = EngineWorker(engine, remote=fetch)
+    worker.start()
+    hint = PeerHint("peer", "http://127.0.0.1:9", 8, 0)
+    try:
+        answers = []
+        worker.submit("long", CompletionRequest("tiny", "x" * 3000, None, max_tokens=1), answers.append, hint)
+        assert wait_until(lambda: answers)
+        assert isinstance(answers[0], RequestError) and answers[0].param == "prompt"
+        assert fetch.started == []
+        worker.submit("fits", CompletionRequest("tiny", "x" * 40, None, max_tokens=1), answers.append, hint)
+        assert wait_until(lambda: isinstance(answers[-1], FinishEvent))
+        assert len(fetch.started) == 1  # the same hint, for a request that fits: fetched
+    finally:
+        worker.stop()
+
+
 class _RecordingPublisher:
     def __init__(self):
         self.loads = []

@@ -333,6 +333,25 @@ def test_bad_requests_get_a_clear_error_from_the_router(cluster, body, status, m
     assert message in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("body, param, message", [
+    ({"model": "tiny", "prompt": "a" * 2040}, "max_tokens",  # with the default max_tokens of 16
+     "a prompt of 2040 tokens + max_tokens=16 needs 2056 tokens; max_model_len=2048: lower max_tokens to at most 8"),
+    ({"model": "tiny", "prompt": "a" * 3000, "max_tokens": 1}, "prompt",
+     "a prompt of 3000 tokens + max_tokens=1 needs 3001 tokens; max_model_len=2048: shorten the prompt to at most "
+     "2047 tokens"),
+    ({"model": "tiny", "prompt": ""}, "prompt", "prompt is empty (0 tokens); expected at least one token"),
+    ({"model": "tiny", "prompt": [65, 300]}, "prompt",
+     "token id 300 at index 1 is out of range; expected 0 <= id < 256 (vocab_size=256)"),
+])  # fmt: skip
+def test_the_engines_refusals_name_the_parameter_on_node_and_router_alike(cluster, body, param, message):
+    """They came back with param null and the node's internal request id in the message."""
+    for url in (cluster.nodes["n1"].url, cluster.router.url):
+        response = post(url, body)
+        assert response.status_code == 400
+        assert response.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                            "code": None}, url  # fmt: skip
+
+
 def test_a_body_that_is_not_json_is_refused(cluster):
     response = httpx.post(f"{cluster.router.url}/v1/completions", content=b"model=tiny")
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]

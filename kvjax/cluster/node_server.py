@@ -25,6 +25,7 @@ node refuses new ones and gives those open a grace period (``kvjax.cluster.node_
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 import anyio.to_thread
@@ -56,6 +57,8 @@ from kvjax.serving.engine import Engine
 from kvjax.serving.engine_events import FinishEvent, TokenEvent
 
 __all__ = ["EngineWorker", "cluster_info_of", "create_node_app", "start_worker"]
+
+_LOG = logging.getLogger(__name__)
 
 
 def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: OfferService | None = None, *,
@@ -240,12 +243,22 @@ def _raise_if_failed(event) -> None:
         raise event
     if isinstance(event, Exception):
         raise RequestError(str(event), status=500, kind="server_error")
-    if isinstance(event, FinishEvent) and event.status == "rejected":
+    if isinstance(event, FinishEvent) and event.status == "rejected" and not len(event.output_token_ids):
+        # no token computed (a full queue, say): another node, or this one later, may serve it
         raise RequestError(f"the engine rejected the request: {event.reason}", status=503, kind="server_error")
 
 
 def _finish_reason(event: FinishEvent) -> str:
-    return event.reason if event.reason in ("length", "stop") else event.status
+    """The OpenAI finish reason. A request the engine stopped after some tokens (the pool could
+    not grow it: ``check_fits`` refuses one that cannot fit alone, so pins or other requests
+    held the rest) keeps its text and ends as "length", cut short like one at the context
+    limit; why goes to the log (OpenAI clients know only "length" and "stop")."""
+    if event.reason in ("length", "stop"):
+        return event.reason
+    if event.status == "rejected":
+        _LOG.warning("request %s stopped after %d tokens: %s", event.request_id, len(event.output_token_ids),
+                     event.reason)  # fmt: skip
+    return "length"
 
 
 def _usage(event: FinishEvent, remote: dict | None = None) -> dict:

@@ -49,7 +49,7 @@ from kvjax.serving.sampling import SamplingParams
 from kvjax.text.tokens import validate_tokens
 from kvjax.tiers.kv_cache_remote import ExportedPages
 
-__all__ = ["EngineWorker", "cluster_info_of", "share_learned", "start_worker"]
+__all__ = ["EngineWorker", "check_fits", "cluster_info_of", "share_learned", "start_worker"]
 
 _LOG = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its queue before looking again
@@ -204,7 +204,10 @@ class EngineWorker:
             self._taken()  # in _sinks from here on, or answered
             try:
                 self._add(request_id, request, hint)
-            except ValueError as error:
+            except RequestError as error:
+                sink(error)
+                return
+            except ValueError as error:  # the engine's own checks, which check_fits runs first
                 sink(RequestError(str(error)))
                 return
             except Exception as error:
@@ -234,8 +237,12 @@ class EngineWorker:
         if request.prompt is not None:
             tokens = engine.prompt_tokens(request.prompt)
         else:
-            tokens = validate_tokens(request.prompt_tokens, None)  # ValueError naming an id beyond int32
-        match = engine.cache.match(tokens, namespace)  # validates the ids against the vocabulary
+            try:
+                tokens = validate_tokens(request.prompt_tokens, engine.cache.vocab_size)
+            except ValueError as error:  # an id outside the vocabulary, named with its index
+                raise RequestError(str(error), param="prompt") from None
+        check_fits(engine, len(tokens), request.max_tokens)  # before a remote fetch, which would be wasted
+        match = engine.cache.match(tokens, namespace)
         plan = None
         if hint is not None and self.remote is not None and request.remote_fetch:
             plan = self.remote.plan(hint, match.num_hit_blocks, len(tokens))
@@ -359,6 +366,31 @@ def start_worker(engine: Engine, *, node_id: str, address: str, model: str,
     worker = EngineWorker(engine, publisher, events, remote)
     worker.start()
     return worker
+
+
+def check_fits(engine: Engine, num_prompt_tokens: int, max_tokens: int) -> None:
+    """RequestError (400) naming the parameter to change for a request ``engine`` can never
+    serve: an empty prompt, or a prompt and ``max_tokens`` longer than the longest sequence,
+    which is ``max_model_len`` or, when that is smaller, what the page pool holds. A request
+    the pool cannot hold alone would be rejected at admission (a 503, which a router retries
+    on every node in vain) or stopped mid-generation, its tokens computed for nothing.
+
+    The engine checks ``max_model_len`` too, but names the node's internal request id and
+    not the parameter at fault."""
+    if num_prompt_tokens == 0:
+        raise RequestError("prompt is empty (0 tokens); expected at least one token", param="prompt")
+    page_size, num_blocks = engine.pool.config.page_size, engine.pool.config.num_blocks
+    limit, what = engine.max_model_len, f"max_model_len={engine.max_model_len}"
+    if num_blocks * page_size < limit:
+        limit, what = num_blocks * page_size, (f"this node's page pool holds {num_blocks * page_size} tokens "
+                                               f"({num_blocks} blocks of {page_size})")  # fmt: skip
+    total = num_prompt_tokens + max_tokens
+    if total <= limit:
+        return
+    needs = f"a prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} needs {total} tokens; {what}"
+    if num_prompt_tokens >= limit:
+        raise RequestError(f"{needs}: shorten the prompt to at most {limit - 1} tokens", param="prompt")
+    raise RequestError(f"{needs}: lower max_tokens to at most {limit - num_prompt_tokens}", param="max_tokens")
 
 
 def cluster_info_of(engine: Engine, model: str) -> ClusterInfo:
