@@ -88,6 +88,16 @@ def test_the_namespace_may_come_in_a_header_and_must_agree_with_the_body():
     assert error.value.body()["error"]["param"] == "namespace"
 
 
+def test_a_namespace_header_outside_ascii_is_refused_naming_the_body_field():
+    header = "tenant-\u00e9".encode().decode("latin-1")  # UTF-8 bytes, as the HTTP server hands them over
+    with pytest.raises(RequestError, match=r"the x-kvjax-namespace header holds non-ASCII bytes \('tenant-Ã©' read "
+                       r"as Latin-1\); header values must be ASCII: send such a namespace in the body's namespace "
+                       "field") as error:  # fmt: skip
+        parse({"model": "tiny", "prompt": "x"}, {NAMESPACE_HEADER: header})
+    assert error.value.status == 400 and error.value.param == "namespace"
+    assert parse({"model": "tiny", "prompt": "x", "namespace": "tenant-\u00e9"}).namespace == "tenant-\u00e9"
+
+
 def test_sse_frames():
     assert sse("[DONE]") == b"data: [DONE]\n\n"
     assert sse({"a": 1}) == b'data: {"a":1}\n\n'

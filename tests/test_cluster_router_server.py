@@ -2,6 +2,7 @@
 through it gives a single node's text; routing follows the directory, per namespace; a node
 that cannot be reached is skipped; a second router process sees the same state."""
 
+import http.server
 import json
 import re
 import socket
@@ -298,6 +299,48 @@ def test_a_client_that_leaves_the_router_cancels_the_nodes_work(cluster, stream)
     hang_up_while_generating(cluster.router.url, urls, body)
     assert wait_until(lambda: sum(httpx.get(f"{url}/health").json()["inflight"] for url in urls) == 0, timeout=120)
     assert sum(decode_tokens(url) for url in urls) - before < 1000  # cancelled, not run to its 1,500th token
+
+
+@pytest.fixture
+def answering_node():
+    """Start HTTP servers that answer every POST with one JSON reply: ``(status, body)`` -> its address."""
+    servers = []
+
+    def start(status, body):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_namespace_header_outside_ascii_is_a_400_not_a_500(directory, answering_node):
+    """The router crashed forwarding it (httpx sends header values as ASCII): a plain-text 500."""
+    directory.register("n1", answering_node(200, {"ok": True}), ClusterInfo("tiny", 16))
+    with TestClient(create_router_app(RouterService(directory)), raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2}',
+                               headers={"content-type": "application/json",
+                                        "x-kvjax-namespace": "tenant-\u00e9".encode()})  # fmt: skip
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "namespace" and "send such a namespace in the body's namespace field" in error["message"]
 
 
 def test_a_read_timeout_that_is_not_a_positive_number_is_refused(directory):

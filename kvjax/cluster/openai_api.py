@@ -12,8 +12,9 @@ Accepted request fields (anything else is refused with the list of these):
   ``logprobs`` / ``suffix`` / ``stop`` / ``logit_bias`` null;
 * ``namespace`` (kvjax's extension): the tenant whose cached blocks the request may share,
   a string (default: the default namespace). The same can come in the ``X-KVJax-Namespace``
-  header, which is where a gateway that authenticates tenants sets it; body and header
-  must agree when both are given. The namespace is trusted input: whoever can choose it can
+  header, which is where a gateway that authenticates tenants sets it (ASCII only, as HTTP
+  header values are: a namespace outside ASCII goes in the body); body and header must agree
+  when both are given. The namespace is trusted input: whoever can choose it can
   hit that tenant's cache, so expose the router to tenants only behind such a gateway;
 * ``remote_fetch`` (kvjax's extension, default true): whether the serving node may fetch
   the prompt's cached prefix from another node (``kvjax.cluster.remote_fetch``) instead of
@@ -206,6 +207,12 @@ def _prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:
 
 def _namespace(body: Mapping, headers: Mapping[str, str]) -> str | None:
     in_body, in_header = body.get("namespace"), headers.get(NAMESPACE_HEADER)
+    if in_header is not None and not in_header.isascii():
+        # HTTP servers hand header bytes over as Latin-1: UTF-8 sent there would name another
+        # tenant than the body's field, and a router could not forward it (header values are ASCII)
+        raise RequestError(f"the {NAMESPACE_HEADER} header holds non-ASCII bytes ({_short(in_header)} read as "
+                           "Latin-1); header values must be ASCII: send such a namespace in the body's "
+                           "namespace field", param="namespace")  # fmt: skip
     if in_body is not None and (not isinstance(in_body, str) or not in_body):
         raise RequestError(f"namespace={in_body!r} must be a non-empty string (a tenant name)", param="namespace")
     if in_body is not None and in_header is not None and in_body != in_header:
