@@ -343,6 +343,22 @@ def test_a_namespace_header_outside_ascii_is_a_400_not_a_500(directory, answerin
     assert error["param"] == "namespace" and "send such a namespace in the body's namespace field" in error["message"]
 
 
+def test_when_every_node_refuses_the_client_gets_their_reasons(directory, answering_node):
+    """With two nodes and three attempts, the third decision found no node left and its "no
+    live node to route to" replaced the reasons the nodes gave."""
+    reason = "the engine rejected the request: waiting queue is full (64 requests, max_waiting=64)"
+    for node_id in ("f0", "f1"):
+        address = answering_node(503, {"error": {"message": reason, "type": "server_error", "param": None,
+                                                 "code": None}})  # fmt: skip
+        directory.register(node_id, address, ClusterInfo("tiny", 16))
+    with TestClient(create_router_app(RouterService(directory, max_attempts=3))) as client:
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    assert response.status_code == 503
+    message = response.json()["error"]["message"]
+    assert message.startswith("no node could serve the request (2 tried: ")
+    assert sorted(re.findall(rf"(f\d): 503 {re.escape(reason)}", message)) == ["f0", "f1"]  # the message, not JSON
+
+
 def test_a_read_timeout_that_is_not_a_positive_number_is_refused(directory):
     for bad in (0, -1.0, float("inf"), "5"):
         with pytest.raises(ValueError, match=r"read_timeout_s=.* must be a positive finite number of seconds"):

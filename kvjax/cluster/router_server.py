@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -223,7 +224,12 @@ async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes
     excluded: set[str] = set()
     failures = []
     for _ in range(service.max_attempts):
-        decision = await anyio.to_thread.run_sync(service.decide, request, frozenset(excluded))
+        try:
+            decision = await anyio.to_thread.run_sync(service.decide, request, frozenset(excluded))
+        except RequestError as error:
+            if not failures or error.status != 503:
+                raise
+            break  # every live node failed it (or the directory went since): their reasons say why
         counting = asyncio.ensure_future(anyio.to_thread.run_sync(service.count, decision))
         try:
             return await _send(client, decision, raw, forward_headers, request.stream)
@@ -284,8 +290,19 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
     finally:
         await upstream.aclose()
     if upstream.status_code >= 500:  # the client has nothing of it: another node may serve it
-        raise _NodeFailed(f"{upstream.status_code} {body.decode(errors='replace')[:200]}", unreachable=False)
+        raise _NodeFailed(f"{upstream.status_code} {_error_message(body)}", unreachable=False)
     return Response(body, status_code=upstream.status_code, headers=reply_headers, media_type=media_type)
+
+
+def _error_message(body: bytes) -> str:
+    """What a node's error answer says: the message of an OpenAI error body, else its text
+    (a proxy's error page), cut to 300 characters."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = None
+    text = message if isinstance(message, str) else body.decode(errors="replace")
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 async def _whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
