@@ -55,8 +55,19 @@ def test_every_supported_field_is_read():
          r"stream_options is only allowed with stream=true"),
         ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"usage": 1}},
          r"stream_options=\{'usage': 1\}; expected \{'include_usage': bool\}"),
-        ({"model": "tiny", "prompt": "x", "n": 2}, r"n=2 is not supported; kvjax accepts only 1"),
-        ({"model": "tiny", "prompt": "x", "stop": ["\n"]}, r"stop=\['\\n'\] is not supported; kvjax accepts only None"),
+        ({"model": "tiny", "prompt": "x", "n": 2}, r"n=2 is not supported; kvjax accepts only 1 or null$"),
+        ({"model": "tiny", "prompt": "x", "stop": ["\n"]},
+         r"stop=\['\\n'\] is not supported; kvjax accepts only \[\] or null$"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 2}, r"logprobs=2 is not supported; kvjax accepts only null$"),
+        # the type first: True == 1 and 0 == False, so these passed for the neutral value
+        ({"model": "tiny", "prompt": "x", "n": True}, r"n=True must be an integer$"),
+        ({"model": "tiny", "prompt": "x", "top_p": True}, r"top_p=True must be a number$"),
+        ({"model": "tiny", "prompt": "x", "echo": 0}, r"echo=0 must be a bool$"),
+        ({"model": "tiny", "prompt": "x", "stop": {}}, r"stop=\{\} must be a string or a list of strings$"),
+        ({"model": "tiny", "prompt": "x", "logprobs": []}, r"logprobs=\[\] must be an integer$"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": []}, r"logit_bias=\[\] must be an object$"),
+        ({"model": "tiny", "prompt": "x", "user": {"a": 1}}, r"user=\{'a': 1\} must be a str$"),
+        ({"model": "tiny", "prompt": "x", "top_k": -2}, r"top_k=-2 must be an integer >= 0 \(0 or -1: no limit\)$"),
         ({"model": "tiny", "prompt": "x", "namespace": 5}, r"namespace=5 must be a non-empty string"),
     ],
 )
@@ -65,6 +76,26 @@ def test_bad_requests_name_the_field_and_what_was_expected(body, message):
         parse(body)
     assert error.value.status == 400
     assert error.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_null_is_a_field_not_given_as_in_openai():
+    """A client that serializes its unset fields as null got "n=None is not supported"."""
+    fields = ["max_tokens", "stream", "stream_options", "temperature", "top_k", "seed", "user", "namespace",
+              "remote_fetch", "n", "best_of", "echo", "top_p", "frequency_penalty", "presence_penalty", "logprobs",
+              "suffix", "stop", "logit_bias"]  # fmt: skip
+    assert parse({"model": "tiny", "prompt": "hi", **dict.fromkeys(fields)}) == CompletionRequest("tiny", "hi", None)
+    streamed = parse({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.stream and not streamed.include_usage
+
+
+def test_the_neutral_values_of_what_kvjax_does_not_implement_are_accepted():
+    body = {"model": "tiny", "prompt": "hi", "n": 1, "best_of": 1, "echo": False, "top_p": 1.0,
+            "frequency_penalty": 0.0, "presence_penalty": 0, "suffix": "", "stop": [], "logit_bias": {}}  # fmt: skip
+    assert parse(body) == CompletionRequest("tiny", "hi", None)
+
+
+def test_top_k_minus_one_means_no_limit_as_in_vllm():
+    assert parse({"model": "tiny", "prompt": "x", "top_k": -1}).top_k == 0
 
 
 @pytest.mark.parametrize("raw, message", [(b"{", "not valid JSON"), (b"[1]", "must be a JSON object, got list"),

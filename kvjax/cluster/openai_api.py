@@ -6,10 +6,14 @@ Accepted request fields (anything else is refused with the list of these):
 * ``model`` (required; the served model's name), ``prompt`` (a string, a list of one string,
   or a list of token ids), ``max_tokens`` (default 16), ``stream``, ``stream_options``
   (``include_usage``), ``temperature`` (default 0: greedy, unlike OpenAI's 1, so a prompt's
-  output does not depend on the node that served it), ``top_k`` (0: all), ``seed``, ``user``;
-* OpenAI fields kvjax does not implement are accepted only at their neutral value: ``n`` /
-  ``best_of`` 1, ``echo`` false, ``top_p`` 1, ``frequency_penalty`` / ``presence_penalty`` 0,
-  ``logprobs`` / ``suffix`` / ``stop`` / ``logit_bias`` null;
+  output does not depend on the node that served it), ``top_k`` (0, or -1 as in vLLM: all),
+  ``seed``, ``user`` (a string);
+* OpenAI fields kvjax does not implement are accepted only at their neutral value, and only
+  of the type OpenAI gives them (``echo: 0`` and ``n: true`` are refused, not read as false
+  and 1): ``n`` / ``best_of`` 1, ``echo`` false, ``top_p`` 1, ``frequency_penalty`` /
+  ``presence_penalty`` 0, ``logprobs`` null, ``suffix`` "", ``stop`` [], ``logit_bias`` {};
+* an explicit null is the same as a field not given, as in OpenAI and vLLM (clients that
+  serialize every field send their unset ones as null);
 * ``namespace`` (kvjax's extension): the tenant whose cached blocks the request may share,
   a string (default: the default namespace). The same can come in the ``X-KVJax-Namespace``
   header, which is where a gateway that authenticates tenants sets it (ASCII only, as HTTP
@@ -45,8 +49,28 @@ __all__ = [
 
 NAMESPACE_HEADER = "x-kvjax-namespace"
 
-_NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0,
-            "logprobs": None, "suffix": None, "stop": None, "logit_bias": None}  # fmt: skip
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_stop(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(item, str) for item in value))
+
+
+# OpenAI fields kvjax does not implement: what OpenAI's type is (checked first, so that
+# True == 1 and 0 == False cannot pass for a neutral value) and the values that ask for nothing
+_NEUTRAL = {"n": ("an integer", _is_int, (1,)), "best_of": ("an integer", _is_int, (1,)),
+            "echo": ("a bool", lambda value: isinstance(value, bool), (False,)),
+            "top_p": ("a number", _is_number, (1,)), "frequency_penalty": ("a number", _is_number, (0,)),
+            "presence_penalty": ("a number", _is_number, (0,)), "logprobs": ("an integer", _is_int, ()),
+            "suffix": ("a string", lambda value: isinstance(value, str), ("",)),
+            "stop": ("a string or a list of strings", _is_stop, ([],)),
+            "logit_bias": ("an object", lambda value: isinstance(value, dict), ({},))}  # fmt: skip
 _FIELDS = ("model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_k", "seed", "user",
            "namespace", "remote_fetch", *_NEUTRAL)  # fmt: skip
 
@@ -87,9 +111,15 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
     unknown = sorted(set(body) - set(_FIELDS))
     if unknown:
         raise RequestError(f"unknown fields {unknown}; expected some of {list(_FIELDS)}", param=unknown[0])
-    for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] != neutral and not (neutral is None and body[name] in ({}, [])):
-            raise RequestError(f"{name}={body[name]!r} is not supported; kvjax accepts only {neutral!r}", param=name)
+    for name, (kind, is_kind, neutral) in _NEUTRAL.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not is_kind(value):
+            raise RequestError(f"{name}={_short(value)} must be {kind}", param=name)
+        if value not in neutral:
+            accepted = " or ".join(json.dumps(option) for option in (*neutral, None))  # as JSON spells them
+            raise RequestError(f"{name}={_short(value)} is not supported; kvjax accepts only {accepted}", param=name)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(f"model={model!r} must be the served model's name (a non-empty string)", param="model")
@@ -98,13 +128,15 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
     options = _typed(body, "stream_options", dict, None) or {}
     if not stream and options:
         raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
-    include_usage = options.get("include_usage", False)
+    include_usage = options.get("include_usage")
+    include_usage = False if include_usage is None else include_usage
     if not isinstance(include_usage, bool) or set(options) - {"include_usage"}:
         raise RequestError(f"stream_options={options!r}; expected {{'include_usage': bool}}", param="stream_options")
+    _typed(body, "user", str, None)  # not used, but a client sending a dict there has a bug to hear about
     return CompletionRequest(
         model=model, prompt=prompt, prompt_tokens=tokens,
         max_tokens=_int_in(body, "max_tokens", 16, 1, None), stream=stream, include_usage=include_usage,
-        temperature=_number_in(body, "temperature", 0.0, 0.0, 2.0), top_k=_int_in(body, "top_k", 0, 0, None),
+        temperature=_number_in(body, "temperature", 0.0, 0.0, 2.0), top_k=_top_k(body),
         seed=_int_in(body, "seed", None, 0, 2**32 - 1), namespace=_namespace(body, headers or {}),
         remote_fetch=_typed(body, "remote_fetch", bool, True))  # fmt: skip
 
@@ -245,6 +277,16 @@ def _int_in(body: Mapping, name: str, default, low: int, high: int | None):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise RequestError(f"{name}={_short(value)} must be an integer {bounds}", param=name)
     return value
+
+
+def _top_k(body: Mapping) -> int:
+    """0 (all the vocabulary) for -1, vLLM's spelling of no limit."""
+    value = body.get("top_k")
+    if value is None:
+        return 0
+    if not _is_int(value) or value < -1:
+        raise RequestError(f"top_k={_short(value)} must be an integer >= 0 (0 or -1: no limit)", param="top_k")
+    return max(value, 0)
 
 
 def _number_in(body: Mapping, name: str, default: float, low: float, high: float) -> float:
