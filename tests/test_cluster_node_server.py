@@ -2,6 +2,7 @@
 bad input, and namespaces on the node's own cache."""
 
 import json
+import time
 import uuid
 
 import httpx
@@ -179,3 +180,21 @@ def test_a_request_stopped_for_pool_room_keeps_its_text_and_ends_as_length(small
     events = [json.loads(e[len("data: ") :]) for e in streamed.text.split("\n\n") if e and e != "data: [DONE]"]
     assert not any("error" in event for event in events)
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
+
+
+def test_every_chunk_of_a_stream_has_the_same_created_and_a_usage_field(small_pool, monkeypatch):
+    """``created`` was stamped per chunk, so a stream that crossed a second changed it; with
+    include_usage, OpenAI's other chunks carry "usage": null. A clock that moves a second at
+    every reading makes the first deterministic."""
+    seconds = iter(range(1_000_000_000, 2_000_000_000))
+    monkeypatch.setattr(time, "time", lambda: next(seconds))
+    body = {"model": "tiny", "prompt": "e" * 20, "max_tokens": 8, "stream": True}
+    for include_usage in (True, False):
+        response = small_pool.post("/v1/completions", json={**body, "stream_options": {"include_usage": include_usage}})
+        chunks = [json.loads(e[len("data: ") :]) for e in response.text.split("\n\n") if e and e != "data: [DONE]"]
+        assert len(chunks) > 2 and len({chunk["created"] for chunk in chunks}) == 1
+        if include_usage:
+            assert [chunk["usage"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
+            assert chunks[-1]["usage"]["completion_tokens"] == 8
+        else:
+            assert not any("usage" in chunk for chunk in chunks)

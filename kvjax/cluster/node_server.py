@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import anyio.to_thread
@@ -89,7 +90,7 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
         refusal = _refusal(worker, node_id)
         if refusal is not None:
             raise refusal
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         hint = None
@@ -105,7 +106,7 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
             first = await unless_client_leaves(http_request.receive, wait)
             headers = {"x-kvjax-node": node_id}
             if request.stream:
-                chunks = _stream(worker, request_id, request, first, events, TextStream(decode), drain)
+                chunks = _stream(worker, request_id, created, request, first, events, TextStream(decode), drain)
                 streaming = True  # open until its last chunk went out, or its client left
                 return StreamingResponse(chunks, media_type="text/event-stream", headers=headers,
                                          background=BackgroundTask(drain.close, request_id))  # fmt: skip
@@ -117,7 +118,7 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
             if not streaming:
                 drain.close(request_id)
         usage = _usage(finish, worker.take_remote_report(request_id))
-        body = completion_body(request_id, model, finish.text or "", _finish_reason(finish), usage)
+        body = completion_body(request_id, model, created, finish.text or "", _finish_reason(finish), usage)
         return JSONResponse(body, headers=headers)
 
     if offers is not None:
@@ -177,11 +178,11 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
     return app
 
 
-async def _stream(worker: EngineWorker, request_id: str, request: CompletionRequest, first,
+async def _stream(worker: EngineWorker, request_id: str, created: int, request: CompletionRequest, first,
                   events: asyncio.Queue, text: TextStream, drain: NodeDrain):  # fmt: skip
     """The SSE chunks of one streamed request; a client that goes away cancels it; a failure
     (the engine's, or the node's shutdown cutting it) is an error event, then ``[DONE]``."""
-    event, finished = first, False
+    event, finished, with_usage = first, False, request.include_usage
     try:
         while True:
             if drain.cut is not None:  # at once, not after the tokens queued for a slow client
@@ -192,13 +193,14 @@ async def _stream(worker: EngineWorker, request_id: str, request: CompletionRequ
             if isinstance(event, TokenEvent):
                 delta = text.push(event.token_id)
                 if delta:
-                    yield sse(stream_chunk(request_id, request.model, delta))
+                    yield sse(stream_chunk(request_id, request.model, created, delta, include_usage=with_usage))
             elif isinstance(event, FinishEvent):
                 finished = True
-                yield sse(stream_chunk(request_id, request.model, text.finish(event.text or ""), _finish_reason(event)))
-                if request.include_usage:
+                yield sse(stream_chunk(request_id, request.model, created, text.finish(event.text or ""),
+                                       _finish_reason(event), include_usage=with_usage))  # fmt: skip
+                if with_usage:
                     usage = _usage(event, worker.take_remote_report(request_id))
-                    yield sse(stream_chunk(request_id, request.model, "", usage=usage))
+                    yield sse(stream_chunk(request_id, request.model, created, "", usage=usage))
                 break
             event = await events.get()
         yield sse("[DONE]")

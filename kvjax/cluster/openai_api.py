@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Mapping
 
 __all__ = [
@@ -146,21 +145,23 @@ def error_body(message: str, *, param: str | None = None, kind: str = "invalid_r
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: dict) -> dict:
-    """A non-streamed completion."""
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+def completion_body(request_id: str, model: str, created: int, text: str, finish_reason: str, usage: dict) -> dict:
+    """A non-streamed completion; ``created``: when the request came, in Unix seconds."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
             "usage": usage}  # fmt: skip
 
 
-def stream_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None,
-                 usage: dict | None = None) -> dict:  # fmt: skip
-    """One streamed chunk; with ``usage`` the usage-only chunk (no choices)."""
+def stream_chunk(request_id: str, model: str, created: int, text: str, finish_reason: str | None = None, *,
+                 usage: dict | None = None, include_usage: bool = False) -> dict:  # fmt: skip
+    """One streamed chunk; with ``usage`` the usage-only chunk (no choices). As OpenAI's:
+    ``created`` (when the request came, Unix seconds) is the same in every chunk of a stream,
+    and with ``include_usage`` (the request's ``stream_options``) the other chunks carry
+    ``"usage": null``."""
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     choices = [] if usage is not None else [choice]
-    chunk = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-             "choices": choices}  # fmt: skip
-    if usage is not None:
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None or include_usage:
         chunk["usage"] = usage
     return chunk
 
