@@ -80,6 +80,18 @@ def test_health_models_and_metrics(node_url):
     assert "kvjax_node_directory_resyncs_total" in metrics.text
 
 
+def test_the_openai_client_retrieves_the_model_and_hears_of_an_unknown_one(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as error:
+        client.models.retrieve("llama")
+    assert error.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="llama", prompt="x")
+    assert error.value.code == "model_not_found" and error.value.param == "model"
+    with pytest.raises(openai.NotFoundError, match=r"Invalid URL \(POST /v1/chat/completions\)"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
 @pytest.mark.parametrize(
     "body, status, message",
     [

@@ -359,6 +359,28 @@ def test_when_every_node_refuses_the_client_gets_their_reasons(directory, answer
     assert sorted(re.findall(rf"(f\d): 503 {re.escape(reason)}", message)) == ["f0", "f1"]  # the message, not JSON
 
 
+def test_every_error_of_the_router_is_an_openai_error_body(directory):
+    """Unknown routes and methods answered FastAPI's {"detail": ...}, which OpenAI clients do
+    not read; GET /v1/models/{model} (the client's models.retrieve) did not exist."""
+    directory.register("n1", "http://127.0.0.1:1", ClusterInfo("tiny", 16))
+    with TestClient(create_router_app(RouterService(directory))) as client:
+        assert client.get("/v1/models/tiny").json() == {"id": "tiny", "object": "model", "created": 0,
+                                                        "owned_by": "kvjax"}  # fmt: skip
+        for method, path, status, message, code in [
+            ("POST", "/v1/chat/completions", 404, "Invalid URL (POST /v1/chat/completions); this server answers "
+             "POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics", None),
+            ("GET", "/v1/completions", 405, "method GET is not allowed on /v1/completions; use POST", None),
+            ("GET", "/v1/models/llama", 404, "model='llama' is not served here; the cluster serves 'tiny'",
+             "model_not_found"),
+            ("POST", "/v1/completions", 404, "model='llama' is not served here; the cluster serves 'tiny'",
+             "model_not_found"),
+        ]:  # fmt: skip
+            response = client.request(method, path, json={"model": "llama", "prompt": "x"})
+            assert response.status_code == status, (method, path)
+            assert response.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                                 "param": "model" if code else None, "code": code}}  # fmt: skip
+
+
 def test_a_read_timeout_that_is_not_a_positive_number_is_refused(directory):
     for bad in (0, -1.0, float("inf"), "5"):
         with pytest.raises(ValueError, match=r"read_timeout_s=.* must be a positive finite number of seconds"):

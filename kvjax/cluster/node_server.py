@@ -2,13 +2,14 @@
 
 Endpoints: ``POST /v1/completions`` (streamed as server-sent events or not; see
 ``kvjax.cluster.openai_api`` for the fields and the ``namespace`` extension), ``GET
-/v1/models``, ``GET /health`` (200 while the engine loop runs, 503 after it failed, while the
-node drains on its way out, or once a newer process took over the node id) and ``GET
-/metrics`` (Prometheus text: the engine's metrics and the node's own). A node whose id a newer
-process took over (its publisher says "superseded") answers every completion with a 503
-naming the takeover: the directory lists the newer one, and nothing may be served by a node
-it no longer lists. With remote fetch, ``POST /kv/offer`` and ``POST /kv/ack`` for peers
-(``kvjax.cluster.remote_offers``).
+/v1/models`` and ``GET /v1/models/{model}``, ``GET /health`` (200 while the engine loop runs,
+503 after it failed, while the node drains on its way out, or once a newer process took over
+the node id) and ``GET /metrics`` (Prometheus text: the engine's metrics and the node's own).
+A node whose id a newer process took over (its publisher says "superseded") answers every
+completion with a 503 naming the takeover: the directory lists the newer one, and nothing may
+be served by a node it no longer lists. Every error is an OpenAI error body
+(``kvjax.cluster.http_front``). With remote fetch, ``POST /kv/offer`` and ``POST /kv/ack`` for
+peers (``kvjax.cluster.remote_offers``).
 
 The engine runs on its own thread (``kvjax.cluster.node_worker.EngineWorker``): handlers hand
 it requests through a queue and read each request's events from an asyncio queue. A handler
@@ -37,7 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.background import BackgroundTask
 
-from kvjax.cluster.http_front import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
+from kvjax.cluster.http_front import ClientGone, answer_errors_as_openai, unless_client_leaves
 from kvjax.cluster.node_drain import NodeDrain
 from kvjax.cluster.node_worker import EngineWorker, cluster_info_of, start_worker
 from kvjax.cluster.openai_api import (
@@ -46,9 +47,11 @@ from kvjax.cluster.openai_api import (
     TextStream,
     completion_body,
     error_body,
+    model_body,
     parse_completion_request,
     sse,
     stream_chunk,
+    unknown_model,
     usage_body,
 )
 from kvjax.cluster.publisher import describe_successor
@@ -60,6 +63,7 @@ from kvjax.serving.engine_events import FinishEvent, TokenEvent
 __all__ = ["EngineWorker", "cluster_info_of", "create_node_app", "start_worker"]
 
 _LOG = logging.getLogger(__name__)
+_ROUTES = "POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics"
 
 
 def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: OfferService | None = None, *,
@@ -73,20 +77,13 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
     decode = worker.engine.tokenizer.decode
     engine = worker.engine
 
-    @app.exception_handler(RequestError)
-    async def request_error(_, error: RequestError):
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(_, error: ClientGone):
-        return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it
+    answer_errors_as_openai(app, _ROUTES)
 
     @app.post("/v1/completions")
     async def completions(http_request: Request):
         request = parse_completion_request(await http_request.body(), http_request.headers)
         if request.model != model:
-            raise RequestError(f"model={request.model!r} is not served here; this node serves {model!r}",
-                               status=404, param="model")  # fmt: skip
+            raise unknown_model(request.model, model, "this node")
         refusal = _refusal(worker, node_id)
         if refusal is not None:
             raise refusal
@@ -154,7 +151,13 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "kvjax"}]}
+        return {"object": "list", "data": [model_body(model)]}
+
+    @app.get("/v1/models/{name:path}")  # a model id may hold slashes ("org/model")
+    async def one_model(name: str):
+        if name != model:
+            raise unknown_model(name, model, "this node")
+        return model_body(model)
 
     @app.get("/health")
     async def health():

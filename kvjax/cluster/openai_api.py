@@ -40,9 +40,11 @@ __all__ = [
     "TextStream",
     "completion_body",
     "error_body",
+    "model_body",
     "parse_completion_request",
     "sse",
     "stream_chunk",
+    "unknown_model",
     "usage_body",
 ]
 
@@ -75,15 +77,15 @@ _FIELDS = ("model", "prompt", "max_tokens", "stream", "stream_options", "tempera
 
 
 class RequestError(ValueError):
-    """A bad request: ``status`` (400, 404, 503, ...) and the OpenAI error ``param``."""
+    """A bad request: ``status`` (400, 404, 503, ...) and the OpenAI error ``param`` and ``code``."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error"):  # fmt: skip
+                 kind: str = "invalid_request_error", code: str | None = None):  # fmt: skip
         super().__init__(message)
-        self.status, self.param, self.kind = status, param, kind
+        self.status, self.param, self.kind, self.code = status, param, kind, code
 
     def body(self) -> dict:
-        return error_body(str(self), param=self.param, kind=self.kind)
+        return error_body(str(self), param=self.param, kind=self.kind, code=self.code)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,9 +142,22 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
         remote_fetch=_typed(body, "remote_fetch", bool, True))  # fmt: skip
 
 
-def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error",
+               code: str | None = None) -> dict:  # fmt: skip
     """An OpenAI error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def model_body(model: str) -> dict:
+    """The served model as ``GET /v1/models`` lists it and ``GET /v1/models/{model}`` answers."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "kvjax"}
+
+
+def unknown_model(model: str, served: str, where: str) -> RequestError:
+    """The 404 for a model not served (``where``: "this node", "the cluster"), with OpenAI's
+    code "model_not_found"."""
+    return RequestError(f"model={model!r} is not served here; {where} serves {served!r}", status=404,
+                        param="model", code="model_not_found")  # fmt: skip
 
 
 def completion_body(request_id: str, model: str, created: int, text: str, finish_reason: str, usage: dict) -> dict:

@@ -44,14 +44,16 @@ from starlette.background import BackgroundTask
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory
-from kvjax.cluster.http_front import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
+from kvjax.cluster.http_front import answer_errors_as_openai, unless_client_leaves
 from kvjax.cluster.openai_api import (
     NAMESPACE_HEADER,
     CompletionRequest,
     RequestError,
     error_body,
+    model_body,
     parse_completion_request,
     sse,
+    unknown_model,
 )
 from kvjax.cluster.router import Decision, RoutingPolicy
 from kvjax.text.canonicalize import canonicalize
@@ -59,6 +61,7 @@ from kvjax.text.canonicalize import canonicalize
 __all__ = ["RouterService", "create_router_app", "directory_down"]
 
 _LOG = logging.getLogger(__name__)
+_ROUTES = "POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics"
 _EVENT_END = b"\n\n"  # ends a server-sent event
 _ERROR_EVENT = b'data: {"error"'  # how a node's stream that failed starts its event
 
@@ -117,8 +120,7 @@ class RouterService:
         start = time.perf_counter()
         cluster = self.cluster()
         if request.model != cluster.model:
-            raise RequestError(f"model={request.model!r} is not served here; the cluster serves {cluster.model!r}",
-                               status=404, param="model")  # fmt: skip
+            raise unknown_model(request.model, cluster.model, "the cluster")
         namespace = Namespace(request.namespace) if request.namespace else Namespace()
         tokens = self.prompt_tokens(request)
         try:
@@ -149,7 +151,8 @@ class RouterService:
 
 def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
                       read_timeout_s: float = 600.0) -> FastAPI:  # fmt: skip
-    """The router's FastAPI app: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+    """The router's FastAPI app: ``/v1/completions``, ``/v1/models`` (and ``/v1/models/{model}``),
+    ``/health``, ``/metrics``; every error an OpenAI error body (``kvjax.cluster.http_front``).
 
     ``read_timeout_s``: the longest a node may stay silent while answering (its whole
     non-streamed answer, or between two chunks of a stream); past it the client gets a 504 and
@@ -168,13 +171,7 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
 
     app = FastAPI(title="kvjax router", lifespan=lifespan)
 
-    @app.exception_handler(RequestError)
-    async def request_error(_, error: RequestError):
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(_, error: ClientGone):
-        return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it
+    answer_errors_as_openai(app, _ROUTES)
 
     @app.post("/v1/completions")
     async def completions(http_request: Request):
@@ -188,7 +185,14 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
     @app.get("/v1/models")
     async def models():
         cluster = await anyio.to_thread.run_sync(service.cluster)
-        return {"object": "list", "data": [{"id": cluster.model, "object": "model", "created": 0, "owned_by": "kvjax"}]}
+        return {"object": "list", "data": [model_body(cluster.model)]}
+
+    @app.get("/v1/models/{name:path}")  # a model id may hold slashes ("org/model")
+    async def one_model(name: str):
+        cluster = await anyio.to_thread.run_sync(service.cluster)
+        if name != cluster.model:
+            raise unknown_model(name, cluster.model, "the cluster")
+        return model_body(cluster.model)
 
     @app.get("/health")
     async def health():
