@@ -381,6 +381,16 @@ def test_every_error_of_the_router_is_an_openai_error_body(directory):
                                                  "param": "model" if code else None, "code": code}}  # fmt: skip
 
 
+def test_a_huge_token_id_is_named_as_the_integer_sent(directory):
+    """numpy turned [1, 2**63] into float64: the router answered 'token id 9.223372036854776e+18'."""
+    directory.register("n1", "http://127.0.0.1:1", ClusterInfo("tiny", 16))
+    with TestClient(create_router_app(RouterService(directory))) as client:
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2**63]})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt"
+    assert response.json()["error"]["message"].startswith("token id 9223372036854775808 at index 1 is out of range")
+
+
 def test_a_read_timeout_that_is_not_a_positive_number_is_refused(directory):
     for bad in (0, -1.0, float("inf"), "5"):
         with pytest.raises(ValueError, match=r"read_timeout_s=.* must be a positive finite number of seconds"):

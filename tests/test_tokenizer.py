@@ -1,6 +1,7 @@
 """Tokenizers: byte-level round trip, special ids, the adapter's id checks and its type errors."""
 
 import doctest
+import re
 
 import numpy as np
 import pytest
@@ -160,6 +161,18 @@ def test_ids_past_int32_are_refused_whatever_vocab_size_claims(tokens):
     for check in (validate_tokens, token_bytes):
         with pytest.raises(ValueError, match=r"is out of range; expected 0 <= id < 2147483648 \(vocab_size=4294967296\)"):
             check(tokens, 2**32)
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ([1, 2**63], "token id 9223372036854775808 at index 1 is out of range"),  # numpy made the list float64
+    ([1, -(2**70)], "token id -1180591620717411303424 at index 1 is out of range"),
+    ([1, 2.5], "token id 2.5 at index 1 is not an integer"),
+])  # fmt: skip
+def test_a_bad_id_is_named_as_it_was_sent(tokens, message):
+    for check in (validate_tokens, token_bytes):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check(tokens, None)
+    assert validate_tokens([1.0, 2.0], None).tolist() == [1, 2]
 
 
 @pytest.mark.parametrize("flag", ["add_bos", "add_eos"])

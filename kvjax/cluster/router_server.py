@@ -57,6 +57,7 @@ from kvjax.cluster.openai_api import (
 )
 from kvjax.cluster.router import Decision, RoutingPolicy
 from kvjax.text.canonicalize import canonicalize
+from kvjax.text.tokens import validate_tokens
 
 __all__ = ["RouterService", "create_router_app", "directory_down"]
 
@@ -102,7 +103,10 @@ class RouterService:
         """The prompt's token ids, as the nodes compute them (int32; kept an array: turning
         4,096 ids into a list and back cost 0.15 ms of a decision)."""
         if request.prompt is None:
-            return np.asarray(request.prompt_tokens)
+            try:  # named as sent: np.asarray made [1, 2**63] float64
+                return validate_tokens(request.prompt_tokens, None)
+            except ValueError as error:
+                raise RequestError(str(error), param="prompt") from None
         cluster = self.cluster()
         keying = cluster.text_keying()
         if keying is None:

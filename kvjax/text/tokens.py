@@ -28,6 +28,10 @@ def validate_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) 
     input when it already has the canonical dtype; callers must not mutate it.
     """
     array = np.asarray(tokens)
+    if array.dtype.kind == "f" and not isinstance(tokens, np.ndarray):
+        # Python ints past int64 next to small ones ([1, 2**63]) become float64, which would
+        # name 2**63 as 9.223372036854776e+18: keep the values as sent
+        array = np.asarray(tokens, dtype=object)
     if array.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {array.shape}")
     if array.size == 0:
@@ -58,8 +62,8 @@ def token_bytes(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) -> b
     prompt is read from memory once, not twice. Same errors as ``validate_tokens``.
     """
     array = np.asarray(tokens)
-    if array.dtype != TOKEN_DTYPE or array.ndim != 1:
-        return validate_tokens(array, vocab_size).tobytes()
+    if array.dtype != TOKEN_DTYPE or array.ndim != 1:  # the ints as sent, if numpy made them floats
+        return validate_tokens(tokens if array.dtype.kind == "f" else array, vocab_size).tobytes()
     buf = array.tobytes()
     limit = _limit(vocab_size)
     if buf and int(np.frombuffer(buf, np.uint32).max()) >= limit:  # negative ids wrap high
