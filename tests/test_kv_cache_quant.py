@@ -291,6 +291,27 @@ def test_a_refusing_recompute_replaces_a_node_with_lossy_and_exact_pages_whole()
         cache.check_invariants()
 
 
+def test_pages_computed_over_a_replaced_lossy_node_are_never_served_as_exact():
+    """Two branches computed over lossy pages 0, 1: a refusing recompute along one replaces
+    0, 1 and its own page 2; the other branch's page 2' (flagged exact, computed over the lossy
+    KV) then sat below exact pages, and a refusing request got it as exact KV."""
+    a = np.arange(13, dtype=np.int32)
+    b = np.concatenate([np.arange(8), np.arange(100, 105)]).astype(np.int32)
+    blocks = np.random.default_rng(7).normal(size=(4, *FLOAT_POOL.block_shape)).astype(np.float32)
+    with make(FLOAT_POOL, offload_quant="int8") as cache:
+        lossy_on_device(cache, a[:9], blocks)  # pages 0, 1: a lossy copy on device
+        tainted = blocks.copy()
+        tainted[2] += 1.0  # page 2 (and b's 2') computed over lossy 0, 1
+        assert compute(cache, a, tainted)[0] == 2 and compute(cache, b, tainted)[0] == 2
+        assert compute(cache, a, blocks, accept_lossy=False)[0] == 0  # replaces 0, 1 and a's page 2
+        assert cache.match(b).lossy.tolist() == [False, False, True]
+        num_hit, kv, lossy = hit_kv(cache, b, accept_lossy=False)  # stops before 2'
+        assert num_hit == 2 and same_bits(kv, blocks[:2]) and not lossy.any()
+        num_hit, _, lossy = hit_kv(cache, b)  # a request that accepts lossy KV still hits it, as lossy
+        assert num_hit == 3 and lossy.tolist() == [False, False, True]
+        cache.check_invariants()
+
+
 def test_accept_lossy_per_admission_and_a_cut_inside_the_prefix():
     tokens = np.arange(13, dtype=np.int32)  # three full pages and one token
     blocks = np.random.default_rng(3).normal(size=(4, *FLOAT_POOL.block_shape)).astype(np.float32)

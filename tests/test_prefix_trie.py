@@ -121,6 +121,20 @@ def test_pages_after_a_hit_form_a_fresh_child_with_their_own_history(cache):
     assert cache.match(tokens).blocks.tolist() == handle.block_table[:4]
     cache.check_invariants()
 
+def test_pages_never_join_a_node_another_sequence_hit(cache):
+    tokens = [1, 2, 3, 4, 5]
+    handle = cache.admit(tokens)
+    cache.commit(handle, tokens)  # pages [1, 2], [3, 4]: this sequence's own node
+    cache.release(cache.admit(tokens + [9]))  # another sequence hits both pages (and leaves)
+    for token in (6, 7, 8):  # pages [5, 6], [7, 8]: a child, not the node that was hit
+        assert cache.extend(handle, 1)
+        tokens.append(token)
+        cache.commit(handle, tokens)
+    shape = sorted((node.first_page, node.num_pages, node.hits) for node in cache.trie.nodes())
+    assert shape == [(0, 2, 1), (2, 2, 0)]
+    cache.check_invariants()
+
+
 def test_extend_fails_cleanly_when_the_pool_is_full():
     cache = DeviceIndex(2, 2, clock=Clock())
     handle = cache.admit([1, 2, 3, 4])

@@ -540,19 +540,19 @@ class DeviceIndex:
     def _insert_pages(self, handle: SeqHandle, buf: bytes, start: int, end: int, now: float,
                       lossy: bool) -> None:  # fmt: skip
         trie, page_bytes = self.trie, self.trie.page_bytes
-        node, replaced = handle._tail, False
+        node = handle._tail
         for child, num_pages in trie.walk(node, buf, start, end):
             if num_pages < child.num_pages:
                 child = trie.split(child, num_pages)
             first = start // page_bytes
             own = handle.block_ids[first : first + num_pages]
-            # below a replaced lossy node, cached pages may hold KV computed over the lossy
-            # context (flagged exact): this exact recompute replaces them too where it can
-            if child.on_device and (self._replaces_lossy(handle, child, lossy)
-                                    or (replaced and not child.lock)):  # fmt: skip
+            if child.on_device and self._replaces_lossy(handle, child, lossy):
+                # pages below it were computed over its lossy KV (or fetched lossy): flagged
+                # lossy now, so a refusing request recomputes them too (the next ones on this
+                # path, unlocked, are replaced by this recompute in turn)
+                trie.mark_descendants_lossy(child)
                 self.allocator.free(trie.replace(child, own, now), check=False)
                 self._stats.inserted_blocks += num_pages
-                replaced = True
             elif child.on_device:  # cached meanwhile by another sequence: hold that copy too
                 trie.lock(child, whole_path=False)
                 self.allocator.incref(child.blocks, check=False)
@@ -572,7 +572,7 @@ class DeviceIndex:
             label = memoryview(buf)[start:end]  # zero-copy: the trie keeps a view of buf
             # pages joining a node this sequence hit would inherit its hits and age: eviction
             # policies (and the selective write policy) would see them as reused before they were
-            if handle._own_tail and trie.can_extend(node):
+            if handle._own_tail and not node.hits and trie.can_extend(node):  # hits: another one used it
                 trie.extend(node, label, own, now, lossy=lossy)
             else:
                 node = trie.insert(node, label, own, now, lossy=lossy)

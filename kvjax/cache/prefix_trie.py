@@ -214,6 +214,15 @@ class PrefixTrie:
         node.last_access = now
         return old
 
+    def mark_descendants_lossy(self, node: Node) -> None:
+        """Flag every page below ``node`` lossy: KV computed over its pages (or fetched as
+        lossy copies) while they were lossy, which an exact copy of ``node`` does not make exact."""
+        stack = list(node.children.values())
+        while stack:
+            below = stack.pop()
+            below.lossy = np.ones(len(below.blocks), bool)
+            stack.extend(below.children.values())
+
     # --- locks, heat and pins --------------------------------------------------------------
 
     def lock(self, node: Node, now: float | None = None, *, whole_path: bool = True) -> None:
