@@ -1,6 +1,7 @@
 """A node as a real process: the official openai client, streamed and not, health, metrics,
 bad input, and namespaces on the node's own cache."""
 
+import asyncio
 import json
 import time
 import uuid
@@ -11,6 +12,7 @@ import pytest
 from cluster_fixtures import decode_tokens, hang_up_while_generating, wait_until
 from fastapi.testclient import TestClient
 
+from kvjax.cluster.node_drain import NodeDrain
 from kvjax.cluster.node_server import create_node_app, start_worker
 from kvjax.serving.engine import Engine
 
@@ -156,6 +158,7 @@ def small_pool():
         worker = start_worker(engine, node_id="small", address="http://small", model="tiny")
         try:
             with TestClient(create_node_app(worker, "tiny", "small")) as client:
+                client.worker = worker  # for an app of its own (test_a_finished_stream_...)
                 yield client
         finally:
             worker.stop()
@@ -165,6 +168,9 @@ def small_pool():
     ({"prompt": "a" * 1100, "max_tokens": 1}, "prompt",
      "a prompt of 1100 tokens + max_tokens=1 needs 1101 tokens; this node's page pool holds 1024 tokens (64 blocks "
      "of 16): shorten the prompt to at most 1023 tokens"),
+    ({"prompt": "a" * 1100, "max_tokens": 100}, "prompt",  # the length to shorten to leaves room for max_tokens
+     "a prompt of 1100 tokens + max_tokens=100 needs 1200 tokens; this node's page pool holds 1024 tokens (64 "
+     "blocks of 16): shorten the prompt to at most 924 tokens"),
     ({"prompt": "b" * 900, "max_tokens": 300}, "max_tokens",
      "a prompt of 900 tokens + max_tokens=300 needs 1200 tokens; this node's page pool holds 1024 tokens (64 "
      "blocks of 16): lower max_tokens to at most 124"),
@@ -176,7 +182,7 @@ def test_a_request_larger_than_the_pool_is_a_400_naming_both_lengths(small_pool,
         response = small_pool.post("/v1/completions", json={"model": "tiny", **body, "stream": stream})
         assert response.status_code == 400
         assert response.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
-                                            "code": None}  # fmt: skip
+                                            "code": "node_capacity_exceeded"}  # fmt: skip
 
 
 def test_a_request_stopped_for_pool_room_keeps_its_text_and_ends_as_length(small_pool):
@@ -210,3 +216,27 @@ def test_every_chunk_of_a_stream_has_the_same_created_and_a_usage_field(small_po
             assert chunks[-1]["usage"]["completion_tokens"] == 8
         else:
             assert not any("usage" in chunk for chunk in chunks)
+
+
+def test_a_finished_stream_leaves_the_drain_on_the_event_loop(small_pool):
+    """The drain's state lives on the event loop; a stream's last close ran as a plain
+    background function, on a worker thread, where it could race a SIGTERM's drain."""
+
+    class Spy(NodeDrain):
+        def close(self, request_id):
+            on_loop.append(_on_loop())
+            super().close(request_id)
+
+    def _on_loop():
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    on_loop = []
+    with TestClient(create_node_app(small_pool.worker, "tiny", "small", drain=Spy("small"))) as client:
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "f" * 20, "max_tokens": 4,
+                                                        "stream": True})  # fmt: skip
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+    assert len(on_loop) >= 2 and all(on_loop), on_loop  # the stream's own close, then the background one

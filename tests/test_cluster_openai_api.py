@@ -67,7 +67,7 @@ def test_every_supported_field_is_read():
         ({"model": "tiny", "prompt": "x", "logprobs": []}, r"logprobs=\[\] must be an integer$"),
         ({"model": "tiny", "prompt": "x", "logit_bias": []}, r"logit_bias=\[\] must be an object$"),
         ({"model": "tiny", "prompt": "x", "user": {"a": 1}}, r"user=\{'a': 1\} must be a str$"),
-        ({"model": "tiny", "prompt": "x", "top_k": -2}, r"top_k=-2 must be an integer >= 0 \(0 or -1: no limit\)$"),
+        ({"model": "tiny", "prompt": "x", "top_k": -2}, r"top_k=-2 must be an integer >= -1 \(0 or -1: no limit\)$"),
         ({"model": "tiny", "prompt": "x", "namespace": 5}, r"namespace=5 must be a non-empty string"),
     ],
 )

@@ -20,7 +20,8 @@ from kvjax.cluster.__main__ import main as cluster_main
 from kvjax.cluster.directory import ClusterInfo, Directory, tier_mask
 from kvjax.cluster.openai_api import CompletionRequest, RequestError
 from kvjax.cluster.redis_process import RedisProcess
-from kvjax.cluster.router_server import RouterService, create_router_app
+from kvjax.cluster.router import RouterConfig, RoutingPolicy
+from kvjax.cluster.router_server import RouterService, _after_last_event, create_router_app
 
 PROMPT = "You are a terse assistant.\nQ: name a prime number.\nA:"
 
@@ -359,6 +360,27 @@ def test_when_every_node_refuses_the_client_gets_their_reasons(directory, answer
     assert sorted(re.findall(rf"(f\d): 503 {re.escape(reason)}", message)) == ["f0", "f1"]  # the message, not JSON
 
 
+def test_a_request_too_large_for_one_nodes_pool_goes_to_a_node_that_holds_it(directory, answering_node):
+    """A node refuses what its own page pool cannot hold with a 400 (code node_capacity_exceeded):
+    a node with a larger pool may serve it, so the router tries it; only when every node tried
+    refuses does the client get that 400 (not a 503: no node of this cluster ever serves it)."""
+    too_large = {"error": {"message": "a prompt of 1500 tokens + max_tokens=16 needs 1516 tokens; this node's page "
+                                      "pool holds 1024 tokens (64 blocks of 16): shorten the prompt to at most 1008 "
+                                      "tokens", "type": "invalid_request_error", "param": "prompt",
+                           "code": "node_capacity_exceeded"}}  # fmt: skip
+    directory.register("small", answering_node(400, too_large), ClusterInfo("tiny", 16))
+    large = directory.register("large", answering_node(200, {"served": True}), ClusterInfo("tiny", 16))
+    policy = RoutingPolicy(RouterConfig(strategy="round_robin"))
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    with TestClient(create_router_app(RouterService(directory, policy, max_attempts=3))) as client:
+        answers = [client.post("/v1/completions", json=body) for _ in range(4)]  # round robin: each node first twice
+        assert [(a.status_code, a.json(), a.headers["x-kvjax-node"]) for a in answers] == [
+            (200, {"served": True}, "large")] * 4
+        directory.deregister("large", large)
+        refused = client.post("/v1/completions", json=body)
+    assert (refused.status_code, refused.json()) == (400, too_large)
+
+
 def test_every_error_of_the_router_is_an_openai_error_body(directory):
     """Unknown routes and methods answered FastAPI's {"detail": ...}, which OpenAI clients do
     not read; GET /v1/models/{model} (the client's models.retrieve) did not exist."""
@@ -440,7 +462,8 @@ def test_the_engines_refusals_name_the_parameter_on_node_and_router_alike(cluste
         response = post(url, body)
         assert response.status_code == 400
         assert response.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
-                                            "code": None}, url  # fmt: skip
+                                            "code": "context_length_exceeded" if "max_model_len" in message
+                                            else None}, url  # fmt: skip
 
 
 def test_a_body_that_is_not_json_is_refused(cluster):
@@ -503,3 +526,11 @@ def test_a_bad_guard_setting_is_refused_at_start():
         cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--fair-window", "0"])
     with pytest.raises(SystemExit, match=r"router: share_slack_abs=0.0 must be >= 1 \(requests\)"):
         cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--share-slack-abs", "0"])
+
+
+@pytest.mark.parametrize("data, end", [(b"data: a", 0), (b"data: a\n\n", 9), (b"data: a\n\ndata: b", 9),
+                                       (b"data: a\r\n\r\ndata: b", 11), (b"data: a\n\ndata: b\r\n\r\n", 20)])
+def test_events_end_at_a_blank_line_with_lf_or_crlf_line_ends(data, end):
+    """SSE allows CRLF line ends; the router looked for LF ones only, and held a CRLF-framed
+    stream back until it ended."""
+    assert _after_last_event(data) == end

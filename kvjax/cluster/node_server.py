@@ -106,7 +106,7 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
                 chunks = _stream(worker, request_id, created, request, first, events, TextStream(decode), drain)
                 streaming = True  # open until its last chunk went out, or its client left
                 return StreamingResponse(chunks, media_type="text/event-stream", headers=headers,
-                                         background=BackgroundTask(drain.close, request_id))  # fmt: skip
+                                         background=BackgroundTask(_close_on_loop, drain, request_id))  # fmt: skip
             finish = first
         except (asyncio.CancelledError, ClientGone):  # the client went away before the answer was complete
             worker.cancel(request_id)
@@ -330,3 +330,9 @@ class _NodeCollector:
                 yield CounterMetricFamily(f"kvjax_node_offer_{name}", f"Offers to peers: {name}", value=value)
             for name, value in self.offers.transport.stats().items():
                 yield GaugeMetricFamily(f"kvjax_node_transfer_{name}", f"Transfer server: {name}", value=value)
+
+
+async def _close_on_loop(drain: NodeDrain, request_id: str) -> None:
+    """``drain.close`` as a response's background task: a coroutine, so Starlette runs it on
+    the event loop (a plain function would run on a worker thread, racing the drain's state)."""
+    drain.close(request_id)

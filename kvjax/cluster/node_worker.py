@@ -39,7 +39,7 @@ from kvjax.cache.block_events import Subscription
 from kvjax.cache.block_keys import Namespace
 from kvjax.cache.policies import ReusePolicy, ReuseStatistics
 from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad
-from kvjax.cluster.openai_api import CompletionRequest, RequestError
+from kvjax.cluster.openai_api import CONTEXT_LENGTH_EXCEEDED, NODE_CAPACITY_EXCEEDED, CompletionRequest, RequestError
 from kvjax.cluster.publisher import DirectoryPublisher
 from kvjax.cluster.remote_fetch import FetchOutcome, FetchPlan, PeerHint, RemoteFetcher
 from kvjax.cluster.remote_offers import OfferRequest
@@ -380,17 +380,21 @@ def check_fits(engine: Engine, num_prompt_tokens: int, max_tokens: int) -> None:
     if num_prompt_tokens == 0:
         raise RequestError("prompt is empty (0 tokens); expected at least one token", param="prompt")
     page_size, num_blocks = engine.pool.config.page_size, engine.pool.config.num_blocks
-    limit, what = engine.max_model_len, f"max_model_len={engine.max_model_len}"
-    if num_blocks * page_size < limit:
+    limit, what, code = engine.max_model_len, f"max_model_len={engine.max_model_len}", CONTEXT_LENGTH_EXCEEDED
+    if num_blocks * page_size < limit:  # this node's own limit: a router tries the others (NODE_CAPACITY_EXCEEDED)
         limit, what = num_blocks * page_size, (f"this node's page pool holds {num_blocks * page_size} tokens "
                                                f"({num_blocks} blocks of {page_size})")  # fmt: skip
+        code = NODE_CAPACITY_EXCEEDED
     total = num_prompt_tokens + max_tokens
     if total <= limit:
         return
     needs = f"a prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} needs {total} tokens; {what}"
     if num_prompt_tokens >= limit:
-        raise RequestError(f"{needs}: shorten the prompt to at most {limit - 1} tokens", param="prompt")
-    raise RequestError(f"{needs}: lower max_tokens to at most {limit - num_prompt_tokens}", param="max_tokens")
+        fix = (f"shorten the prompt to at most {limit - max_tokens} tokens" if max_tokens < limit
+               else f"shorten the prompt and lower max_tokens to {limit} tokens together")  # fmt: skip
+        raise RequestError(f"{needs}: {fix}", param="prompt", code=code)
+    raise RequestError(f"{needs}: lower max_tokens to at most {limit - num_prompt_tokens}", param="max_tokens",
+                       code=code)  # fmt: skip
 
 
 def cluster_info_of(engine: Engine, model: str) -> ClusterInfo:

@@ -34,7 +34,9 @@ import json
 from collections.abc import Mapping
 
 __all__ = [
+    "CONTEXT_LENGTH_EXCEEDED",
     "NAMESPACE_HEADER",
+    "NODE_CAPACITY_EXCEEDED",
     "CompletionRequest",
     "RequestError",
     "TextStream",
@@ -49,6 +51,10 @@ __all__ = [
 ]
 
 NAMESPACE_HEADER = "x-kvjax-namespace"
+# Error codes of a 400 for a request too long: for the model (OpenAI's code: no node serves
+# it), or for one node's page pool (a router tries the other nodes, whose pools may be larger).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+NODE_CAPACITY_EXCEEDED = "node_capacity_exceeded"
 
 
 def _is_int(value) -> bool:
@@ -301,7 +307,7 @@ def _top_k(body: Mapping) -> int:
     if value is None:
         return 0
     if not _is_int(value) or value < -1:
-        raise RequestError(f"top_k={_short(value)} must be an integer >= 0 (0 or -1: no limit)", param="top_k")
+        raise RequestError(f"top_k={_short(value)} must be an integer >= -1 (0 or -1: no limit)", param="top_k")
     return max(value, 0)
 
 

@@ -13,7 +13,9 @@ A request that failed before its client got a token is routed again, the node ex
 ``max_attempts`` nodes: a node that cannot be reached, answers a 5xx (503: rejected, failed,
 shutting down or taken over; 500: its engine failed), breaks off a non-streamed answer, or
 whose stream breaks or fails (an error event) before its first event. The router reads a
-stream's first event before it answers the client, so this holds for streams too. A stream that
+stream's first event before it answers the client, so this holds for streams too. A 400 with
+code ``node_capacity_exceeded`` (longer than that node's page pool holds) is tried on the other
+nodes too, whose pools may be larger; the client gets that 400 if every node tried refuses it. A stream that
 breaks after that is not retried (the client has text already): it ends with an error event
 (``data: {"error": ...}``) and ``data: [DONE]``, and the router passes on only whole events,
 never half of one. A client that leaves before its answer is complete closes the request to
@@ -47,6 +49,7 @@ from kvjax.cluster.directory import ClusterInfo, Directory
 from kvjax.cluster.http_front import answer_errors_as_openai, unless_client_leaves
 from kvjax.cluster.openai_api import (
     NAMESPACE_HEADER,
+    NODE_CAPACITY_EXCEEDED,
     CompletionRequest,
     RequestError,
     error_body,
@@ -63,7 +66,8 @@ __all__ = ["RouterService", "create_router_app", "directory_down"]
 
 _LOG = logging.getLogger(__name__)
 _ROUTES = "POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics"
-_EVENT_END = b"\n\n"  # ends a server-sent event
+_EVENT_END = b"\n\n"  # ends a server-sent event (kvjax's nodes)
+_CRLF_EVENT_END = b"\r\n\r\n"  # the same, with the CRLF line ends SSE allows too
 _ERROR_EVENT = b'data: {"error"'  # how a node's stream that failed starts its event
 
 
@@ -230,7 +234,7 @@ async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes
     if NAMESPACE_HEADER in headers:
         forward_headers[NAMESPACE_HEADER] = headers[NAMESPACE_HEADER]
     excluded: set[str] = set()
-    failures = []
+    failures, answers = [], []
     for _ in range(service.max_attempts):
         try:
             decision = await anyio.to_thread.run_sync(service.decide, request, frozenset(excluded))
@@ -245,9 +249,13 @@ async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes
             failures.append(f"{decision.node_id}: {failure}")
             if failure.unreachable:
                 service.forward_errors.labels(decision.node_id).inc()
+            if failure.answer is not None:
+                answers.append(failure.answer)
             excluded.add(decision.node_id)
         finally:
             await counting
+    if answers and len(answers) == len(failures):  # every node tried is too small for it: its 400
+        return answers[-1]
     raise RequestError(f"no node could serve the request ({len(failures)} tried: {'; '.join(failures)})",
                        status=503, kind="server_error")  # fmt: skip
 
@@ -256,9 +264,10 @@ class _NodeFailed(Exception):
     """A node gave no answer the client can have, and no token of it: unreachable, broke off
     before its first event, said 5xx, or its stream's first event is an error."""
 
-    def __init__(self, message: str, unreachable: bool):
+    def __init__(self, message: str, unreachable: bool, answer: Response | None = None):
         super().__init__(message)
         self.unreachable = unreachable
+        self.answer = answer  # the node's own answer, for the client if no node serves it
 
 
 async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, headers: dict[str, str],
@@ -299,7 +308,19 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
         await upstream.aclose()
     if upstream.status_code >= 500:  # the client has nothing of it: another node may serve it
         raise _NodeFailed(f"{upstream.status_code} {_error_message(body)}", unreachable=False)
-    return Response(body, status_code=upstream.status_code, headers=reply_headers, media_type=media_type)
+    answer = Response(body, status_code=upstream.status_code, headers=reply_headers, media_type=media_type)
+    if upstream.status_code == 400 and _error_code(body) == NODE_CAPACITY_EXCEEDED:  # a larger pool may serve it
+        raise _NodeFailed(f"400 {_error_message(body)}", unreachable=False, answer=answer)
+    return answer
+
+
+def _error_code(body: bytes) -> str | None:
+    """The ``code`` of an OpenAI error body (None if it is none)."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 def _error_message(body: bytes) -> str:
@@ -313,15 +334,20 @@ def _error_message(body: bytes) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _after_last_event(data: bytes) -> int:
+    """Where the last whole event of ``data`` ends (0: none ends in it)."""
+    return max((data.rfind(end) + len(end) for end in (_EVENT_END, _CRLF_EVENT_END) if end in data), default=0)
+
+
 async def _whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """``chunks`` regrouped into whole server-sent events (one or more each); what follows
     the last event when the stream ends cleanly comes last."""
     pending = b""
     async for chunk in chunks:
         pending += chunk
-        end = pending.rfind(_EVENT_END)
-        if end >= 0:
-            events, pending = pending[: end + len(_EVENT_END)], pending[end + len(_EVENT_END) :]
+        end = _after_last_event(pending)
+        if end:
+            events, pending = pending[:end], pending[end:]
             yield events
     if pending:
         yield pending
