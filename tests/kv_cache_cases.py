@@ -3,9 +3,10 @@
 * ``ManualTransfer``: the TransferEngine API, but every transfer waits until the test
   completes (or fails) it, so a test decides what is in flight at each step. It pins disk
   segments as the real engine does and copies with a real (synchronous) engine.
-* ``MemoryDisk``: the DiskTier API in memory, counted in blocks, evicting unlocked blocks
-  (LRU) on its own when a write does not fit, as the real tier drops whole segments; a block
-  can be corrupted so its next read is a miss and a metric.
+* ``MemoryDisk``: the DiskTier API in memory, counted in blocks, evicting unlocked blocks on
+  its own when a write does not fit, in the real tier's order (``VictimOrder``, each block a
+  segment: blocks nothing depends on first, then least recently used); a block can be
+  corrupted so its next read is a miss and a metric.
 * ``page_content(namespace, tokens, block_shape, dtype)``: the KV a model would write for the
   last page of ``tokens``: a deterministic function of the namespace and every token up to
   the page's end, so a block served for the wrong prefix or tenant shows.
@@ -24,6 +25,7 @@ import numpy as np
 import pallas_kernels
 from kvjax.cache.block_events import EventLog
 from kvjax.tiers.disk_tier import DiskRead
+from kvjax.tiers.disk_victims import VictimOrder
 from kvjax.tiers.transfer import Link, TransferEngine, TransferResult
 
 
@@ -165,6 +167,8 @@ class MemoryDisk:
         self._locks: collections.Counter = collections.Counter()
         self._corrupt: set = set()
         self._stats = MemoryDiskStats()
+        self._order = VictimOrder()  # a block is a segment here
+        self._dependents: collections.Counter = collections.Counter()
         self.events = EventLog()
         self.index_lock = threading.RLock()
 
@@ -190,15 +194,25 @@ class MemoryDisk:
     def put(self, keys, blocks, namespaces, parents=None):
         if isinstance(namespaces, bytes):
             namespaces = [namespaces] * len(keys)
-        stored = []
-        for key, block, ns in zip(keys, np.asarray(blocks), namespaces):
+        parents = [None] * len(keys) if parents is None else list(parents)
+        held = [(ns, parent) for ns, parent in zip(namespaces, parents) if parent is not None]
+        for block in held:  # the room the put makes never evicts its blocks' parents (as DiskTier's write)
+            self._order.hold(block)
+        stored, written = [], set()
+        for key, block, ns, parent in zip(keys, np.asarray(blocks), namespaces, parents):
             if (ns, key) in self._blocks:
                 continue
-            if len(self._blocks) >= self.capacity_blocks and not self._evict_one():
+            # a put is one segment: the room it makes never evicts its own blocks
+            if len(self._blocks) >= self.capacity_blocks and not self._evict_one(keep=written):
                 break
             self._blocks[(ns, key)] = np.array(block)
+            self._order.add_segment((ns, key))
+            self._order.add_block((ns, key), (ns, key), None if parent is None else (ns, parent))
             self.events.record(ns, key, None, "disk", "stored")
             stored.append(key)
+            written.add((ns, key))
+        for block in held:
+            self._order.release(block)
         return stored
 
     def get(self, keys, namespace) -> DiskRead:
@@ -207,12 +221,11 @@ class MemoryDisk:
         for i, key in enumerate(keys):
             if (namespace, key) in self._corrupt:
                 self._corrupt.discard((namespace, key))
-                if self._blocks.pop((namespace, key), None) is not None:
-                    self.events.record(namespace, key, None, "disk", "removed")
+                self._remove((namespace, key))
                 self._stats.corrupt_blocks += 1
             elif (namespace, key) in self._blocks:
                 out[i] = self._blocks[(namespace, key)]
-                self._blocks.move_to_end((namespace, key))
+                self._order.touch((namespace, key))
                 hits[i] = True
         return DiskRead(out, hits)
 
@@ -232,23 +245,45 @@ class MemoryDisk:
                 del self._locks[(namespace, key)]
 
     def discard(self, keys, namespace) -> int:
-        dropped = [k for k in keys if self._blocks.pop((namespace, k), None) is not None]
-        for key in dropped:
-            self.events.record(namespace, key, None, "disk", "removed")
-        return len(dropped)
+        return sum(self._remove((namespace, key)) for key in keys)
+
+    def add_dependents(self, parents, namespace) -> None:
+        for parent in parents:
+            self._dependents[(namespace, parent)] += 1
+            self._order.hold((namespace, parent))
+
+    def remove_dependents(self, parents, namespace) -> None:
+        for parent in parents:
+            if not self._dependents[(namespace, parent)]:
+                raise ValueError(f"key={parent.hex()} has no dependents to remove")
+            self._dependents[(namespace, parent)] -= 1
+            if not self._dependents[(namespace, parent)]:
+                del self._dependents[(namespace, parent)]
+            self._order.release((namespace, parent))
+
+    def dependents(self) -> dict:
+        return dict(self._dependents)
 
     def check_invariants(self) -> None:
         if len(self._blocks) > self.capacity_blocks or min(self._locks.values(), default=1) < 1:
             raise RuntimeError("memory disk over capacity or with a negative lock")
+        self._order.check({block: block for block in self._blocks})
 
-    def _evict_one(self) -> bool:
-        for name in self._blocks:
-            if not self._locks[name]:
-                del self._blocks[name]
-                self.events.record(*name, None, "disk", "removed")
-                self._stats.evicted_blocks += 1
-                return True
-        return False
+    def _remove(self, name) -> bool:
+        if self._blocks.pop(name, None) is None:
+            return False
+        self._order.remove_block(name)
+        self._order.remove_segment(name)
+        self.events.record(*name, None, "disk", "removed")
+        return True
+
+    def _evict_one(self, keep=frozenset()) -> bool:
+        name = self._order.victim(lambda name: not self._locks[name] and name not in keep)
+        if name is None:
+            return False
+        self._remove(name)
+        self._stats.evicted_blocks += 1
+        return True
 
 
 def _resolved(result) -> concurrent.futures.Future:

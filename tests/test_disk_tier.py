@@ -218,6 +218,98 @@ def test_eviction_removes_the_least_recently_used_unpinned_segment(tmp_path):
     tier.check_invariants()
 
 
+def _memory_tier(capacity_blocks, blocks_per_segment=1):
+    """In memory: a segment takes exactly its blocks' bytes, so capacities count blocks."""
+    return DiskTier(None, BLOCK_SHAPE, "float32", capacity_blocks * block_bytes(),
+                    segment_bytes=blocks_per_segment * block_bytes())  # fmt: skip
+
+
+def _held(tier, names):
+    return [name for name, key in names.items() if tier.contains(key, NS)]
+
+
+def test_eviction_takes_a_prefix_only_after_the_blocks_after_it():
+    """A block is found only through its prefix, so evicting a's segment while b (put with a
+    as its parent) stays would lose both. Least recently used, a went first; now b does, the
+    deepest of the chain, then a, once nothing depends on it (and x, used since, stays)."""
+    a, b, x, y, z = keys(5)
+    names = dict(a=a, b=b, x=x, y=y, z=z)
+    tier = _memory_tier(3)
+    tier.put([a], random_blocks(1), NS)
+    tier.put([b], random_blocks(1), NS, parents=[a])
+    tier.put([x], random_blocks(1), NS)
+    tier.put([y], random_blocks(1), NS)
+    assert _held(tier, names) == ["a", "x", "y"]
+    tier.get([x], NS)
+    tier.put([z], random_blocks(1), NS)
+    assert _held(tier, names) == ["x", "y", "z"]
+    assert tier.stats().evicted_segments == 2
+    tier.check_invariants()
+
+
+def test_a_put_never_evicts_the_parent_of_a_block_it_writes():
+    a, b, x = keys(3)
+    tier = _memory_tier(2)
+    tier.put([a], random_blocks(1), NS)
+    tier.put([x], random_blocks(1), NS)
+    tier.put([b], random_blocks(1), NS, parents=[a])  # a is the least recently used
+    assert _held(tier, dict(a=a, b=b, x=x)) == ["a", "b"]
+    tier.check_invariants()
+
+
+def test_a_segment_holding_a_whole_chain_is_evicted_in_its_turn():
+    """Blocks depending on a block in their own segment leave with it: nothing else is lost,
+    so the segment goes least recently used first, as one without a chain."""
+    a, b, x, y, z, w = keys(6)
+    tier = _memory_tier(4, blocks_per_segment=2)
+    tier.put([a, b], random_blocks(2), NS, parents=[None, a])
+    tier.put([x, y], random_blocks(2), NS)
+    tier.put([z, w], random_blocks(2), NS)
+    assert _held(tier, dict(a=a, b=b, x=x, y=y, z=z, w=w)) == ["x", "y", "z", "w"]
+    tier.check_invariants()
+
+
+def test_dependents_held_elsewhere_keep_a_block_until_the_leaves_went():
+    """A caller's copies of pages after a block (the tiered cache's host copies) count as its
+    dependents: it goes after the blocks nothing depends on, and before its own parent (the
+    deepest of a prefix first). Removed, they leave it to least recently used again."""
+    a, b, x, y, z = keys(5)
+    names = dict(a=a, b=b, x=x, y=y, z=z)
+    tier = _memory_tier(3)
+    tier.put([a], random_blocks(1), NS)
+    tier.put([b], random_blocks(1), NS, parents=[a])
+    tier.add_dependents([b, b], NS)  # two host copies after b
+    tier.put([x], random_blocks(1), NS)
+    tier.put([y], random_blocks(1), NS)  # x goes: nothing depends on it
+    assert _held(tier, names) == ["a", "b", "y"]
+    tier.put([z], random_blocks(1), NS)  # y goes, though a and b are older
+    assert _held(tier, names) == ["a", "b", "z"]
+    with pytest.raises(ValueError, match=r"has 2 dependents, not 3 to remove"):
+        tier.remove_dependents([b, b, b], NS)
+    assert tier.dependents() == {(NS, b): 2}
+    tier.remove_dependents([b], NS)
+    tier.put([x], random_blocks(1), NS)  # b still has one: z goes, the only leaf
+    assert _held(tier, names) == ["a", "b", "x"]
+    tier.remove_dependents([b], NS)
+    tier.put([y], random_blocks(1), NS)  # b is a leaf now, the least recently used one
+    assert _held(tier, names) == ["a", "x", "y"] and tier.dependents() == {}
+    tier.check_invariants()
+
+
+def test_with_only_prefixes_left_the_deepest_goes_first():
+    """Every block has a dependent: b's host copy names b (rank 1), a has b on disk after it
+    (rank 2). Room for x takes b, not a: a page after a lost prefix is lost too."""
+    a, b, x = keys(3)
+    tier = _memory_tier(2)
+    tier.put([a], random_blocks(1), NS)
+    tier.put([b], random_blocks(1), NS, parents=[a])
+    tier.add_dependents([keys(1, start=9)[0]], NS)  # a key the tier does not hold
+    tier.add_dependents([b], NS)
+    tier.put([x], random_blocks(1), NS)
+    assert _held(tier, dict(a=a, b=b, x=x)) == ["a", "x"]
+    tier.check_invariants()
+
+
 def test_a_put_larger_than_the_tier_returns_only_the_keys_it_still_holds(tmp_path):
     tier = make_tier(tmp_path, blocks_per_segment=2, use_ocdbt=False)
     tier.put(keys(2, start=10), random_blocks(2), NS)
@@ -277,7 +369,9 @@ def test_bad_input_raises_and_leaves_state_unchanged(tmp_path):
 
 
 class DiskTierMachine(RuleBasedStateMachine):
-    """Random put/get/discard/lock/reopen sequences; the tier never serves a wrong block."""
+    """Random put/get/discard/lock/dependents/reopen sequences; the tier never serves a wrong
+    block, and its eviction order stays in step with its blocks (block i is put with i - 1
+    as its parent, so chains cross segments both ways)."""
 
     def __init__(self):
         super().__init__()
@@ -286,6 +380,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         shutil.rmtree(self.path, ignore_errors=True)
         self.tier = self.open()
         self.locked = []  # keys locked and not yet unlocked
+        self.dependents = []  # keys given a dependent and not yet relieved of it
 
     def open(self):
         return DiskTier(self.path, (4,), "int8", 6 * 4 + 3000, segment_bytes=8)
@@ -301,8 +396,19 @@ class DiskTierMachine(RuleBasedStateMachine):
     @rule(ids=st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True))
     def put(self, ids):
         ks = [bytes([i]) * 16 for i in ids]
-        stored = self.tier.put(ks, np.stack([self.block(k) for k in ks]), NS)
+        parents = [bytes([i - 1]) * 16 if i else None for i in ids]
+        stored = self.tier.put(ks, np.stack([self.block(k) for k in ks]), NS, parents)
         assert set(stored) <= set(ks)
+
+    @rule(i=st.integers(0, 9))
+    def add_dependent(self, i):
+        self.tier.add_dependents([bytes([i]) * 16], NS)
+        self.dependents.append(bytes([i]) * 16)
+
+    @precondition(lambda self: self.dependents)
+    @rule()
+    def remove_dependent(self):
+        self.tier.remove_dependents([self.dependents.pop()], NS)
 
     @rule(ids=st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True))
     def get(self, ids):
@@ -338,6 +444,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         held = {bytes([i]) * 16 for i in range(10) if self.tier.contains(bytes([i]) * 16, NS)}
         self.tier.close()
         self.tier = self.open()
+        self.dependents = []  # counted in memory only, by the tier that closed
         reopened = {bytes([i]) * 16 for i in range(10) if self.tier.contains(bytes([i]) * 16, NS)}
         assert held <= reopened  # discards are not persisted; nothing spilled is lost
 

@@ -18,6 +18,7 @@ from kv_cache_cases import (
     page_content,
     serve_from_each_tier,
 )
+from scheduler_cases import Clock
 from tier_cases import DTYPES, random_blocks, same_bits
 
 from kvjax.cache.cost_model import CostModel
@@ -38,7 +39,7 @@ def prompt(n, start=0):
 
 
 def make(pool=POOL, *, host_blocks=8, disk_dir=None, cost=ALWAYS_FETCH, **kwargs):
-    config_keys = {"write_policy", "selective_min_hits", "vocab_size", "high_watermark", "low_watermark"}
+    config_keys = {"write_policy", "selective_min_hits", "vocab_size", "high_watermark", "low_watermark", "policy"}
     config = KVCacheConfig(pool=pool, host_bytes=host_blocks * pool.bytes_per_block, cost_model=cost,
                            disk_dir=None if disk_dir is None else str(disk_dir),
                            disk_bytes=0 if disk_dir is None else 1 << 26,
@@ -265,6 +266,72 @@ def test_host_evictions_lose_only_what_no_lower_tier_takes(disk):
             assert len(disk_tier) + len(cache.tiers.undisked) == findable  # on disk, or still on host
         else:
             assert findable <= 6 and stats.pressure_spilled_blocks == 0
+
+
+def _cache_over_a_two_block_disk(tmp_path, clock):
+    """A write-back cache over a real disk tier with room for two one-block segments; LRU on
+    device and host, no background spill (transfers run when ``_settle`` completes them)."""
+    one_block = DiskTier(str(tmp_path / "probe"), POOL.block_shape, POOL.dtype, 1 << 24,
+                         segment_bytes=POOL.bytes_per_block, use_ocdbt=False)  # fmt: skip
+    one_block.put([b"k" * 16], random_blocks(1, POOL.block_shape), b"n" * 16, [b"p" * 16])
+    segment_bytes = one_block.bytes_used
+    one_block.close()
+    disk = DiskTier(str(tmp_path / "disk"), POOL.block_shape, POOL.dtype, 5 * segment_bytes // 2,
+                    segment_bytes=POOL.bytes_per_block, use_ocdbt=False)  # fmt: skip
+    return make(host_blocks=4, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
+                transfer_factory=ManualTransfer, high_watermark=1.0, low_watermark=1.0)  # fmt: skip
+
+
+def _settle(cache):
+    while cache.transfer.pending:
+        cache.transfer.complete_all()
+        cache.poll()
+
+
+def _serve(cache, clock, tokens):
+    """Serve ``tokens``, fetching its cached prefix; its pages stay on device."""
+    clock.now += 1.0
+    handle = cache.admit(tokens)
+    _settle(cache)
+    cache.commit(handle, tokens)
+    cache.release(handle)
+
+
+def _serve_and_evict(cache, clock, tokens, *, spill=False):
+    """Serve ``tokens``, then evict it (write-back copies the pages without a copy to host);
+    ``spill``: then copy every host page without a disk copy to disk."""
+    _serve(cache, clock, tokens)
+    clock.now += 1.0
+    cache.evict(8)
+    _settle(cache)
+    if spill:
+        cache._mover.spill_host(everything=True)
+        _settle(cache)
+
+
+def test_a_full_disk_evicts_a_page_nothing_depends_on_not_the_prefix_of_the_page_it_writes(tmp_path):
+    """a is on disk only; write-back gave b (after a) a host copy; e, another prompt's page, is
+    on disk too, written after a. Host room for i sends b to disk (back-pressure), into a full
+    disk. It evicted its least recently used segment, a's: a left the trie and took b along
+    (its new disk copy unreachable, its host copy dropped), two pages lost for the one block
+    evicted, while e, which nothing depends on, stayed. A page is found only through its
+    prefix: the disk now evicts e (b's parent counts b as a dependent while it is written)."""
+    clock = Clock()
+    with _cache_over_a_two_block_disk(tmp_path, clock) as cache:
+        disk = cache.disk_tier
+        _serve_and_evict(cache, clock, prompt(5), spill=True)  # a: host and disk
+        _serve_and_evict(cache, clock, prompt(5, start=100), spill=True)  # e: host and disk; the disk is full
+        _serve_and_evict(cache, clock, prompt(9))  # a from host (its disk segment unread); b: host
+        _serve_and_evict(cache, clock, prompt(13, start=200))  # f-g-h: host, in the slots of a's and e's copies
+        assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.HOST]
+        assert cache.match(prompt(5, start=100)).tiers.tolist() == [Tier.DISK]
+        dropped, evicted = cache.trie.dropped_pages, disk.stats().evicted_blocks
+        _serve_and_evict(cache, clock, prompt(5, start=300))  # i: its host room sends b, the oldest, to disk
+        assert disk.stats().evicted_blocks - evicted == 1
+        assert cache.trie.dropped_pages - dropped == 1  # e, the block evicted (before the fix: a and b)
+        assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.DISK]
+        assert cache.match(prompt(5, start=100)).num_hit_blocks == 0
+        cache.check_invariants()
 
 
 # --- fetch or recompute ----------------------------------------------------------------------

@@ -15,9 +15,14 @@ for want of file descriptors or memory, or was interrupted: the segment is intac
 stays (`transient_read_errors`). No I/O error escapes `put` or `get`.
 
 Capacity: bytes on disk (checkpoint files plus manifest). Eviction removes whole segments,
-least recently used first, never one that a `lock` or a running read pins; there is no
-compaction, so a segment whose blocks were partly discarded keeps its bytes until all its
-blocks are discarded or it is evicted. `discard` is not persisted: after a reopen, blocks of
+never one that a `lock` or a running read pins: first those whose blocks nothing outside them
+depends on, then the deepest of a prefix, least recently used first among equals
+(`kvjax.tiers.disk_victims`). A block depends on its parent (the key `put` names before it):
+a page is found only through its prefix, so evicting the parent would take it along. The
+tier knows its own blocks' parents; a caller holding copies elsewhere (the tiered cache's
+host copies) names their parents with `add_dependents`. There is no compaction, so a
+segment whose blocks were partly discarded keeps its bytes until all its blocks are
+discarded or it is evicted. `discard` is not persisted: after a reopen, blocks of
 segments still on disk are served again (a key always names the same content).
 
 Ownership: a tier holds its directory's lock (`kvjax.tiers.disk_lock`) from opening until
@@ -57,6 +62,7 @@ import numpy as np
 from kvjax.cache.block_events import EventLog
 from kvjax.tiers import disk_segments as seg
 from kvjax.tiers.disk_lock import DirectoryInUseError, DirectoryLock
+from kvjax.tiers.disk_victims import VictimOrder
 from kvjax.tiers.write_backoff import WriteBackoff
 
 __all__ = ["DirectoryInUseError", "DiskRead", "DiskTier", "DiskTierStats"]
@@ -117,7 +123,7 @@ class _Segment:
 
 
 class DiskTier:
-    """Blocks on disk in checksummed orbax segments, with whole-segment LRU eviction.
+    """Blocks on disk in checksummed orbax segments, evicted whole: leaves first, then LRU.
 
     Holds its directory until `close` (see the module docstring); use it as a context manager
     or close it.
@@ -171,7 +177,9 @@ class DiskTier:
         self._checkpointer = None if directory is None else seg.make_checkpointer(use_ocdbt, sync_data)
         self._lock = threading.RLock()  # index state
         self._write_lock = threading.Lock()  # one segment write at a time
-        self._segments: collections.OrderedDict[str, _Segment] = collections.OrderedDict()
+        self._segments: dict[str, _Segment] = {}
+        self._order = VictimOrder()  # which segment eviction takes next
+        self._dependents: collections.Counter[tuple[bytes, bytes]] = collections.Counter()  # add_dependents
         self._bytes_used = 0  # of the segments in the index, kept with them (summing them per write was O(segments))
         self._dropped: list[tuple[bytes, bytes]] | None = []  # (namespace, key) dropped since take_dropped
         self._blocks: dict[tuple[bytes, bytes], tuple[str, int]] = {}
@@ -250,7 +258,8 @@ class DiskTier:
         when it returns (a put larger than the tier evicts its own first segments for its last).
 
         namespaces: one namespace digest for all blocks, or one per block; parents: each
-        block's parent key, kept in the manifest (None: unknown). Blocks already on disk are
+        block's parent key, kept in the manifest (None: unknown): eviction takes a parent only
+        after the blocks that depend on it (see Capacity). Blocks already on disk are
         skipped; blocks whose segment does not fit or fails to write are dropped, and so are
         all blocks while writes back off after a failure or when the tier is read-only.
         ValueError once the tier is closed.
@@ -304,7 +313,7 @@ class DiskTier:
                     by_segment.setdefault(ref[0], []).append((i, ref[1]))
             for name in by_segment:
                 self._segments[name].pins += 1  # no eviction while its files are read
-                self._segments.move_to_end(name)
+                self._order.touch(name)
         out = np.zeros((len(keys), self.block_nbytes), np.uint8)
         try:
             for name, wanted in by_segment.items():
@@ -381,6 +390,35 @@ class DiskTier:
                 if not names:
                     del self._locks[(namespace, key)]
 
+    def add_dependents(self, parents: Sequence[bytes], namespace: bytes) -> None:
+        """Counts one copy held elsewhere (a host tier) of a block after each of ``parents``
+        (repeats count again): until ``remove_dependents``, eviction takes a block named here
+        only after blocks nothing depends on (see the module docstring). A key need not be
+        held here, now or ever. Never persisted."""
+        with self._lock:
+            for parent in parents:
+                self._dependents[(namespace, parent)] += 1
+                self._order.hold((namespace, parent))
+
+    def remove_dependents(self, parents: Sequence[bytes], namespace: bytes) -> None:
+        """Undoes ``add_dependents`` (ValueError, nothing changed, for a parent not counted)."""
+        with self._lock:
+            counts = collections.Counter((namespace, parent) for parent in parents)
+            for block, count in counts.items():
+                if self._dependents[block] < count:
+                    raise ValueError(f"key={block[1].hex()} has {self._dependents[block]} dependents, "
+                                     f"not {count} to remove")  # fmt: skip
+            for block, count in counts.items():
+                self._dependents[block] -= count
+                if not self._dependents[block]:
+                    del self._dependents[block]
+                self._order.release(block, count)
+
+    def dependents(self) -> dict[tuple[bytes, bytes], int]:
+        """What ``add_dependents`` counts now, per (namespace, parent key)."""
+        with self._lock:
+            return dict(self._dependents)
+
     def check_invariants(self) -> None:
         """Raises RuntimeError when the index is inconsistent."""
         with self._lock:
@@ -397,11 +435,27 @@ class DiskTier:
             for name, segment in self._segments.items():
                 if segment.pins < 0 or (not segment.live_rows and not segment.pins):
                     raise RuntimeError(f"segment {name} {segment.pins=} with no live blocks")
+            self._order.check({block: name for block, (name, _) in self._blocks.items()})
 
     # ---- helpers -------------------------------------------------------------------------
 
     def _write(self, payload: np.ndarray, namespaces: list[bytes], keys: list[bytes],
                parents: list[bytes | None]) -> bool:  # fmt: skip
+        """Writes one segment; its blocks' parents count their dependents meanwhile, so the
+        room it makes never evicts them (the blocks count as their children once indexed)."""
+        held = [(ns, parent) for ns, parent in zip(namespaces, parents) if parent is not None]
+        with self._lock:
+            for block in held:
+                self._order.hold(block)
+        try:
+            return self._write_segment(payload, namespaces, keys, parents)
+        finally:
+            with self._lock:
+                for block in held:
+                    self._order.release(block)
+
+    def _write_segment(self, payload: np.ndarray, namespaces: list[bytes], keys: list[bytes],
+                       parents: list[bytes | None]) -> bool:  # fmt: skip
         estimate = payload.nbytes
         with self._lock:
             if not self._evict_until_free(estimate):
@@ -537,10 +591,12 @@ class DiskTier:
         live = set()
         parents = manifest.parents or (None,) * len(manifest.keys)
         self._segments[manifest.name] = _Segment(manifest, live)
+        self._order.add_segment(manifest.name)
         self._bytes_used += manifest.bytes_on_disk
         for row, (ns, key, parent) in enumerate(zip(manifest.namespaces, manifest.keys, parents)):
             old = self._blocks.get((ns, key))
             if old is not None:  # a newer copy replaces the older one: still held, no event
+                self._order.remove_block((ns, key))
                 self._segments[old[0]].live_rows.discard(old[1])
                 self._blocks[(ns, key)] = (manifest.name, row)
                 self._drop_if_unused(old[0])
@@ -548,11 +604,14 @@ class DiskTier:
                 self._blocks[(ns, key)] = (manifest.name, row)
                 self._per_namespace[ns] += 1
                 self.events.record(ns, key, parent, "disk", "stored")
+            self._order.add_block((ns, key), manifest.name, None if parent is None else (ns, parent))
             live.add(row)
 
     def _unindex(self, namespace: bytes, key: bytes) -> tuple[str, int] | None:
         """Forget a block (the caller fixes its segment's live rows); None if it was not held."""
         ref = self._blocks.pop((namespace, key), None)
+        if ref is not None:
+            self._order.remove_block((namespace, key))
         if ref is not None and self._dropped is not None:
             self._dropped.append((namespace, key))
             if len(self._dropped) > _MAX_DROPPED:
@@ -565,21 +624,17 @@ class DiskTier:
         return ref
 
     def _evict_until_free(self, nbytes: int) -> bool:
-        """Evicts unpinned segments, least recently used first, until `nbytes` more fit."""
-        used = self._bytes_used
-        if used + nbytes <= self.capacity_bytes:  # the common case: no copy of the segment list
-            return True
-        for name in list(self._segments):
-            if used + nbytes <= self.capacity_bytes:
+        """Evicts unpinned segments until `nbytes` more fit: those nothing outside them depends
+        on first, least recently used first among equals (`VictimOrder`)."""
+        while self._bytes_used + nbytes > self.capacity_bytes:
+            name = self._order.victim(lambda name: not self._segments[name].pins)
+            if name is None:
                 break
             segment = self._segments[name]
-            if segment.pins:
-                continue
-            used -= segment.manifest.bytes_on_disk
             self._stats.evicted_segments += 1
             self._stats.evicted_blocks += len(segment.live_rows)
             self._drop_segment(name)
-        return used + nbytes <= self.capacity_bytes
+        return self._bytes_used + nbytes <= self.capacity_bytes
 
     def _unpin(self, name: str) -> None:
         self._segments[name].pins -= 1
@@ -601,6 +656,7 @@ class DiskTier:
         self._bytes_used -= segment.manifest.bytes_on_disk
         for row in segment.live_rows:
             self._unindex(segment.manifest.namespaces[row], segment.manifest.keys[row])
+        self._order.remove_segment(name)
         if self.directory is not None and not self.read_only and self._owns_directory():
             self._stats.remove_errors += not seg.remove_segment(self.directory, name)
 
