@@ -334,6 +334,66 @@ def test_a_full_disk_evicts_a_page_nothing_depends_on_not_the_prefix_of_the_page
         cache.check_invariants()
 
 
+def test_a_full_disk_keeps_the_last_copy_of_a_prefix_whose_next_page_is_on_host(tmp_path):
+    """a and e are on disk only, a's segment the least recently used; b (after a) has a host
+    copy, f (another prompt) too, older. Host room for i sends f to disk (back-pressure), into
+    a full disk. It evicted a's segment, as if a were a leaf: a left the trie and took b, which
+    had just been given its host copy, along: two pages lost for the one block evicted. The
+    disk counts b's host copy as a dependent of a (``DiskTier.add_dependents``), and evicts e."""
+    clock = Clock()
+    with _cache_over_a_two_block_disk(tmp_path, clock) as cache:
+        disk = cache.disk_tier
+        _serve_and_evict(cache, clock, prompt(5), spill=True)  # a: host and disk
+        _serve_and_evict(cache, clock, prompt(5, start=100), spill=True)  # e: host and disk; the disk is full
+        assert cache.evict_host(8) == 2  # a and e: disk only
+        _serve_and_evict(cache, clock, prompt(5, start=200))  # f: host
+        _serve_and_evict(cache, clock, prompt(9))  # a read from disk (keeps a host copy); b: host
+        _serve_and_evict(cache, clock, prompt(5, start=100))  # e read from disk, after a
+        assert cache.evict_host(2) == 2  # the copies of a and e (on disk too)
+        assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.HOST]
+        assert cache.match(prompt(5, start=100)).tiers.tolist() == [Tier.DISK]
+        dropped, evicted = cache.trie.dropped_pages, disk.stats().evicted_blocks
+        _serve_and_evict(cache, clock, prompt(13, start=300))  # i: its host room sends f, the oldest, to disk
+        assert disk.stats().evicted_blocks - evicted == 1
+        assert cache.trie.dropped_pages - dropped == 1  # e, the block evicted (before the fix: a and b)
+        assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.HOST]
+        assert cache.match(prompt(5, start=200)).tiers.tolist() == [Tier.DISK]
+        assert cache.match(prompt(5, start=100)).num_hit_blocks == 0
+        cache.check_invariants()
+
+
+def test_a_full_disk_keeps_the_prefix_of_the_pages_write_back_is_copying(tmp_path):
+    """a-b leaves the device: a stays on disk only, b gets a host copy from write-back. The host
+    is full of f-g-h-j, so its room sends j to disk (back-pressure), into a full disk whose
+    least recently used segment is a's. b's copy is not made yet (its HOST bit is write-back's
+    promise), so only the promise can tell the disk that b depends on a: without it the disk
+    evicted a, and a and b left the trie. It evicts e (on device too: nothing is lost)."""
+    clock = Clock()
+    with _cache_over_a_two_block_disk(tmp_path, clock) as cache:
+        disk = cache.disk_tier
+        _serve_and_evict(cache, clock, prompt(5), spill=True)  # a: host and disk
+        _serve_and_evict(cache, clock, prompt(5, start=100), spill=True)  # e: host and disk; the disk is full
+        assert cache.evict_host(8) == 2
+        _serve(cache, clock, prompt(9))  # a read from disk; b computed
+        _serve(cache, clock, prompt(5, start=100))  # e read from disk, after a
+        assert cache.evict_host(2) == 2  # the copies those reads left on host
+        cache.pin(prompt(9))
+        cache.pin(prompt(5, start=100))
+        _serve_and_evict(cache, clock, prompt(17, start=200))  # f-g-h-j: host, which is full
+        cache.unpin(prompt(9))
+        cache.unpin(prompt(5, start=100))
+        assert cache.match(prompt(9)).tiers.tolist() == [Tier.DEVICE | Tier.DISK, Tier.DEVICE]
+        dropped, evicted = cache.trie.dropped_pages, disk.stats().evicted_blocks
+        clock.now += 1.0
+        assert len(cache.evict(2)) == 2  # a-b, the least recently used
+        _settle(cache)
+        assert disk.stats().evicted_blocks - evicted == 1
+        assert cache.trie.dropped_pages == dropped  # before the fix: a and b
+        assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.HOST]
+        assert cache.match(prompt(5, start=100)).tiers.tolist() == [Tier.DEVICE]
+        cache.check_invariants()
+
+
 # --- fetch or recompute ----------------------------------------------------------------------
 
 

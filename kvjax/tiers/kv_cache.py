@@ -614,13 +614,16 @@ class KVCache:
     def close(self) -> None:
         """Stop the transfer workers (queued transfers fail; the disk keeps what it wrote) and
         close the disk tier this cache opened (a given one stays open). The device and host
-        tiers go with the cache: a "cleared" event each."""
+        tiers go with the cache: a "cleared" event each (and the disk no longer counts host
+        copies as dependents of its blocks)."""
         if self.transfer is not None:
             self.transfer.close()
+        closing, self._closed = not self._closed, True
+        if closing:
+            self.tiers.release_dependents()
         if self._owns_disk_tier:
             self.disk_tier.close()
-        if not self._closed:
-            self._closed = True
+        if closing:
             for tier in ("device", "host") if self.config.tiered else ("device",):
                 self.events.record(None, None, None, tier, "cleared")
             self.events.flush()

@@ -174,7 +174,11 @@ class TierMover:
         index, trie = self.index, self.trie
         short = len(kept) - (index.host_capacity - index.host_used)
         sources = self._slots_to_hand_over(fetching)[:short] if short > 0 and fetching else []
-        fit = self.make_host_room(len(kept) - len(sources), exclude=exclude)
+        promised = index.promised_dependents([key for key, _ in kept])  # a disk making room keeps their prefix
+        try:
+            fit = self.make_host_room(len(kept) - len(sources), exclude=exclude)
+        finally:
+            index.release_promised(promised)
         if fit + len(sources) < len(kept):  # less room than the eviction counted on: see _nearest_first
             kept = self._nearest_first(kept)
         by_namespace: dict[bytes, tuple[list[bytes], list[int], list]] = {}

@@ -24,7 +24,12 @@ Rules it keeps:
 * a page that leaves the trie (``forget_dropped``, fed the trie's ``DroppedNode`` records)
   drops its host copy (at the end of the transfer using it, if one does) and keeps its disk
   copy unindexed: a later lookup finds it again by key (``probe_disk``), as it finds what a
-  previous process left in the directory.
+  previous process left in the directory;
+* the disk tier counts every live host copy as a dependent of the page before it
+  (``DiskTier.add_dependents``): a page is found only through its prefix, so a disk making
+  room must not drop the last copy of a prefix whose next pages are on host, while blocks
+  nothing depends on are there to go instead (a back-pressure spill used to evict the least
+  recently used segment, often such a prefix, taking the host copies below it along).
 
 Every host block that becomes live or stops being live is a block event (``events``).
 """
@@ -53,7 +58,7 @@ _HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
 class HostEntry:
     """One host block the index knows about (see the module docstring)."""
 
-    __slots__ = ("namespace", "slot", "ready", "busy", "dropped", "handed", "source", "failed")
+    __slots__ = ("namespace", "slot", "ready", "busy", "dropped", "handed", "source", "failed", "parent")
 
     def __init__(self, namespace: bytes, slot: int, ready: bool):
         self.namespace = namespace  # namespace digest
@@ -64,6 +69,7 @@ class HostEntry:
         self.handed = False  # its slot was handed to another entry (see ``hand_over``)
         self.source: bytes | None = None  # the handed entry whose slot this one took
         self.failed = False  # its copy failed while transfers held it: it goes with the last release
+        self.parent: bytes | None = None  # key of the page before it, a disk dependent while it is live
 
 
 class TierIndex:
@@ -261,7 +267,7 @@ class TierIndex:
         self.undisked.pop(key, None)
         if entry.dropped:
             return
-        self._host_event(key, entry.namespace, "removed")
+        self._host_removed(key, entry)
         located = self.trie.locate(key)
         if located is not None:
             before = self.trie.dropped_pages  # the page and the pages after it may leave the trie
@@ -300,7 +306,7 @@ class TierIndex:
                 continue
             del self.host_entries[key]
             self.num_handed -= 1
-            self._host_event(key, entry.namespace, "removed")
+            self._host_removed(key, entry)
             located = self.trie.locate(key)
             if located is not None:
                 before = self.trie.dropped_pages
@@ -330,8 +336,11 @@ class TierIndex:
         self.trie.set_tier(node, index, Tier.HOST)
         if not int(node.tiers[index]) & _DISK:
             self.undisked[key] = None
+        entry.parent = self.trie.parent_key(node, index)
+        if entry.parent is not None and self.disk is not None:
+            self.disk.add_dependents([entry.parent], namespace)
         if self.events.active:
-            self.events.record(namespace, key, self.trie.parent_key(node, index), "host", "stored")
+            self.events.record(namespace, key, entry.parent, "host", "stored")
 
     def host_done(self, key: bytes, ok: bool) -> None:
         """A pending copy of ``key`` finished: ready if it succeeded (``ok``), else forgotten."""
@@ -350,7 +359,7 @@ class TierIndex:
         self.undisked.pop(key, None)
         if was_dropped:
             return
-        self._host_event(key, entry.namespace, "removed")
+        self._host_removed(key, entry)
         located = self.trie.locate(key)
         if located is not None:
             self.forget_dropped(self.trie.clear_tier(*located, Tier.HOST))
@@ -480,6 +489,11 @@ class TierIndex:
                                "a disk copy")  # fmt: skip
         if disk_pages != self.disk_entries:
             raise RuntimeError(f"{len(disk_pages ^ self.disk_entries)} disk entries and DISK bits disagree")
+        if self.disk is not None:
+            dependents = collections.Counter((self.host_entries[key].namespace, self.host_entries[key].parent)
+                                             for key in live if self.host_entries[key].parent is not None)  # fmt: skip
+            if dependents != collections.Counter(self.disk.dependents()):
+                raise RuntimeError("the disk counts other host copies as dependents than the live ones")
         if self.host_used > self.host_capacity:
             raise RuntimeError(f"host holds {self.host_used} blocks; capacity {self.host_capacity}")
         for key, entry in self.host_entries.items():
@@ -535,7 +549,7 @@ class TierIndex:
         if entry is None or entry.dropped:
             return
         self.undisked.pop(key, None)
-        self._host_event(key, entry.namespace, "removed")
+        self._host_removed(key, entry)
         if entry.busy or not entry.ready:
             entry.dropped = True
         else:
@@ -557,6 +571,38 @@ class TierIndex:
         else:
             self._free_slots.append(entry.slot)
 
-    def _host_event(self, key: bytes, namespace: bytes, kind: str) -> None:
+    def _host_removed(self, key: bytes, entry: HostEntry) -> None:
+        """``key``'s host copy stops being live: an event, and the disk loses a dependent."""
+        if entry.parent is not None and self.disk is not None:
+            self.disk.remove_dependents([entry.parent], entry.namespace)
+        entry.parent = None
         if self.events.active:
-            self.events.record(namespace, key, None, "host", kind)
+            self.events.record(entry.namespace, key, None, "host", "removed")
+
+    def promised_dependents(self, keys: Iterable[bytes]) -> list[tuple[bytes, bytes]]:
+        """Count the pages of ``keys`` (in the trie: HOST bits whose copies are yet to be made,
+        as write-back promises them) as disk dependents of the pages before them, until
+        ``release_promised`` of what this returns: making room for their copies must not
+        drop the last copy of their prefix either."""
+        promised = []
+        if self.disk is not None:
+            for key in keys:
+                located = self.trie.locate(key)
+                parent = None if located is None else self.trie.parent_key(*located)
+                if parent is not None:
+                    promised.append((self.trie.namespace_of(located[0]).digest(), parent))
+            for namespace, parent in promised:
+                self.disk.add_dependents([parent], namespace)
+        return promised
+
+    def release_promised(self, promised: list[tuple[bytes, bytes]]) -> None:
+        for namespace, parent in promised:
+            self.disk.remove_dependents([parent], namespace)
+
+    def release_dependents(self) -> None:
+        """The host tier goes (its cache closes): the disk, which may outlive it, no longer
+        counts its copies as dependents."""
+        for entry in self.host_entries.values():
+            if entry.parent is not None and not entry.dropped and self.disk is not None:
+                self.disk.remove_dependents([entry.parent], entry.namespace)
+            entry.parent = None
