@@ -9,7 +9,9 @@ written for its prefix and tenant, and every hit a sequence is handed must too. 
 run only when a rule completes them (``ManualTransfer``), so fetches, copies and spills
 stay in flight across evictions, releases and other admissions. An eviction with write-back
 must give the host room it has to the evicted pages without a copy: none may leave the trie
-for want of one while the host had room for it that no kept page took.
+for want of one while the host had room for it that no kept page took; and the disk making
+room for its back-pressure spills must not drop a page that stays indexed above pages with
+copies: none of those may leave the trie with it.
 
 Variants (``Variant``): a float pool (blocks stored as they are), quantized pools (the model
 writes quantized pages; every tier must hold them bit-exact, data and scales) and a float
@@ -333,22 +335,29 @@ class KVCacheMachine(RuleBasedStateMachine):
         device). Counting those as room kept more pages than fit, and cut the last kept ones,
         the nearest the root, each taking the pages after it along.
 
-        Pages below an evicted page that had a copy and lost it meanwhile are not counted: a
-        disk making room for the spill that saves a host victim may drop that copy (the disk's
-        choice, not write-back's)."""
+        And no evicted page that had a copy left the trie because a page before it that had a
+        copy lost it: the disk making room for the spill that saves a host victim used to
+        evict the last copy of a prefix (its least recently used block) while the pages after
+        it held copies, or were being given them; it takes blocks nothing depends on first
+        now. (Pages after one that had no copy and no room for one go with it: that is the
+        room check's.)"""
         trie = self.cache.trie
         on_device = {key for node in trie.nodes() if node.parent is not None and node.on_device
                      for key in trie.page_keys(node)}  # fmt: skip
         evicted = device.keys() - on_device
         had_copy = {key for key in evicted if device[key][0]}
-        lost_copy = {key for key in had_copy if trie.locate(key) is None}
+        gone = {key for key in evicted if trie.locate(key) is None}
 
-        def below_a_lost_copy(key):
-            while key is not None and key not in lost_copy:
-                key = device.get(key, (None, None))[1]
-            return key is not None
+        def first_gone(key):
+            """The page nearest the root whose leaving took ``key`` along (``key`` itself
+            when the page before it stayed)."""
+            while device[key][1] in gone:
+                key = device[key][1]
+            return key
 
-        needing = {key for key in evicted - had_copy if not below_a_lost_copy(key)}
+        orphaned = [key for key in gone & had_copy if first_gone(key) in had_copy - {key}]
+        assert not orphaned, f"{len(orphaned)} evicted pages with copies left the trie with a page before them"
+        needing = evicted - had_copy
         room = free + sum(1 for key, ok in evictable.items() if ok and key not in had_copy)
         kept = [key for key in needing if trie.locate(key) is not None]
         lost = f"write-back kept {len(kept)} of {len(needing)} evicted pages without a copy; host room: {room}"
@@ -520,4 +529,23 @@ def test_write_back_gives_the_room_it_has_to_an_evicted_chain_nearest_the_root_f
         ("serve", dict(accept_lossy=None, evict=0, namespace=A, tokens=[0, 1, 2, 0, 1, 2, 0, 1, 2])),
         ("serve", dict(accept_lossy=None, evict=0, namespace=A, tokens=[0, 1, 2, 0, 1, 2, 1, 1, 0])),
         ("evict", dict(num_blocks=8)),
+    ], write_policy="write_back", cost=0, host_blocks=4, variant=0)  # fmt: skip
+
+
+def test_a_disk_making_room_keeps_the_prefix_of_pages_with_copies():
+    """Found by the machine above (seed 5, 600 examples, without the old exemption): 1-2-3-4
+    on disk, 1 and 4 on host too, and 5-6 after them given host copies by write-back; host
+    room for another eviction sends two other pages to a full disk (back-pressure), which
+    evicted its least recently used block, 2's: 2 left the trie and took 3, 4, 5 and 6
+    along, all with copies. Every block there has a page after it that depends on it (the
+    two being written are not victims): the disk now takes the deepest, 4's, and 4 stays,
+    on host."""
+    _replay(KVCacheMachine(), [
+        ("serve", dict(accept_lossy=None, evict=0, namespace=A, tokens=[0, 1, 2, 0, 1, 2, 0, 1, 0, 0])),
+        ("serve", dict(accept_lossy=None, evict=5, namespace=A, tokens=[0])),
+        ("serve", dict(accept_lossy=None, evict=0, namespace=A, tokens=[0, 1, 1, 2])),
+        ("spill_everything", dict()),
+        ("serve_longer", dict(i=1, more=[0])),
+        ("serve_longer", dict(i=0, more=[0, 0])),
+        ("serve_refusing_after_a_fetch", dict(i=0)),
     ], write_policy="write_back", cost=0, host_blocks=4, variant=0)  # fmt: skip
