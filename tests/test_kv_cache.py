@@ -318,20 +318,28 @@ def test_a_full_disk_evicts_a_page_nothing_depends_on_not_the_prefix_of_the_page
     prefix: the disk now evicts e (b's parent counts b as a dependent while it is written)."""
     clock = Clock()
     with _cache_over_a_two_block_disk(tmp_path, clock) as cache:
-        disk = cache.disk_tier
         _serve_and_evict(cache, clock, prompt(5), spill=True)  # a: host and disk
         _serve_and_evict(cache, clock, prompt(5, start=100), spill=True)  # e: host and disk; the disk is full
         _serve_and_evict(cache, clock, prompt(9))  # a from host (its disk segment unread); b: host
         _serve_and_evict(cache, clock, prompt(13, start=200))  # f-g-h: host, in the slots of a's and e's copies
-        assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.HOST]
-        assert cache.match(prompt(5, start=100)).tiers.tolist() == [Tier.DISK]
-        dropped, evicted = cache.trie.dropped_pages, disk.stats().evicted_blocks
-        _serve_and_evict(cache, clock, prompt(5, start=300))  # i: its host room sends b, the oldest, to disk
-        assert disk.stats().evicted_blocks - evicted == 1
-        assert cache.trie.dropped_pages - dropped == 1  # e, the block evicted (before the fix: a and b)
+        # i: its host room sends b, the oldest, to disk
+        _only_e_leaves_when_serving(cache, clock, prompt(5, start=300))
         assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.DISK]
-        assert cache.match(prompt(5, start=100)).num_hit_blocks == 0
-        cache.check_invariants()
+
+
+def _only_e_leaves_when_serving(cache, clock, tokens):
+    """With a-b on disk and host (a on disk only) and e on disk only, serving ``tokens`` makes
+    host room that spills one page into the full disk: the disk evicts e's block, and only e
+    leaves the trie (before the fix: a, and b with it)."""
+    disk = cache.disk_tier
+    assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.HOST]
+    assert cache.match(prompt(5, start=100)).tiers.tolist() == [Tier.DISK]
+    dropped, evicted = cache.trie.dropped_pages, disk.stats().evicted_blocks
+    _serve_and_evict(cache, clock, tokens)
+    assert disk.stats().evicted_blocks - evicted == 1
+    assert cache.trie.dropped_pages - dropped == 1
+    assert cache.match(prompt(5, start=100)).num_hit_blocks == 0
+    cache.check_invariants()
 
 
 def test_a_full_disk_keeps_the_last_copy_of_a_prefix_whose_next_page_is_on_host(tmp_path):
@@ -342,7 +350,6 @@ def test_a_full_disk_keeps_the_last_copy_of_a_prefix_whose_next_page_is_on_host(
     disk counts b's host copy as a dependent of a (``DiskTier.add_dependents``), and evicts e."""
     clock = Clock()
     with _cache_over_a_two_block_disk(tmp_path, clock) as cache:
-        disk = cache.disk_tier
         _serve_and_evict(cache, clock, prompt(5), spill=True)  # a: host and disk
         _serve_and_evict(cache, clock, prompt(5, start=100), spill=True)  # e: host and disk; the disk is full
         assert cache.evict_host(8) == 2  # a and e: disk only
@@ -350,16 +357,10 @@ def test_a_full_disk_keeps_the_last_copy_of_a_prefix_whose_next_page_is_on_host(
         _serve_and_evict(cache, clock, prompt(9))  # a read from disk (keeps a host copy); b: host
         _serve_and_evict(cache, clock, prompt(5, start=100))  # e read from disk, after a
         assert cache.evict_host(2) == 2  # the copies of a and e (on disk too)
-        assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.HOST]
-        assert cache.match(prompt(5, start=100)).tiers.tolist() == [Tier.DISK]
-        dropped, evicted = cache.trie.dropped_pages, disk.stats().evicted_blocks
-        _serve_and_evict(cache, clock, prompt(13, start=300))  # i: its host room sends f, the oldest, to disk
-        assert disk.stats().evicted_blocks - evicted == 1
-        assert cache.trie.dropped_pages - dropped == 1  # e, the block evicted (before the fix: a and b)
+        # i: its host room sends f, the oldest, to disk
+        _only_e_leaves_when_serving(cache, clock, prompt(13, start=300))
         assert cache.match(prompt(9)).tiers.tolist() == [Tier.DISK, Tier.HOST]
         assert cache.match(prompt(5, start=200)).tiers.tolist() == [Tier.DISK]
-        assert cache.match(prompt(5, start=100)).num_hit_blocks == 0
-        cache.check_invariants()
 
 
 def test_a_full_disk_keeps_the_prefix_of_the_pages_write_back_is_copying(tmp_path):
