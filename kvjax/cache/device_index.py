@@ -358,11 +358,8 @@ class DeviceIndex:
         of everything after it: a page is found only through its prefix, so a copy of a
         page whose parent left would be wasted). Returns the kept pages and offloaded keys
         still indexed."""
-        trie, order = self.trie, []
-        for row, (key, _) in enumerate(kept):
-            node, index = trie.locate(key)
-            order.append((node.first_page + index, row))
-        order.sort(reverse=True)
+        trie = self.trie
+        order = sorted(((trie.page_depth(key), row) for row, (key, _) in enumerate(kept)), reverse=True)
         alive = {key for key, _ in kept}
         for _, row in order:
             if len(alive) <= budget:

@@ -400,6 +400,11 @@ class PrefixTrie:
             return None
         return node, node.keys.index(key)
 
+    def page_depth(self, key: bytes) -> int | None:
+        """Index in its sequence of the page ``locate(key)`` finds (None: not indexed)."""
+        located = self.locate(key)
+        return None if located is None else located[0].first_page + located[1]
+
     # --- stable keys and traversal ---------------------------------------------------------
 
     def page_keys(self, node: Node) -> list[bytes]:

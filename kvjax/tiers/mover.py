@@ -211,13 +211,9 @@ class TierMover:
         are the deepest: a page is found only through its prefix, so losing a page loses every
         page after it too, copied or not (in eviction order, leaves come first and the room
         would go to them)."""
-        trie = self.trie
-
-        def depth(item: tuple[bytes, int]) -> tuple[bool, int]:
-            located = trie.locate(item[0])  # None: it left the trie (skipped): last, taking no row
-            return (True, 0) if located is None else (False, located[0].first_page + located[1])
-
-        return sorted(kept, key=depth)
+        depths = [self.trie.page_depth(key) for key, _ in kept]  # None: it left the trie (skipped): last
+        order = sorted(range(len(kept)), key=lambda row: (depths[row] is None, depths[row] or 0))
+        return [kept[row] for row in order]
 
     def _slots_to_hand_over(self, fetching: list[bytes]) -> list[tuple[bytes, object]]:
         """(key, its fetch's ``read``) of each page of ``fetching`` whose host copy only that
