@@ -511,7 +511,8 @@ def test_a_router_started_before_redis_is_not_ready_naming_it_until_it_answers(t
 def test_the_directory_names_its_redis_without_the_password():
     assert Directory.connect("redis://:secret@10.0.0.5:6380/2").address == "redis://10.0.0.5:6380/2"
     assert Directory.connect("rediss://user:secret@cache.example:6390/0").address == "rediss://cache.example:6390/0"
-    assert Directory.connect("unix:///run/redis.sock?db=1").address == "unix:///run/redis.sock"
+    assert Directory.connect("unix:///run/redis.sock?db=1").address == "unix:///run/redis.sock?db=1"
+    assert Directory.connect("unix:///run/redis.sock").address == "unix:///run/redis.sock"
 
 
 def test_an_unknown_strategy_is_refused_at_start(capsys):

@@ -211,11 +211,12 @@ class Directory:
     @property
     def address(self) -> str:
         """The Redis this directory is on, for messages: ``redis://host:port/db`` (or
-        ``rediss://``, ``unix://path``), never the password."""
+        ``rediss://``, ``unix://path[?db=N]``), never the password."""
         pool = self.client.connection_pool
         kwargs = pool.connection_kwargs
         if "path" in kwargs:
-            return f"unix://{kwargs['path']}"
+            db = kwargs.get("db", 0)
+            return f"unix://{kwargs['path']}" + (f"?db={db}" if db else "")
         scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
         return f"{scheme}://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
 
