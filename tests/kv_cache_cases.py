@@ -169,6 +169,7 @@ class MemoryDisk:
         self._stats = MemoryDiskStats()
         self._order = VictimOrder()  # a block is a segment here
         self._dependents: collections.Counter = collections.Counter()
+        self.refused_blocks = 0  # blocks a put did not store: no room, every other block locked
         self.events = EventLog()
         self.index_lock = threading.RLock()
 
@@ -204,6 +205,7 @@ class MemoryDisk:
                 continue
             # a put is one segment: the room it makes never evicts its own blocks
             if len(self._blocks) >= self.capacity_blocks and not self._evict_one(keep=written):
+                self.refused_blocks += sum((n, k) not in self._blocks for k, n in zip(keys, namespaces))
                 break
             self._blocks[(ns, key)] = np.array(block)
             self._order.add_segment((ns, key))

@@ -342,6 +342,34 @@ def _only_e_leaves_when_serving(cache, clock, tokens):
     cache.check_invariants()
 
 
+def test_room_for_a_spill_never_takes_the_disk_copy_of_a_host_page_that_room_evicts():
+    """r is on host and disk (its disk block the oldest), z on disk only, x on host only; the
+    host is full. Write-back copies of y1-y2 need both host slots: r's copy goes (it is on
+    disk) and x's too, written to disk first (back-pressure). The disk, full, made room by
+    evicting its oldest block, r's: r was then on host only, and the room evicted that copy
+    too, never written anywhere: r was lost (``lost_host_blocks``), though the disk had z to
+    give up. A host copy the room evicts keeps its disk copy while the spill makes room."""
+    clock = Clock()
+    disk = MemoryDisk(POOL.block_shape, POOL.dtype, 2)
+    with make(host_blocks=2, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
+              transfer_factory=ManualTransfer, high_watermark=1.0, low_watermark=1.0) as cache:  # fmt: skip
+        r, z, x, y = prompt(5), prompt(5, start=100), prompt(5, start=200), prompt(9, start=300)
+        _serve_and_evict(cache, clock, r, spill=True)  # r: host and disk
+        _serve_and_evict(cache, clock, z, spill=True)  # z: host and disk; the disk is full
+        _serve(cache, clock, r)  # r fetched from host (its disk block unread): used after z
+        assert cache.evict_host(1) == 1  # z's copy, the older
+        clock.now += 1.0
+        cache.evict(8)  # r: host and disk
+        _serve_and_evict(cache, clock, x)  # x: host only; the host is full
+        assert [cache.match(t).tiers.tolist() for t in (r, z, x)] == [[Tier.HOST | Tier.DISK], [Tier.DISK],
+                                                                      [Tier.HOST]]  # fmt: skip
+        _serve_and_evict(cache, clock, y)  # y1-y2 take both host slots
+        assert cache.stats.lost_host_blocks == 0
+        assert [cache.match(t).tiers.tolist() for t in (r, z, x, y)] == [[Tier.DISK], [], [Tier.DISK],
+                                                                         [Tier.HOST] * 2]  # fmt: skip
+        cache.check_invariants()
+
+
 def test_a_full_disk_keeps_the_last_copy_of_a_prefix_whose_next_page_is_on_host(tmp_path):
     """a and e are on disk only, a's segment the least recently used; b (after a) has a host
     copy, f (another prompt) too, older. Host room for i sends f to disk (back-pressure), into

@@ -11,7 +11,8 @@ stay in flight across evictions, releases and other admissions. An eviction with
 must give the host room it has to the evicted pages without a copy: none may leave the trie
 for want of one while the host had room for it that no kept page took; and the disk making
 room for its back-pressure spills must not drop a page that stays indexed above pages with
-copies: none of those may leave the trie with it.
+copies: none of those may leave the trie with it. Host room made with a disk to spill to
+loses no page (``lost_host_blocks``) unless the disk refused a block meanwhile.
 
 Variants (``Variant``): a float pool (blocks stored as they are), quantized pools (the model
 writes quantized pages; every tier must hold them bit-exact, data and scales) and a float
@@ -133,6 +134,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                                offload_scale=self.variant.offload_scale)  # fmt: skip
         self.cache = KVCache(config, clock=self.clock, disk_tier=self.disk, transfer_factory=ManualTransfer)
         self.transfer = self.cache.transfer
+        self._watch_host_room()
         self.events = self.cache.subscribe()
         self.shadow = self.events.initial  # rebuilt from block events alone
         self._next_seq = self.cache.events.next_seq
@@ -362,6 +364,25 @@ class KVCacheMachine(RuleBasedStateMachine):
         kept = [key for key in needing if trie.locate(key) is not None]
         lost = f"write-back kept {len(kept)} of {len(needing)} evicted pages without a copy; host room: {room}"
         assert len(kept) >= min(len(needing), room), lost
+
+    def _watch_host_room(self):
+        """Every time the tiers make host room with a disk to spill to, check that no page
+        leaves the trie with its host copy (``lost_host_blocks``) unless the disk refused a
+        block meanwhile: a host page the policy evicts reaches disk first, and a disk making
+        room for it evicts none of the other victims' disk copies (their host copies go
+        next, and their pages with them)."""
+        mover, tiers, disk = self.cache._mover, self.cache.tiers, self.disk
+        make_host_room = mover.make_host_room
+
+        def checked(num_blocks, exclude=()):
+            lost, refused = tiers.lost_blocks, disk.refused_blocks
+            fit = make_host_room(num_blocks, exclude)
+            if tiers.lost_blocks > lost:
+                assert disk.refused_blocks > refused, (f"{tiers.lost_blocks - lost} pages left the trie with "
+                                                       "their host copies while the disk refused none")  # fmt: skip
+            return fit
+
+        mover.make_host_room = checked
 
     def _check_block_events(self):
         """A shadow index built only from the block events equals what the tiers hold; the

@@ -270,13 +270,41 @@ class TierMover:
         """``TierIndex.make_host_room``, but with a disk tier no page leaves host for lack of
         room before it is on disk: victims without a disk copy the background spill has not
         reached yet are written now, on this thread (back-pressure; counted as
-        ``pressure_spilled``). A page still leaves every tier when the disk refuses it."""
+        ``pressure_spilled``). A page still leaves every tier when the disk refuses it.
+
+        The disk copies of the other victims are locked meanwhile: the room a spill makes on
+        a full disk used to evict one of them (its page had a host copy then), and the host
+        copy went next, never written anywhere: a page lost that neither tier chose to drop.
+        Victims that lose their disk copy all the same (the disk had dropped it before its
+        DISK bit was cleared) are written too."""
         index = self.index
-        if index.disk is not None:
-            doomed = index.doomed_victims(num_blocks, exclude)
-            if doomed:
+        if index.disk is None:
+            return index.make_host_room(num_blocks, exclude)
+        locked: list[tuple[bytes, bytes]] = []
+        tried: set[bytes] = set()
+        try:
+            while True:
+                doomed, on_disk = index.room_victims(num_blocks, exclude)
+                doomed = [key for key in doomed if key not in tried]  # one a full disk refused is lost
+                if not doomed:
+                    break
+                locked += self._lock_on_disk(on_disk)
+                tried.update(doomed)
                 self._spill_now(doomed)
-        return index.make_host_room(num_blocks, exclude)
+            return index.make_host_room(num_blocks, exclude)
+        finally:
+            for key, namespace in locked:
+                index.disk.unlock([key], namespace)
+
+    def _lock_on_disk(self, keys: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """Pin the disk blocks of host pages ``keys`` against eviction; returns (key,
+        namespace) of each pinned, for ``unlock``."""
+        index, locked = self.index, []
+        for key in keys:
+            namespace = index.host_entries[key].namespace
+            if index.disk.lock([key], namespace):
+                locked.append((key, namespace))
+        return locked
 
     def _spill_now(self, keys: list[bytes]) -> None:
         index, trie = self.index, self.trie

@@ -165,14 +165,25 @@ class TierIndex:
                     self.evict_host(key)
         return max(0, min(num_blocks, self.host_capacity - self.host_used))
 
-    def doomed_victims(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> list[bytes]:
-        """The host entries ``make_host_room(num_blocks, exclude)`` would evict whose page
-        would then be in no tier (off device, no disk copy): what a disk write must save
-        first. Evicts nothing."""
+    def room_victims(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> tuple[list[bytes], list[bytes]]:
+        """(doomed, on disk): the host entries ``make_host_room(num_blocks, exclude)`` would
+        evict whose page would then be in no tier (off device, no disk copy), what a disk
+        write must save first; and those whose page keeps a disk copy, which that write
+        must not evict to make its room. Evicts nothing."""
         short = num_blocks - (self.host_capacity - self.host_used)
         if short <= 0:
-            return []
-        return [key for key in self._victims(short, exclude) if self._only_on_host(key)]
+            return [], []
+        doomed, on_disk = [], []
+        for key in self._victims(short, exclude):
+            located = self.trie.locate(key)
+            if located is None:
+                continue
+            node, index = located
+            if int(node.tiers[index]) & _DISK:
+                on_disk.append(key)
+            elif not node.on_device:
+                doomed.append(key)
+        return doomed, on_disk
 
     def _victims(self, short: int, exclude: Iterable[bytes]) -> list[bytes]:
         """Up to ``short`` evictable entries (ready, unheld, live, not in ``exclude``) in
@@ -242,11 +253,6 @@ class TierIndex:
             for heap in (self._by_use, self._redundant):  # drop stale items: memory stays O(entries)
                 heap[:] = [it for it in heap if live.get(it[3]) is it[4] and not it[4].dropped]
                 heapq.heapify(heap)
-
-    def _only_on_host(self, key: bytes) -> bool:
-        """Whether ``key``'s page is indexed with neither a device block nor a disk copy."""
-        located = self.trie.locate(key)
-        return located is not None and not self._redundant_copy(*located)
 
     def _take_slot(self, key: bytes) -> int:
         if self._free_slots:
