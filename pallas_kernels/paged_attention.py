@@ -52,11 +52,11 @@ def paged_attention(
     ``impl`` picks the implementation (see :mod:`pallas_kernels.dispatch`); ``tuning`` passes
     implementation-specific block sizes through.
     """
-    if num_seqs is None:
-        num_seqs = jnp.array([block_tables.shape[0]], jnp.int32)
     check_paged_attention_args(
         q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, layer=layer,
         sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale)
+    if num_seqs is None:  # after the checks: they name a block_tables that is not an array
+        num_seqs = jnp.array([block_tables.shape[0]], jnp.int32)
     attend = select("paged_attention", impl, interpret)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     return attend(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, layer=int(layer),

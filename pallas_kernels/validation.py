@@ -38,6 +38,7 @@ QUANT_DTYPES = tuple(spec.dtype for spec in FORMATS.values())
 def check_pool(kv_pages, layer: int | None = None) -> None:
     """The pool is ``[num_blocks, num_layers, 2, num_kv_heads, page_size, head_dim]``: a float
     array, or a :class:`~pallas_kernels.kv_format.QuantizedPages` with matching scales."""
+    _check_array("kv_pages", kv_pages)
     if kv_pages.ndim != 6 or kv_pages.shape[2] != 2:
         raise ValueError(
             f"kv_pages.shape={tuple(kv_pages.shape)} must be "
@@ -45,7 +46,7 @@ def check_pool(kv_pages, layer: int | None = None) -> None:
     if isinstance(kv_pages, QuantizedPages):
         _check_quantized(kv_pages, "kv_pages")
     if layer is not None:
-        if not isinstance(layer, (int, np.integer)):
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):  # True was layer 1
             raise ValueError(f"layer={layer!r} must be a Python int (a static layer index)")
         if not 0 <= layer < kv_pages.shape[1]:
             raise ValueError(f"{layer=} is out of range for num_layers={kv_pages.shape[1]}")
@@ -72,7 +73,15 @@ def _check_quantized(pages: QuantizedPages, name: str) -> None:
         raise ValueError(f"{name}.scales.dtype={pages.scales.dtype} must be float32")
 
 
+def _check_array(name: str, x) -> None:
+    """``x`` has a shape and a dtype: a list reached ``.shape`` and failed with an AttributeError
+    that named neither the argument nor what it should be."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+        raise ValueError(f"{name} must be an array (jax or numpy), got {type(x).__name__}")
+
+
 def _check_int32(name: str, x, ndim: int) -> None:
+    _check_array(name, x)
     if x.dtype != jnp.int32:
         raise ValueError(f"{name}.dtype={x.dtype} must be int32")
     if x.ndim != ndim:
@@ -86,6 +95,7 @@ def check_paged_attention_args(
     """Static checks for :func:`pallas_kernels.paged_attention`."""
     check_pool(kv_pages, layer)
     num_kv_heads, head_dim = kv_pages.shape[3], kv_pages.shape[5]
+    _check_array("q", q)
     if q.ndim != 3:
         raise ValueError(f"q.shape={tuple(q.shape)} must be [num_tokens, num_q_heads, head_dim]")
     num_q_heads = q.shape[1]
@@ -124,7 +134,7 @@ def check_paged_attention_args(
                                or not 1 <= window < 2**31):  # fmt: skip
         raise ValueError(f"sliding_window={sliding_window!r} must be an int in [1, 2**31) or None")
     for name, value in (("soft_cap", soft_cap), ("sm_scale", sm_scale)):
-        if value is not None and not 0 < value < math.inf:  # inf gave NaN everywhere (inf * tanh(x / inf))
+        if value is not None and not 0 < _as_float(value) < math.inf:  # inf gave NaN everywhere (inf * tanh(x / inf))
             raise ValueError(f"{name}={value!r} must be a finite positive float or None")
 
 
@@ -133,6 +143,7 @@ def check_kv_write_args(kv_pages, k, v, slot_mapping, *, layer) -> None:
     check_pool(kv_pages, layer)
     expected = (kv_pages.shape[3], kv_pages.shape[5])
     for name, x in (("k", k), ("v", v)):
+        _check_array(name, x)
         if x.ndim != 3 or tuple(x.shape[1:]) != expected:
             raise ValueError(
                 f"{name}.shape={tuple(x.shape)} must be [num_tokens, num_kv_heads={expected[0]}, "
@@ -160,6 +171,7 @@ def check_block_copy_args(kv_pages, block_ids, blocks=None) -> None:
     if blocks is None:
         return
     expected = (block_ids.shape[0],) + tuple(kv_pages.shape[1:])
+    _check_array("blocks", blocks)
     if isinstance(kv_pages, QuantizedPages) != isinstance(blocks, QuantizedPages):
         raise ValueError(
             f"blocks is a {type(blocks).__name__} but kv_pages is a {type(kv_pages).__name__}: "
@@ -175,6 +187,17 @@ def check_block_copy_args(kv_pages, block_ids, blocks=None) -> None:
         raise ValueError(f"blocks.shape={tuple(blocks.shape)} must be {expected}")
     if jnp.dtype(blocks.dtype) != jnp.dtype(kv_pages.dtype):
         raise ValueError(f"blocks.dtype={blocks.dtype} must equal kv_pages.dtype={kv_pages.dtype}")
+
+
+def _as_float(value) -> float:
+    """``value`` as a float, NaN for what is not a number (a string, a bool), so that one range
+    check refuses it by name rather than a ``<`` between a str and an int."""
+    if isinstance(value, (str, bytes, bool)):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def check_paged_attention_metadata(

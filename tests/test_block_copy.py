@@ -176,6 +176,9 @@ def test_kernel_lowers_for_its_accelerator(platform, kind, op, dtype):
      r"blocks.dtype=int8 must equal kv_pages.dtype=float32"),
     ("scatter", dict(impl="triton"), r"impl='triton' is not a known implementation"),
     ("gather", dict(impl="pallas_gpu", interpret=False), r"cannot compile on backend 'cpu'"),
+    ("gather", dict(ids=[0, 1, -1]), r"^block_ids must be an array \(jax or numpy\), got list$"),
+    ("scatter", dict(blocks=np.zeros((3,) + SHAPES[0], np.float32).tolist()),
+     r"^blocks must be an array \(jax or numpy\), got list$"),
 ])
 def test_bad_arguments_raise(op, override, message):
     """Checked before anything runs (numpy inputs keep an int64 dtype to reject)."""

@@ -170,6 +170,9 @@ def test_kernel_lowers_for_its_accelerator(platform, fn, marker):
     (dict(pool=np.zeros((6, 3, 4, 32), np.float32)), r"kv_pages.shape=\(6, 3, 4, 32\) must be"),
     (dict(impl="cuda"), r"impl='cuda' is not a known implementation"),
     (dict(impl="pallas_tpu", interpret=False), r"cannot compile on backend 'cpu'"),
+    (dict(slots=list(range(11))), r"^slot_mapping must be an array \(jax or numpy\), got list$"),
+    (dict(k=np.zeros((11, 2, 32), np.float32).tolist()), r"^k must be an array \(jax or numpy\), got list$"),
+    (dict(layer=True), r"^layer=True must be a Python int"),
 ])
 def test_bad_arguments_raise(override, message):
     """Checked before anything runs (numpy inputs keep an int64 dtype to reject)."""

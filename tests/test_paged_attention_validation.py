@@ -50,6 +50,16 @@ def _call(case, **overrides):
     (lambda c: dict(soft_cap=-1.0), r"soft_cap=-1.0 must be a finite positive float"),
     (lambda c: dict(sm_scale=0.0), r"sm_scale=0.0 must be a finite positive float"),
     (lambda c: dict(impl="cuda"), r"impl='cuda' is not a known implementation"),
+    # a list, a bool layer and a string scale were an AttributeError, layer 1 and a TypeError
+    (lambda c: dict(block_tables=np.asarray(c.block_tables).tolist()),
+     r"^block_tables must be an array \(jax or numpy\), got list$"),
+    (lambda c: dict(block_tables=np.asarray(c.block_tables).tolist(), num_seqs=None),
+     r"^block_tables must be an array \(jax or numpy\), got list$"),
+    (lambda c: dict(q=np.asarray(c.q).tolist()), r"^q must be an array \(jax or numpy\), got list$"),
+    (lambda c: dict(kv_pages=None), r"^kv_pages must be an array \(jax or numpy\), got NoneType$"),
+    (lambda c: dict(layer=True), r"^layer=True must be a Python int"),
+    (lambda c: dict(sm_scale="1"), r"^sm_scale='1' must be a finite positive float or None$"),
+    (lambda c: dict(soft_cap=[30.0]), r"^soft_cap=\[30.0\] must be a finite positive float or None$"),
 ])
 def test_static_errors(case, override, message):
     with pytest.raises(ValueError, match=message):
