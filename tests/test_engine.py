@@ -350,6 +350,8 @@ def test_preset_rejects_unknown_sections_keys(tmp_path):
     (lambda: WorkloadSpec(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
     (lambda: EngineConfig(token_buckets="32"), r"token_buckets='32' must be a sequence of ints"),
     (lambda: EngineConfig(token_buckets=64), r"token_buckets=64 must be a sequence of ints"),
+    (lambda: EngineConfig(impl="cuda"), r"^impl='cuda' is not a known implementation; expected one of \('xla',"),
+    (lambda: EngineConfig.from_dict({"impl": "triton"}), r"^impl='triton' is not a known implementation"),
     (lambda: WorkloadSpec(tenants=()), "tenants must name at least one tenant"),
     (lambda: SwapStore(PagePool(pool_config(MODEL, PAGE, 4)), 0), r"num_slots=0 must be >= 1"),
     (lambda: make_engine(config=EngineConfig(token_buckets=(48,))),

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from pool_cases import assert_same_bytes
 
+from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import (
     BatchMetadata,
     Buckets,
@@ -259,3 +260,11 @@ def test_bucket_and_bucket_policy():
     assert [bucket(n, 4) for n in (0, 1, 4, 5, 8, 9, 100)] == [4, 4, 4, 8, 8, 16, 128]
     with pytest.raises(ValueError, match=r"min_num_tokens=0 must be a positive int"):
         Buckets(min_num_tokens=0)
+
+
+def test_an_unknown_impl_is_refused_when_the_pool_is_built():
+    """A misspelled impl used to fail only at the first write, with sequences already admitted."""
+    with pytest.raises(ValueError, match=r"^impl='cuda' is not a known implementation; expected one of"):
+        PagePool(CONFIG, impl="cuda")
+    with pytest.raises(ValueError, match=r"^impl='triton' is not a known implementation"):
+        KVCache(KVCacheConfig(pool=CONFIG), impl="triton")

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvjax.config.from_mapping import config_from_dict
+from pallas_kernels.backend import resolve_impl
 
 __all__ = ["EngineConfig"]
 
@@ -56,6 +57,8 @@ class EngineConfig:
         if isinstance(self.template_chars, bool) or not isinstance(self.template_chars, int) \
                 or self.template_chars < 1:  # fmt: skip
             raise ValueError(f"template_chars={self.template_chars!r} must be an int >= 1")
+        if self.impl is not None:  # a misspelled [engine] impl failed only at the first step, requests queued
+            resolve_impl(self.impl)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:

@@ -136,6 +136,8 @@ class PagePool:
     def __init__(self, config: PoolConfig, *, sharding: jax.sharding.Sharding | None = None,
                  impl: str | None = None, interpret: bool | None = None, allocate: bool = True):
         self.config = config
+        if impl is not None:  # named now, not at the first write of a serving loop
+            pallas_kernels.resolve_impl(impl)
         self._kernel_options = dict(impl=impl, interpret=interpret)
         zeros = lambda: empty_pool(config.shape, config.kv_format, config.dtype)
         # Committed to a device even without a sharding, as every later pool (a step's or a
