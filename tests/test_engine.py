@@ -56,7 +56,10 @@ def engine():
     (dict(tokens=[1], max_new_tokens=10**12), r"needs 1 prompt \+ 1000000000000 new tokens; max_model_len=384"),
     (dict(tokens=[1], max_new_tokens=0), r"max_new_tokens=0 must be an int >= 1"),
     (dict(tokens=[1, -1]), r"token id -1 at index 1 is out of range; expected 0 <= id < 256 \(vocab_size=256\)"),
-    (dict(tokens=[1], stop_token_ids="ab"), r"stop_token_ids=\('a', 'b'\) must be a collection of token ids"),
+    (dict(tokens=[1], stop_token_ids="ab"), r"stop_token_ids='ab' must be a collection of token ids"),
+    (dict(tokens=[1], stop_token_ids=2), r"^stop_token_ids=2 must be a collection of token ids \(ints\), e.g. \[2\]$"),
+    (dict(tokens=[1], stop_token_ids=[3, 256]), r"^stop_token_ids holds 256, outside the vocabulary; "
+                                                 r"expected 0 <= id < 256$"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):

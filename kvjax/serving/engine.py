@@ -125,7 +125,7 @@ class Engine:
         (``KVCacheConfig.offload_quant``): those pages are recomputed (None: the cache's
         ``accept_lossy``). Returns False when the scheduler rejects it (the next ``step()``
         reports a FinishEvent with the reason). Raises ValueError, queuing nothing, for a duplicate id, both or neither
-        of ``prompt``/``tokens``, token ids outside the model's vocabulary, or a request longer
+        of ``prompt``/``tokens``, token ids (prompt or stop ids) outside the model's vocabulary, or a request longer
         than ``max_model_len``.
         """
         if (prompt is None) == (tokens is None):
@@ -152,8 +152,13 @@ class Engine:
             raise ValueError(f"request {request_id!r} needs {len(tokens)} prompt + {max_new_tokens} "
                              f"new tokens; max_model_len={self.max_model_len}")  # fmt: skip
         request = Request(request_id, tokens, max_new_tokens, namespace, arrival_time=self.clock(),
-                          stop_token_ids=tuple(stop_token_ids), sampling=sampling,
+                          stop_token_ids=stop_token_ids, sampling=sampling,
                           accept_lossy=accept_lossy)  # fmt: skip
+        vocab_size = self.model.cfg.vocab_size  # the ids sampling can return
+        outside = sorted(t for t in request.stop_token_ids if not 0 <= t < vocab_size)
+        if outside:  # such an id can never be sampled: the request would silently run to max_new_tokens
+            raise ValueError(f"stop_token_ids holds {outside[0]}, outside the vocabulary; expected "
+                             f"0 <= id < {vocab_size}")
         seed = sampling.seed if sampling.seed is not None else (self.config.seed * 1_000_003 + self._num_added) % 2**32
         record = RequestRecord(request, sampling, seed, request.arrival_time, fingerprint, changes)
         accepted = self.scheduler.add(request)  # validates token ids; raises before anything is kept

@@ -92,7 +92,12 @@ class Request:
             raise ValueError(f"request {self.request_id!r} has an empty prompt; expected >= 1 token")
         self.namespace = as_namespace(self.namespace)
         stop = self.stop_token_ids
-        stop = stop if isinstance(stop, (str, bytes)) else tuple(stop)  # read once: a generator is fine
+        if not isinstance(stop, (str, bytes)):
+            try:
+                stop = tuple(stop)  # read once: a generator is fine
+            except TypeError:  # a bare id (stop_token_ids=2) was "'int' object is not iterable"
+                raise ValueError(f"stop_token_ids={stop!r} must be a collection of token ids (ints), "
+                                 "e.g. [2]") from None
         if isinstance(stop, (str, bytes)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
                                                      for t in stop):  # fmt: skip
             raise ValueError(f"stop_token_ids={stop!r} must be a collection of token ids (ints)")
