@@ -687,6 +687,9 @@ def test_namespaces_never_share_pages_in_any_tier():
     # a host tier of no slots: every page fell through it, the disk tier never used
     (dict(host_bytes=POOL.bytes_per_block - 1), rf"host_bytes={POOL.bytes_per_block - 1} holds no block \(one "
                                                 rf"takes {POOL.bytes_per_block} bytes here\)"),
+    # a disk tier of no room (disk_bytes=100, meant as MiB): every spill refused, the pages lost
+    (dict(host_bytes=1 << 20, disk_dir="/tmp/x", disk_bytes=100),
+     rf"^disk_bytes=100 holds no block \(one takes {POOL.bytes_per_block} bytes here, its segment's files aside\)"),
 ])  # fmt: skip
 def test_bad_config_is_rejected_with_a_message(values, message):
     with pytest.raises(ValueError, match=message):

@@ -100,6 +100,10 @@ class KVCacheConfig:
         if 0 < self.host_bytes < codec.block_nbytes:  # a host tier of no slots: pages fall straight through it
             raise ValueError(f"host_bytes={self.host_bytes} holds no block (one takes {codec.block_nbytes} bytes "
                              "here); use 0 for no host tier, or at least one block's bytes")
+        if self.disk_dir is not None and self.disk_bytes < codec.block_nbytes:  # every spill was refused, silently
+            raise ValueError(f"disk_bytes={self.disk_bytes} holds no block (one takes {codec.block_nbytes} bytes "
+                             "here, its segment's files aside); disk_bytes is in bytes: use at least one block's, "
+                             "or no disk_dir for no disk tier")
         object.__setattr__(self, "offload_quant", parse_quant(self.offload_quant, "offload_quant"))
         if self.offload_quant is not None and not self.tiered:
             raise ValueError(f"offload_quant={self.offload_quant!r} compresses pages leaving the device "
