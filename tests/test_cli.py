@@ -149,6 +149,13 @@ def test_help_is_plain_text(argv, capsys):
         assert "demo" in out and "replay" in out
 
 
+def test_cluster_demo_help_describes_it_in_a_whole_sentence(capsys):
+    """Its description was the docstring's first line, cut off at "on loopback,"."""
+    code, out, _ = run_cli(["cluster-demo", "--help"], capsys)
+    description = " ".join(out.split("options:")[0].split("\n\n", 1)[1].split())
+    assert code == 0 and description.endswith("side by side.") and "round_robin" in description
+
+
 def test_the_real_entry_point_prints_one_line(tmp_path):
     """``python -m kvjax`` as a user runs it: a subprocess, from outside the checkout."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -287,7 +287,7 @@ def _compile_cache() -> str:
 def add_subcommand(subparsers) -> None:
     """Registers ``python -m kvjax cluster-demo``."""
     parser = subparsers.add_parser("cluster-demo", help="the demo workload through a cluster: prefix vs round robin",
-                                   description=__doc__.splitlines()[0].replace("``", ""))  # fmt: skip
+                                   description=_first_paragraph(__doc__))  # fmt: skip
     parser.add_argument("--nodes", type=int, default=2, help="serving nodes (default: %(default)s)")
     parser.add_argument("--preset", default="tiny", help="configs/<preset>.toml of every node (default: %(default)s)")
     parser.add_argument("--arrival-ms", type=float, default=100.0, help="ms between sessions (default: %(default)s)")
@@ -295,6 +295,12 @@ def add_subcommand(subparsers) -> None:
                         help=f"routing strategies to run, of {list(STRATEGIES)} (default: %(default)s)")
     parser.add_argument("--log-dir", help="where the processes' logs go (default: a new temporary directory)")
     parser.set_defaults(func=_main)
+
+
+def _first_paragraph(doc: str) -> str:
+    """The docstring's opening sentence as plain text: its first line alone stopped mid-sentence
+    ("... on loopback,")."""
+    return " ".join(doc.split("\n\n")[0].split()).replace("``", "")
 
 
 def _main(args: argparse.Namespace, err=None) -> int:
