@@ -79,6 +79,18 @@ def test_weights_argument_is_checked(tmp_path):
         build_engine_parts("tiny", weights=str(tmp_path / "nowhere.npz"))
 
 
+def test_a_preset_copied_without_its_weights_says_where_it_looked(tmp_path):
+    """The shipped tiny.toml copied to edit: its weights = "tiny.npz" is read beside the copy.
+    The error named only a path, not the preset's entry that led there nor the way out."""
+    preset = tmp_path / "mine.toml"
+    preset.write_text((preset_dir() / "tiny.toml").read_text())
+    with pytest.raises(ValueError, match=r"^preset '.*mine.toml' names weights 'tiny.npz', expected beside it at "
+                                         r"'.*tiny.npz', which does not exist; copy that file there, or pass "
+                                         r"weights='random' \(demo: --random-weights\)$"):
+        build_engine_parts(str(preset), tiers=False)
+    assert build_engine_parts(str(preset), tiers=False, weights="random")["model"] is not None
+
+
 def test_npz_weights_round_trip_and_refuse_another_shape(tmp_path):
     cfg = ModelConfig(num_layers=1, d_model=32, num_q_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
     model = Transformer(cfg, seed=2)

@@ -66,6 +66,10 @@ def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed
         engine_cfg = dataclasses.replace(engine_cfg, seed=seed)
     if weights is None:
         weights = sections.get("weights", RANDOM_WEIGHTS)
+        if weights != RANDOM_WEIGHTS and not os.path.exists(weights):  # a preset copied without its weights
+            raise ValueError(f"preset {os.fspath(preset)!r} names weights {os.path.basename(weights)!r}, expected "
+                             f"beside it at {weights!r}, which does not exist; copy that file there, or pass "
+                             f"weights={RANDOM_WEIGHTS!r} (demo: --random-weights)")
     if weights == RANDOM_WEIGHTS:
         model = Transformer(model_cfg, seed=engine_cfg.seed)
     elif isinstance(weights, (str, os.PathLike)):
