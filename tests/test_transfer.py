@@ -386,6 +386,23 @@ def test_queued_spills_coalesce_into_one_segment(tmp_path):
     assert disk.stats().written_segments == 2  # 4 blocks per segment: 4 + 1
 
 
+def test_queued_spills_of_one_key_coalesce_as_they_would_run_one_by_one(tmp_path):
+    # found by test_transfer_properties: coalesced into one disk write, two spills of one key
+    # (and every spill coalesced with them) failed with "keys contain duplicates"; alone, the
+    # second finds the key on disk and is done
+    host, disk = tiers(tmp_path, blocks_per_segment=4)
+    pool = random_pool(3, "float32", seed=11)
+    host.write(np.arange(3), pool)
+    with TransferEngine(host, disk, paused=True) as engine:
+        first = engine.spill(keys(1), [NS], [0])
+        again = engine.spill(keys(2), [NS] * 2, [1, 2])  # keys 0 and 1: key 0 from another slot
+        engine.resume()
+        assert done(first).done_keys == tuple(keys(1)) and done(again).done_keys == tuple(keys(2))
+    read = disk.get(keys(2), NS)
+    assert read.hits.all() and same_bits(read.blocks, pool[[0, 2]])  # the first spill's block 0 stays
+    assert disk.stats().written_segments == 1
+
+
 def test_a_synchronous_engine_runs_each_job_at_submit(tmp_path):
     pool = random_pool(4, "float32", seed=9)
     host, disk = tiers(tmp_path)

@@ -627,8 +627,15 @@ class TransferEngine:
         namespaces = [ns for job in jobs for ns in job.namespaces]
         parents = [parent for job in jobs for parent in job.parents]
         slots = np.concatenate([job.slots for job in jobs])
-        if keys:
-            self.disk_tier.put(keys, self.host.read(slots), namespaces, parents)
+        # Coalesced spills may name one block twice; one by one, the later would find it on
+        # disk already. Write it once, from the first (a put refuses duplicates).
+        first = {}
+        for row, block in enumerate(zip(namespaces, keys)):
+            first.setdefault(block, row)
+        rows = list(first.values())
+        if rows:
+            self.disk_tier.put([keys[r] for r in rows], self.host.read(slots[rows]), [namespaces[r] for r in rows],
+                               [parents[r] for r in rows])  # fmt: skip
         # Blocks written now and blocks the disk held already both count as done.
         return [self._success(job, [k for k, ns in zip(job.keys, job.namespaces) if self.disk_tier.contains(k, ns)])
                 for job in jobs]  # fmt: skip
