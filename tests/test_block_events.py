@@ -1,10 +1,16 @@
 """Block events: the log and its subscriptions, and what a KVCache reports through it, tier by tier."""
 
+import collections
+import dataclasses
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kv_cache_cases import MemoryDisk
 
-from kvjax.cache.block_events import BlockEvent, BlockIndex, EventLog
+from kvjax.cache.block_events import EVENT_KINDS, TIER_NAMES, BlockEvent, BlockIndex, EventLog
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PoolConfig
@@ -82,3 +88,144 @@ def test_a_refused_event_leaves_the_index_as_it_was():
     with pytest.raises(ValueError, match="removed .* on device, which holds it: False"):
         index.apply([BlockEvent(0, Namespace().digest(), key, None, "device", "removed")])
     assert index == BlockIndex() and len(index) == 0  # no empty entry left behind (they compared unequal)
+
+
+# ---- properties ----------------------------------------------------------------------------
+
+BLOCKS = [(b"n" * 16, bytes([i]) * 16) for i in range(3)] + [(b"m" * 16, bytes([0]) * 16)]  # a key in two namespaces
+tier_st = st.sampled_from(TIER_NAMES)
+
+
+@dataclasses.dataclass
+class ModelSubscription:
+    subscription: object
+    max_batches: int
+    shadow: BlockIndex | None  # initial plus every batch polled; None once it lost a batch
+    batches: collections.deque = dataclasses.field(default_factory=collections.deque)  # flushed, not polled
+    lost: int = 0
+    open: bool = True
+
+
+class EventLogMachine(RuleBasedStateMachine):
+    """Random store / remove / clear / flush / subscribe / poll / close against a plain model:
+    the tiers' holdings (a set of (namespace, key, tier)), the log's next seq and open batch,
+    and each subscription's queue of batches and losses. Every poll returns exactly the
+    batches the model queued (whole, in order, the oldest dropped past ``max_batches`` and
+    counted); a subscription that lost nothing rebuilds, from its ``initial`` holdings and the
+    batches alone, what the tiers held at the last flush."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = EventLog()
+        self.held: set = set()  # (namespace, key, tier) the tiers hold
+        self.flushed: set = set()  # the holdings the open batch's events start from
+        self.seq = 0
+        self.pending: list = []
+        self.subs: list[ModelSubscription] = []
+
+    def listening(self):
+        return [sub for sub in self.subs if sub.open]
+
+    def recorded(self, namespace, key, tier, kind):
+        self.log.record(namespace, key, None, tier, kind)
+        if not self.listening():  # nobody listens: nothing recorded, nothing pending
+            self.flushed = set(self.held)
+            return
+        self.pending.append(BlockEvent(self.seq, namespace, key, None, tier, kind))
+        self.seq += 1
+
+    @rule(block=st.sampled_from(BLOCKS), tier=tier_st)
+    def store_or_remove(self, block, tier):
+        entry = (*block, tier)
+        kind = "removed" if entry in self.held else "stored"
+        (self.held.discard if kind == "removed" else self.held.add)(entry)
+        self.recorded(*block, tier, kind)
+
+    @rule(tier=tier_st)
+    def clear(self, tier):
+        self.held = {entry for entry in self.held if entry[2] != tier}
+        self.recorded(None, None, tier, "cleared")
+
+    @rule()
+    def flush(self):
+        assert self.log.flush() == len(self.pending)
+        if self.pending:
+            for sub in self.listening():
+                sub.batches.append(tuple(self.pending))
+                while len(sub.batches) > sub.max_batches:
+                    sub.batches.popleft()
+                    sub.lost += 1
+        self.pending, self.flushed = [], set(self.held)
+
+    @rule(max_batches=st.integers(1, 3), flush_first=st.booleans())
+    def subscribe(self, max_batches, flush_first):
+        """A new subscription gets the batches flushed from now on, the open one included
+        (``KVCache.subscribe`` flushes first); its holdings start from the last flush."""
+        if flush_first:
+            self.flush()
+        subscription = self.log.subscribe(max_batches)
+        self.subs.append(ModelSubscription(subscription, max_batches, BlockIndex(self.flushed)))
+
+    @precondition(lambda self: self.subs)
+    @rule(i=st.integers(0, 100))
+    def poll(self, i):
+        sub = self.subs[i % len(self.subs)]
+        batches = sub.subscription.poll()
+        assert batches == list(sub.batches) and sub.subscription.lost_batches == sub.lost
+        sub.batches.clear()
+        if sub.lost:
+            sub.shadow = None  # it rebuilds from a fresh subscription's initial
+            return
+        for batch in batches:
+            sub.shadow.apply(batch)
+        if sub.open:
+            assert sub.shadow == BlockIndex(self.flushed), sub.shadow.difference(BlockIndex(self.flushed))
+
+    @precondition(lambda self: any(sub.open for sub in self.subs))
+    @rule(i=st.integers(0, 100))
+    def close(self, i):
+        sub = self.listening()[i % len(self.listening())]
+        sub.subscription.close()
+        sub.open = False
+        assert sub.subscription.closed
+        if not self.listening():  # the open batch had no reader left: dropped
+            self.pending, self.flushed = [], set(self.held)
+
+    @invariant()
+    def log_matches_model(self):
+        assert self.log.active == bool(self.listening())
+        assert self.log.next_seq == self.seq
+        for sub in self.subs:  # what a subscription holds is numbered consecutively (losses drop the oldest)
+            seqs = [event.seq for batch in sub.batches for event in batch]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
+
+
+TestEventLogMachine = EventLogMachine.TestCase
+TestEventLogMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+event_st = st.tuples(st.sampled_from(BLOCKS), tier_st, st.sampled_from(EVENT_KINDS))
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=st.sets(st.tuples(st.sampled_from(BLOCKS), tier_st)), events=st.lists(event_st, max_size=30))
+def test_a_block_index_holds_what_a_set_of_the_events_holds(start, events):
+    """Folded one at a time, events change the index as they change a plain set; one out of
+    step (a store of a block held, a removal of one not held) raises and changes nothing."""
+    held = {(*block, tier) for block, tier in start}
+    index = BlockIndex(held)
+    for seq, (block, tier, kind) in enumerate(events):
+        namespace, key = (None, None) if kind == "cleared" else block
+        event = BlockEvent(seq, namespace, key, None, tier, kind)
+        if kind != "cleared" and (kind == "stored") == ((*block, tier) in held):
+            with pytest.raises(ValueError, match=f"event {seq}: {kind}"):
+                index.apply([event])
+        else:
+            index.apply([event])
+            if kind == "cleared":
+                held = {entry for entry in held if entry[2] != tier}
+            else:
+                (held.add if kind == "stored" else held.discard)((*block, tier))
+        assert set(index.entries()) == held and len(index) == len(held)
+        assert all(index.tiers(*b) == {t for *other, t in held if tuple(other) == b} for b in BLOCKS)
+    assert index == BlockIndex(held)
