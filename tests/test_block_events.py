@@ -2,12 +2,14 @@
 
 import collections
 import dataclasses
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kv_cache_cases import MemoryDisk
 
 from kvjax.cache.block_events import EVENT_KINDS, TIER_NAMES, BlockEvent, BlockIndex, EventLog
@@ -229,3 +231,111 @@ def test_a_block_index_holds_what_a_set_of_the_events_holds(start, events):
         assert set(index.entries()) == held and len(index) == len(held)
         assert all(index.tiers(*b) == {t for *other, t in held if tuple(other) == b} for b in BLOCKS)
     assert index == BlockIndex(held)
+
+
+STORIES = ((1, 2, 3, 4, 5, 6), (1, 2, 3, 5, 6, 7), (7, 7, 1, 2))
+serve_tokens_st = st.builds(lambda story, cut: list(story[:cut]), st.sampled_from(STORIES), st.integers(2, 6))
+
+
+class CacheSubscriptionMachine(RuleBasedStateMachine):
+    """A real KVCache (threaded transfer engine, a disk directory) under random serve /
+    evict / evict_host / flush / poll steps, subscribed to at random points, some with room
+    for one batch: after every step each subscription's ``initial`` plus the batches it
+    polled equals ``block_index()``, with consecutive seqs; one that lost batches starts over
+    from a new subscription. Disk events come from the engine's worker thread: the index
+    and the batches agree at every instant, whatever the worker has done by then."""
+
+    @initialize(write_policy=st.sampled_from(["write_back", "write_through"]), max_batches=st.sampled_from([1, 4096]))
+    def setup(self, write_policy, max_batches):
+        self.directory = tempfile.mkdtemp(prefix="kvjax-events-machine-")
+        config = KVCacheConfig(pool=POOL, host_bytes=3 * POOL.bytes_per_block, write_policy=write_policy,
+                               disk_dir=self.directory, disk_bytes=6 * POOL.bytes_per_block,
+                               disk_segment_bytes=2 * POOL.bytes_per_block, transfer_buckets=(1, 2, 4))  # fmt: skip
+        self.cache = KVCache(config)
+        self.subs = []  # [subscription, shadow index, next seq or None, lost batches seen]
+        self.subscribe(max_batches)
+
+    def teardown(self):
+        if not hasattr(self, "cache"):
+            return
+        self.cache.close()  # device and host cleared; the disk keeps its blocks
+        for entry in self.subs:
+            self.catch_up(entry)
+            assert entry[0].lost_batches or {tier for *_, tier in entry[1].entries()} <= {"disk"}
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    @rule(tokens=serve_tokens_st, namespace=st.sampled_from(["tenant-a", "tenant-b"]))
+    def serve(self, tokens, namespace):
+        handle = self.cache.admit(tokens, namespace)
+        if handle is None:
+            return
+        self.cache.end_step()  # the admission's step: one batch, the commit's another
+        assert self.cache.wait_ready(handle, 20)
+        self.cache.commit(handle, tokens)
+        self.cache.release(handle)
+        self.cache.end_step()
+
+    @rule(requests=st.lists(st.tuples(serve_tokens_st, st.sampled_from(["tenant-a", "tenant-b"])), min_size=2,
+                            max_size=3))  # fmt: skip
+    def serve_several(self, requests):
+        """Steps with no poll of the subscriptions between them: one that keeps one batch loses some."""
+        for tokens, namespace in requests:
+            self.serve(tokens, namespace)
+
+    @rule(num_blocks=st.integers(1, 4))
+    def evict(self, num_blocks):
+        self.cache.evict(num_blocks)
+        self.cache.end_step()
+
+    @rule(num_blocks=st.integers(1, 3))
+    def evict_host(self, num_blocks):
+        self.cache.evict_host(num_blocks)
+
+    @rule()
+    def flush(self):
+        self.cache.flush(20)  # False when the full disk refuses blocks: not the point here
+
+    @rule()
+    def poll(self):
+        self.cache.poll()
+
+    @rule(max_batches=st.sampled_from([1, 2, 4096]))
+    def subscribe(self, max_batches):
+        subscription = self.cache.subscribe(max_batches)
+        self.subs.append([subscription, subscription.initial, None, 0])
+
+    @precondition(lambda self: len(self.subs) > 1)
+    @rule(i=st.integers(0, 100))
+    def unsubscribe(self, i):
+        self.subs.pop(i % len(self.subs))[0].close()
+
+    def catch_up(self, entry):
+        """Poll ``entry``'s subscription: consecutive seqs, a gap only where it lost batches;
+        its shadow takes the batches while it has lost none."""
+        subscription, shadow, next_seq, lost_seen = entry
+        for i, batch in enumerate(subscription.poll()):
+            seqs = [event.seq for event in batch]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+            gap = i == 0 and subscription.lost_batches > lost_seen
+            assert next_seq is None or (seqs[0] > next_seq if gap else seqs[0] == next_seq)
+            next_seq = seqs[-1] + 1
+            if not subscription.lost_batches:
+                shadow.apply(batch)
+        entry[2:] = next_seq, subscription.lost_batches
+
+    @invariant()
+    def subscriptions_rebuild_the_holdings(self):
+        for i, entry in enumerate(self.subs):
+            if entry[0].lost_batches:  # fell behind: start over from the holdings
+                entry[0].close()
+                subscription = self.cache.subscribe(entry[0]._max_batches)
+                self.subs[i] = [subscription, subscription.initial, None, 0]
+        holdings = self.cache.block_index()
+        for entry in self.subs:
+            self.catch_up(entry)
+            if not entry[0].lost_batches:
+                assert entry[1] == holdings, entry[1].difference(holdings)
+
+
+TestCacheSubscriptionMachine = CacheSubscriptionMachine.TestCase
+TestCacheSubscriptionMachine.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
