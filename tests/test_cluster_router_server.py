@@ -487,17 +487,24 @@ def test_a_router_started_before_redis_is_not_ready_naming_it_until_it_answers(t
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url, prefix = f"redis://127.0.0.1:{port}/0", f"late{uuid.uuid4().hex[:8]}"
-    router = start_router(url, prefix, tmp_path)  # it serves: /health is there to say why it is not ready
+    router = start_router(url, prefix, tmp_path, wait=False)
     try:
-        health = httpx.get(f"{router.url}/health", timeout=30)
+        # what it prints first says it is not ready, and why; it serves: /health says so too
+        first = router.wait_line(timeout_s=60)
+        assert "ready" not in first and first["directory"] == url
+        assert first["reason"].startswith(f"the directory at {url} cannot be reached: ConnectionError")
+        assert first["reason"].endswith("; the router routes once it answers")
+        address = first["not_ready"]
+        health = httpx.get(f"{address}/health", timeout=30)
         assert health.status_code == 503
         assert health.json()["status"] == "directory unreachable" and health.json()["directory"] == url
         assert health.json()["error"].startswith(f"the directory at {url} cannot be reached: ConnectionError")
-        refused = post(router.url, {"model": "tiny", "prompt": "x", "max_tokens": 1})
+        refused = post(address, {"model": "tiny", "prompt": "x", "max_tokens": 1})
         assert refused.status_code == 503
         assert refused.json()["error"]["message"].startswith(f"the directory at {url} cannot be reached")
         assert f"router: the directory at {url} cannot be reached" in router.log_path.read_text()
         with RedisProcess.start(port=port) as server:
+            assert router.wait_ready(timeout_s=60).url == address  # ready once Redis answers
             directory = Directory.connect(server.url, prefix=prefix)
             assert httpx.get(f"{router.url}/health").json()["status"] == "no live node"  # Redis answers
             directory.register("n1", "http://127.0.0.1:1", ClusterInfo("tiny", 16))

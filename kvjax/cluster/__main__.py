@@ -7,7 +7,8 @@
 * ``router``: the OpenAI-compatible front that routes by the directory.
 
 Each prints one JSON line once it serves, e.g. ``{"ready": "http://127.0.0.1:8001",
-"node_id": "n1"}``, then logs warnings only; Ctrl-C (SIGINT) or SIGTERM stops it cleanly: a
+"node_id": "n1"}``, then logs warnings only (a router whose Redis does not answer prints a
+``not_ready`` line naming it first, and ``ready`` once it answers); Ctrl-C (SIGINT) or SIGTERM stops it cleanly: a
 node leaves the directory at once, takes no new request and gives those in flight
 ``--drain-s`` seconds (``kvjax.cluster.node_drain``; a second signal cuts them now).
 """
@@ -24,7 +25,7 @@ import socket
 import sys
 import threading
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis
 import uvicorn
@@ -58,6 +59,7 @@ DESCRIPTION = ("Run the pieces of a kvjax cluster by hand: 'redis' (a redis-serv
 
 
 _LOG = logging.getLogger("kvjax.cluster")
+_REDIS_RETRY_S = 0.5  # how often a router whose Redis does not answer asks again
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvjax.cluster", description=DESCRIPTION)
@@ -221,13 +223,31 @@ def _run_router(args) -> int:
         raise SystemExit(f"router: {error}") from None
     sock = _listen(args.host, args.port, "router")
     address = f"http://{args.host}:{sock.getsockname()[1]}"
+
+    async def directory_answers() -> None:
+        """Return once the directory's Redis answers. Till then the router serves (``/health``
+        says why it is not ready, requests get a 503) but is not ready: it says so, once, in a
+        ``not_ready`` line naming the Redis, and the ``ready`` line waits."""
+        error = await asyncio.to_thread(_ping, directory)
+        if error is None:
+            return
+        reason = f"{directory_down(directory, error)}; the router routes once it answers"
+        _LOG.warning("router: %s (until then /health answers 503 and requests get a 503)", reason)
+        print(json.dumps({"not_ready": address, "directory": directory.address, "reason": reason}), flush=True)
+        while await asyncio.to_thread(_ping, directory) is not None:
+            await asyncio.sleep(_REDIS_RETRY_S)
+
+    _serve(uvicorn.Server, app, sock, {"ready": address, "strategy": args.strategy}, ready_when=directory_answers)
+    return 0
+
+
+def _ping(directory: Directory) -> redis.RedisError | None:
+    """None if the directory's Redis answers, else why not (blocking: one round trip)."""
     try:
         directory.client.ping()
-    except redis.RedisError as error:  # it serves anyway, and routes from the moment Redis answers
-        _LOG.warning("router: %s; until it answers, /health says not ready and requests get a 503",
-                     directory_down(directory, error))  # fmt: skip
-    _serve(uvicorn.Server, app, sock, {"ready": address, "strategy": args.strategy})
-    return 0
+    except redis.RedisError as error:
+        return error
+    return None
 
 
 def _warn_if_replacing(directory: Directory, node_id: str, address: str) -> None:
@@ -266,15 +286,19 @@ def _listen(host: str, port: int, who: str) -> socket.socket:
     return sock
 
 
-def _serve(server_class: Callable[[uvicorn.Config], uvicorn.Server], app, sock: socket.socket, ready: dict) -> None:
+def _serve(server_class: Callable[[uvicorn.Config], uvicorn.Server], app, sock: socket.socket, ready: dict,
+           ready_when: Callable[[], Awaitable[None]] | None = None) -> None:  # fmt: skip
     """Serve ``app`` on ``sock`` with ``server_class`` (uvicorn's, or the node's ``DrainingServer``);
-    print ``ready`` once it serves, and a ``stopped`` line once it stopped at a signal."""
+    print ``ready`` once it serves (and ``ready_when`` returned), and a ``stopped`` line once it
+    stopped at a signal."""
     server = server_class(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
 
     async def serve():
         async def announce():
             while not server.started:
                 await asyncio.sleep(0.01)
+            if ready_when is not None:
+                await ready_when()
             print(json.dumps(ready), flush=True)
 
         announcer = asyncio.ensure_future(announce())

@@ -32,13 +32,24 @@ class ServiceProcess:
         self.process = subprocess.Popen([sys.executable, "-m", "kvjax.cluster", *self.args], stdout=subprocess.PIPE,
                                         stderr=self._log, env={**os.environ, **(env or {})})  # fmt: skip
         self.ready: dict | None = None
+        self._pending = b""  # read from its stdout, not yet a whole line
 
     def wait_ready(self, timeout_s: float = 180.0) -> ServiceProcess:
-        """Wait for the JSON line it prints once it serves (``.ready``); RuntimeError with the
-        end of its log if it exits or takes longer than ``timeout_s``."""
+        """Wait for the JSON line with ``ready`` it prints once it serves (``.ready``), past any
+        line before it (a router waiting for its Redis says so first); RuntimeError with the end
+        of its log if it exits or takes longer than ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        line = b""
-        while not line.endswith(b"\n"):
+        while self.ready is None:
+            line = self.wait_line(max(0.0, deadline - time.monotonic()))
+            if "ready" in line:
+                self.ready = line
+        return self
+
+    def wait_line(self, timeout_s: float = 180.0) -> dict:
+        """The next JSON line it prints; RuntimeError with the end of its log if it exits or
+        takes longer than ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
             remaining = deadline - time.monotonic()
             if self.process.poll() is not None or remaining <= 0:
                 self.stop()
@@ -50,9 +61,9 @@ class ServiceProcess:
                 raise RuntimeError(f"`{command}` {what}; its log ends:\n{log}")
             readable, _, _ = select.select([self.process.stdout], [], [], min(remaining, 0.5))
             if readable:
-                line += os.read(self.process.stdout.fileno(), 4096)
-        self.ready = json.loads(line.decode().splitlines()[0])
-        return self
+                self._pending += os.read(self.process.stdout.fileno(), 4096)
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line.decode())
 
     @property
     def url(self) -> str:
