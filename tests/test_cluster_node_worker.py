@@ -237,3 +237,35 @@ def test_a_request_counts_in_the_node_load_as_soon_as_it_is_handed_over(engine):
         assert wait_until(lambda: worker.load == NodeLoad(0, 0))  # taken, then finished: nothing left over
     finally:
         worker.stop()
+
+
+def test_a_held_worker_runs_the_steps_it_is_let_and_then_holds_its_requests_where_they_are(engine):
+    # tests that must signal or probe a node while its requests run hold them this way, on
+    # any device (a long generation alone was over before the signal on a fast one)
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        tokens, finished = [], concurrent.futures.Future()
+
+        def sink(item):
+            if isinstance(item, FinishEvent):
+                finished.set_result(item)
+            elif isinstance(item, Exception):
+                finished.set_exception(item)
+            else:
+                tokens.append(item.token_id)
+
+        worker.hold_steps(3)  # in order with submit: the request runs under it
+        worker.submit("held", CompletionRequest("tiny", "Hold me.", None, max_tokens=20), sink)
+        assert wait_until(lambda: len(tokens) == 3)  # a prefill step's first token, two decode steps
+        assert wait_until(lambda: worker.load.inflight == 1)
+        worker.hold_steps(2)
+        assert wait_until(lambda: len(tokens) == 5)
+        assert not finished.done()
+        worker.hold_steps(None)  # run freely
+        assert len(finished.result(timeout=60).output_token_ids) == 20 and len(tokens) == 20
+        for steps in (-1, 1.5, True, "2"):
+            with pytest.raises(ValueError, match=r"steps=.* must be an int >= 0, or null to run freely"):
+                worker.hold_steps(steps)
+    finally:
+        worker.stop()

@@ -6,9 +6,10 @@ event (a stream) or a JSON 503 (which routers retry), never a cut connection or 
 500. Taken over by a newer process of its node id: it refuses requests with a 503 naming the
 takeover and says so on /health. The drain's wait and cut, in process.
 
-Nodes of their own (each test stops or supersedes one), started together; no timing is
-asserted: the requests in flight are long enough (hundreds of tokens) that every step before
-the cut happens while they run.
+Nodes of their own (each test stops or supersedes one), started together. Whatever the
+device's speed, the requests are still in flight while a test signals and probes: the nodes
+hold them (``--step-control``: a few engine steps, then nothing until the test lets them go),
+and no timing is asserted.
 """
 
 import asyncio
@@ -26,7 +27,8 @@ from kvjax.cluster.directory import Directory
 from kvjax.cluster.node_drain import NodeDrain
 from kvjax.cluster.openai_api import RequestError
 
-LONG = 1800  # tokens: a request still running while a test signals, probes and signals again
+MAX_TOKENS = 48
+FIRST_STEPS = 4  # engine steps a held node runs: a stream's first tokens, never its end
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,8 @@ def nodes(redis_server, tmp_path_factory, jax_cache_env):
     g3 heartbeats every 2/3 s, so that it soon sees a takeover."""
     log_dir = tmp_path_factory.mktemp("shutdown-logs")
     prefix = f"shutdown{uuid.uuid4().hex[:8]}"
-    settings = {"g1": ["--node-ttl", "60", "--drain-s", "120"], "g2": ["--node-ttl", "60", "--drain-s", "600"],
-                "g3": ["--node-ttl", "2"]}  # fmt: skip
+    settings = {"g1": ["--node-ttl", "60", "--drain-s", "120", "--step-control"],
+                "g2": ["--node-ttl", "60", "--drain-s", "600", "--step-control"], "g3": ["--node-ttl", "2"]}
     started = {node_id: start_node(node_id, redis_server.url, prefix, log_dir, jax_cache_env, ["--no-tiers", *extra])
                for node_id, extra in settings.items()}  # fmt: skip
     try:
@@ -74,19 +76,37 @@ def live(directory):
     return {view.node_id for view in directory.live_nodes()}
 
 
+def hold_steps(url, steps):
+    """Let the node at ``url`` run ``steps`` more engine steps, then hold (None: run freely)."""
+    response = httpx.post(f"{url}/test/steps", json={"steps": steps}, timeout=30)
+    assert response.status_code == 200, response.text
+
+
+def health(url):
+    """The node's /health body; {} while it cannot be reached."""
+    try:
+        return httpx.get(f"{url}/health", timeout=30).json()
+    except httpx.TransportError:
+        return {}
+
+
 def test_a_stream_in_flight_at_sigterm_finishes_then_the_node_exits_and_has_left_the_directory(nodes):
     processes, directory = nodes
     node = processes["g1"]
+    hold_steps(node.url, FIRST_STEPS)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = concurrent.futures.Future()
-        stream = pool.submit(read_stream, node.url, body(300, stream=True), started)
+        stream = pool.submit(read_stream, node.url, body(MAX_TOKENS, stream=True), started)
         started.result(timeout=120)
         node.process.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: health(node.url).get("status") == "draining", timeout=30)
+        assert not stream.done()
+        hold_steps(node.url, None)  # the rest of the stream, while the node drains
         events = stream.result()
     assert node.process.wait(timeout=60) == 0  # it stopped; SIGTERM did not kill it
     assert events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
     assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
-    assert events[-2]["usage"]["completion_tokens"] == 300
+    assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS
     assert "g1" not in live(directory)  # dropped its record (its TTL is 60 s)
     assert json.loads(node.process.stdout.readline()) == {"stopped": node.url}
     assert "g1: SIGTERM: draining 1 open request(s)" in node.log_path.read_text()
@@ -95,11 +115,12 @@ def test_a_stream_in_flight_at_sigterm_finishes_then_the_node_exits_and_has_left
 def test_a_draining_node_refuses_new_requests_and_a_second_signal_cuts_those_in_flight(nodes):
     processes, directory = nodes
     node = processes["g2"]
+    hold_steps(node.url, FIRST_STEPS)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         started = concurrent.futures.Future()
-        stream = pool.submit(read_stream, node.url, body(LONG, stream=True), started)
-        plain = pool.submit(httpx.post, f"{node.url}/v1/completions", json=body(LONG, stream=False), timeout=120)
+        stream = pool.submit(read_stream, node.url, body(MAX_TOKENS, stream=True), started)
         started.result(timeout=120)
+        plain = pool.submit(httpx.post, f"{node.url}/v1/completions", json=body(MAX_TOKENS, stream=False), timeout=120)
         assert wait_until(lambda: httpx.get(f"{node.url}/health").json()["inflight"] == 2, timeout=30)
         node.process.send_signal(signal.SIGTERM)
         assert wait_until(lambda: httpx.get(f"{node.url}/health").json()["status"] == "draining")

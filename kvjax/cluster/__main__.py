@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--remote-fault", default=None, choices=FAULTS,
                       help="misbehave when peers ask for blocks, and take POST /kv/fault to change how (fault "
                            "tests only)")
+    node.add_argument("--step-control", action="store_true",
+                      help='take POST /test/steps {"steps": N}: run N more engine steps, then hold every request '
+                           'where it is until the next one ({"steps": null}: run freely); for tests that act while '
+                           "requests are in flight, on any device (tests only)")
     node.set_defaults(func=_run_node)
     router = commands.add_parser("router", help="route requests to the nodes", description=ROUTER_DESCRIPTION)
     _common(router, default_port=8000)
@@ -190,7 +194,7 @@ def _run_node(args) -> int:
                               fault=args.remote_fault or "none")  # fmt: skip
     try:
         app = create_node_app(worker, model, args.node_id, offers, fault_control=args.remote_fault is not None,
-                              drain=drain)  # fmt: skip
+                              step_control=args.step_control, drain=drain)  # fmt: skip
         _serve(lambda config: DrainingServer(config, drain, worker.leave_directory), app, sock,
                {"ready": address, "node_id": args.node_id, "model": model,
                 "transfer": None if transport is None else transport.address,

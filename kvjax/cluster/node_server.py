@@ -67,10 +67,14 @@ _ROUTES = "POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /he
 
 
 def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: OfferService | None = None, *,
-                    fault_control: bool = False, drain: NodeDrain | None = None) -> FastAPI:  # fmt: skip
+                    fault_control: bool = False, step_control: bool = False,
+                    drain: NodeDrain | None = None) -> FastAPI:  # fmt: skip
     """The node's FastAPI app around a started ``worker``; ``offers``: serve ``/kv/offer``
-    and ``/kv/ack`` to peers; ``fault_control``: also ``/kv/fault`` (fault tests); ``drain``:
-    what a ``DrainingServer`` drains on SIGTERM (default: one of ``DEFAULT_GRACE_S``)."""
+    and ``/kv/ack`` to peers; ``fault_control``: also ``/kv/fault`` (fault tests);
+    ``step_control``: also ``POST /test/steps`` (``{"steps": N}``: run N more engine steps, then
+    hold every request; ``{"steps": null}``: run freely; ``EngineWorker.hold_steps``), for tests
+    that act while requests are in flight; ``drain``: what a ``DrainingServer`` drains on
+    SIGTERM (default: one of ``DEFAULT_GRACE_S``)."""
     app = FastAPI(title=f"kvjax node {node_id}")
     drain = drain if drain is not None else NodeDrain(node_id)
     registry = _node_metrics(worker, offers)
@@ -148,6 +152,17 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
                 return {"mode": offers.set_fault(await http_request.json())}
             except ValueError as error:
                 return JSONResponse({"error": str(error)}, status_code=400)
+
+    if step_control:
+
+        @app.post("/test/steps")
+        async def test_steps(http_request: Request):
+            try:
+                steps = (await http_request.json())["steps"]
+                worker.hold_steps(steps)
+            except (ValueError, KeyError, TypeError) as error:
+                return JSONResponse(error_body(f"expected {{\"steps\": N or null}}: {error}"), status_code=400)
+            return {"steps": steps}
 
     @app.get("/v1/models")
     async def models():

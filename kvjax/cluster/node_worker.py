@@ -95,6 +95,7 @@ class EngineWorker:
         self._not_taken_lock = threading.Lock()
         self._stop = threading.Event()
         self._next_share = 0.0  # monotonic s: next exchange of the policy's statistics
+        self._steps_left: int | None = None  # engine steps it may run before it holds (hold_steps); None: no limit
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
 
@@ -139,6 +140,17 @@ class EngineWorker:
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
 
+    def hold_steps(self, steps: int | None) -> None:
+        """Let the engine run ``steps`` more steps, then hold every request where it is until
+        the next call; None: run freely (the default). For tests that must act while requests
+        are in flight, whatever the device's speed: while it holds, the engine thread still
+        takes requests (counted in the load) and cancellations. Applied in order with
+        ``submit``: a request submitted after this call runs under it. ValueError for a
+        ``steps`` that is not an int >= 0 or None."""
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"steps={steps!r} must be an int >= 0, or null to run freely")
+        self._commands.put(("steps", steps))
+
     def export(self, request: OfferRequest, deadline: float) -> ExportedPages:
         """Pages a peer asks for, read on the engine thread between steps (blocking);
         TimeoutError if ``deadline`` (monotonic seconds) passes first."""
@@ -155,10 +167,12 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._take_commands(block=not self.engine.has_unfinished)
+                self._take_commands(block=not self._may_step)
                 if self._parked:
                     self._land_fetches()
-                if self.engine.has_unfinished:
+                if self._may_step:
+                    if self._steps_left is not None:
+                        self._steps_left -= 1
                     for event in self.engine.step():  # a step ends its batch of block events
                         self._deliver(event)
                 self._publish()
@@ -181,6 +195,10 @@ class EngineWorker:
                     command[3](failure)
                 elif command[0] == "export" and command[3].set_running_or_notify_cancel():
                     command[3].set_exception(failure)
+
+    @property
+    def _may_step(self) -> bool:
+        return self.engine.has_unfinished and self._steps_left != 0
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -223,6 +241,8 @@ class EngineWorker:
                 self._prefill_tokens.pop(command[1], None)
             else:
                 self.engine.cancel(command[1])
+        elif command[0] == "steps":
+            self._steps_left = command[1]
         elif command[0] == "export":
             _, request, deadline, future = command
             if future.set_running_or_notify_cancel():
