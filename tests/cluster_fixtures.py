@@ -95,9 +95,9 @@ def start_node(node_id, redis_url, prefix, log_dir, env, extra=()):
                            *extra], log_dir / f"{node_id}.log", env)  # fmt: skip
 
 
-def start_router(redis_url, prefix, log_dir, strategy="prefix", name="router", wait=True):
-    router = ServiceProcess(["router", "--port", "0", "--redis", redis_url, "--prefix", prefix, "--strategy", strategy],
-                            log_dir / f"{name}.log")  # fmt: skip
+def start_router(redis_url, prefix, log_dir, strategy="prefix", name="router", wait=True, extra=()):
+    router = ServiceProcess(["router", "--port", "0", "--redis", redis_url, "--prefix", prefix, "--strategy", strategy,
+                             *extra], log_dir / f"{name}.log")  # fmt: skip
     return router.wait_ready() if wait else router
 
 

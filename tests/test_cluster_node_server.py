@@ -12,7 +12,7 @@ import pytest
 from cluster_fixtures import decode_tokens, hang_up_while_generating, wait_until
 from fastapi.testclient import TestClient
 
-from kvjax.cluster.node_drain import NodeDrain
+from kvjax.cluster.drain import NodeDrain
 from kvjax.cluster.node_server import create_node_app, start_worker
 from kvjax.serving.engine import Engine
 

@@ -8,9 +8,10 @@
 
 Each prints one JSON line once it serves, e.g. ``{"ready": "http://127.0.0.1:8001",
 "node_id": "n1"}``, then logs warnings only (a router whose Redis does not answer prints a
-``not_ready`` line naming it first, and ``ready`` once it answers); Ctrl-C (SIGINT) or SIGTERM stops it cleanly: a
-node leaves the directory at once, takes no new request and gives those in flight
-``--drain-s`` seconds (``kvjax.cluster.node_drain``; a second signal cuts them now).
+``not_ready`` line naming it first, and ``ready`` once it answers); Ctrl-C (SIGINT) or
+SIGTERM stops it cleanly: a node leaves the directory at once, and a node or router takes no
+new request and gives those in flight ``--drain-s`` seconds (``kvjax.cluster.drain``; a
+second signal cuts them now).
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ import redis
 import uvicorn
 
 from kvjax.cluster.directory import Directory, check_node_id
-from kvjax.cluster.node_drain import DEFAULT_GRACE_S, DrainingServer, NodeDrain
+from kvjax.cluster.drain import DEFAULT_GRACE_S, DrainingServer, NodeDrain
 from kvjax.cluster.node_server import create_node_app, start_worker
 from kvjax.cluster.redis_process import RedisProcess
 from kvjax.cluster.remote_fetch import RemoteFetcher
 from kvjax.cluster.remote_offers import FAULTS, OfferService
 from kvjax.cluster.router import STRATEGIES, RoutingPolicy
 from kvjax.cluster.router_options import add_router_options, router_config
-from kvjax.cluster.router_server import RouterService, create_router_app, directory_down
+from kvjax.cluster.router_server import RouterService, create_router_app, directory_down, router_drain
 from kvjax.config.checks import is_wildcard_host
 from kvjax.serving.engine import Engine
 
@@ -54,8 +55,8 @@ ROUTER_DESCRIPTION = ("The OpenAI-compatible front of the cluster: per request i
 DESCRIPTION = ("Run the pieces of a kvjax cluster by hand: 'redis' (a redis-server on loopback for the "
                "directory), 'node' (an engine behind the OpenAI-compatible API, registered at --redis) and "
                "'router' (the OpenAI-compatible front that routes by the directory). Each prints one JSON "
-               "line once it serves; Ctrl-C or SIGTERM stops it cleanly (a node first finishes the requests "
-               "it has, for up to --drain-s seconds).")
+               "line once it serves; Ctrl-C or SIGTERM stops it cleanly (a node or router first finishes the "
+               "requests it has, for up to --drain-s seconds).")
 
 
 _LOG = logging.getLogger("kvjax.cluster")
@@ -103,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     router.add_argument("--read-timeout-s", type=float, default=600.0, metavar="S",
                         help="longest a node may stay silent while answering (a whole non-streamed answer, or "
                              "between two stream chunks) before the client gets a 504 (default: %(default)s)")
+    router.add_argument("--drain-s", type=float, default=DEFAULT_GRACE_S, metavar="S",
+                        help="on SIGTERM or Ctrl-C, seconds the requests in flight (streams included) may still "
+                             "run; new ones get a 503 and /health answers 503 'draining' at once; then a stream "
+                             "still open ends with an error event and a non-streamed request gets a 503 (default: "
+                             "%(default)s)")
     router.set_defaults(func=_run_router)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command == "redis" else logging.WARNING,
@@ -222,7 +228,14 @@ def _run_router(args) -> int:
     try:
         config = router_config(args, args.strategy)
         service = RouterService(directory, RoutingPolicy(config), max_attempts=args.max_attempts)
-        app = create_router_app(service, read_timeout_s=args.read_timeout_s)
+    except ValueError as error:
+        raise SystemExit(f"router: {error}") from None
+    try:
+        drain = router_drain(args.drain_s)
+    except ValueError as error:
+        raise SystemExit(f"router: --drain-s: {error}") from None
+    try:
+        app = create_router_app(service, read_timeout_s=args.read_timeout_s, drain=drain)
     except ValueError as error:
         raise SystemExit(f"router: {error}") from None
     sock = _listen(args.host, args.port, "router")
@@ -241,7 +254,8 @@ def _run_router(args) -> int:
         while await asyncio.to_thread(_ping, directory) is not None:
             await asyncio.sleep(_REDIS_RETRY_S)
 
-    _serve(uvicorn.Server, app, sock, {"ready": address, "strategy": args.strategy}, ready_when=directory_answers)
+    _serve(lambda config: DrainingServer(config, drain), app, sock, {"ready": address, "strategy": args.strategy},
+           ready_when=directory_answers)
     return 0
 
 
@@ -292,7 +306,7 @@ def _listen(host: str, port: int, who: str) -> socket.socket:
 
 def _serve(server_class: Callable[[uvicorn.Config], uvicorn.Server], app, sock: socket.socket, ready: dict,
            ready_when: Callable[[], Awaitable[None]] | None = None) -> None:  # fmt: skip
-    """Serve ``app`` on ``sock`` with ``server_class`` (uvicorn's, or the node's ``DrainingServer``);
+    """Serve ``app`` on ``sock`` with ``server_class`` (uvicorn's, or a ``DrainingServer``);
     print ``ready`` once it serves (and ``ready_when`` returned), and a ``stopped`` line once it
     stopped at a signal."""
     server = server_class(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))

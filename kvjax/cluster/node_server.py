@@ -20,7 +20,7 @@ for the disconnect while it waits (``kvjax.cluster.http_front``), a stream's res
 its first event.
 
 Every completion is open in the app's ``NodeDrain`` until answered to the end: on SIGTERM the
-node refuses new ones and gives those open a grace period (``kvjax.cluster.node_drain``).
+node refuses new ones and gives those open a grace period (``kvjax.cluster.drain``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.background import BackgroundTask
 
+from kvjax.cluster.drain import NodeDrain
 from kvjax.cluster.http_front import ClientGone, answer_errors_as_openai, unless_client_leaves
-from kvjax.cluster.node_drain import NodeDrain
 from kvjax.cluster.node_worker import EngineWorker, cluster_info_of, start_worker
 from kvjax.cluster.openai_api import (
     CompletionRequest,
@@ -97,7 +97,12 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
         hint = None
         if worker.remote is not None and request.remote_fetch:
             hint = await anyio.to_thread.run_sync(_find_peer, worker.remote, engine, request)
-        drain.open(request_id, events, lambda: worker.cancel(request_id))  # a 503 while the node drains
+
+        def cut(error: RequestError) -> None:  # the drain's end: tell the waiting handler, stop the engine's work
+            events.put_nowait(error)
+            worker.cancel(request_id)
+
+        drain.open(request_id, cut)  # a 503 while the node drains
         streaming = False
         try:
             worker.submit(request_id, request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item), hint)

@@ -21,6 +21,10 @@ breaks after that is not retried (the client has text already): it ends with an 
 never half of one. A client that leaves before its answer is complete closes the request to
 the node, which then cancels it too (``kvjax.cluster.http_front``).
 
+On SIGTERM the router drains (``kvjax.cluster.drain``, with ``DrainingServer``): ``/health``
+answers 503 "draining" and new requests a 503 at once, while those in flight, streams
+included, run to their end for the drain's grace period; the router exits once none is open.
+
 Nothing is kept here that a restart would lose: the directory, the nodes' records and their
 loads live in Redis; only the round-robin position and the cluster record are cached.
 """
@@ -29,11 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio.to_thread
 import httpx
@@ -46,6 +51,7 @@ from starlette.background import BackgroundTask
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory
+from kvjax.cluster.drain import DEFAULT_GRACE_S, Drain
 from kvjax.cluster.http_front import answer_errors_as_openai, unless_client_leaves
 from kvjax.cluster.openai_api import (
     NAMESPACE_HEADER,
@@ -62,7 +68,7 @@ from kvjax.cluster.router import Decision, RoutingPolicy
 from kvjax.text.canonicalize import canonicalize
 from kvjax.text.tokens import validate_tokens
 
-__all__ = ["RouterService", "create_router_app", "directory_down"]
+__all__ = ["RouterService", "create_router_app", "directory_down", "router_drain"]
 
 _LOG = logging.getLogger(__name__)
 _ROUTES = "POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics"
@@ -157,10 +163,11 @@ class RouterService:
             _LOG.warning("could not count a request on node %s: %s", decision.node_id, error)
 
 
-def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
-                      read_timeout_s: float = 600.0) -> FastAPI:  # fmt: skip
+def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0,
+                      drain: Drain | None = None) -> FastAPI:  # fmt: skip
     """The router's FastAPI app: ``/v1/completions``, ``/v1/models`` (and ``/v1/models/{model}``),
     ``/health``, ``/metrics``; every error an OpenAI error body (``kvjax.cluster.http_front``).
+    ``drain``: what a ``DrainingServer`` drains on SIGTERM (default: one of ``router_drain()``).
 
     ``read_timeout_s``: the longest a node may stay silent while answering (its whole
     non-streamed answer, or between two chunks of a stream); past it the client gets a 504 and
@@ -171,6 +178,8 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
             raise ValueError(f"{name}={value!r} must be a positive finite number of seconds")
     timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=30.0)
     client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000))
+    drain = drain if drain is not None else router_drain()
+    request_ids = itertools.count()
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -185,10 +194,19 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
     async def completions(http_request: Request):
         raw = await http_request.body()
         request = parse_completion_request(raw, http_request.headers)
-        # a client that leaves before the answer (or a stream's first event) closes the
-        # request to its node, whose own watch then cancels the engine's work
-        return await unless_client_leaves(http_request.receive,
-                                          _forward(service, client, raw, http_request.headers, request))
+        request_id = str(next(request_ids))
+        drain.open(request_id)  # a 503 while the router drains
+        streaming = False
+        try:
+            # a client that leaves before the answer (or a stream's first event) closes the
+            # request to its node, whose own watch then cancels the engine's work; so does a cut
+            response = await unless_client_leaves(http_request.receive, drain.unless_cut(
+                _forward(service, client, raw, http_request.headers, request, drain, request_id)))
+            streaming = isinstance(response, StreamingResponse)  # open until its last chunk went out
+            return response
+        finally:
+            if not streaming:
+                drain.close(request_id)
 
     @app.get("/v1/models")
     async def models():
@@ -206,8 +224,12 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
     async def health():
         """Readiness: 200 while the directory answers and lists a live node; 503 naming the
         directory's Redis while it cannot be reached (the router may start before Redis:
-        it serves from the moment Redis answers, nothing to restart)."""
+        it serves from the moment Redis answers, nothing to restart), 503 "draining" once it
+        is shutting down."""
         address = service.directory.address
+        if drain.draining:
+            return JSONResponse({"status": "draining", "directory": address, "reason": drain.reason,
+                                 "open_requests": drain.num_open}, status_code=503)  # fmt: skip
         try:
             nodes = await anyio.to_thread.run_sync(service.directory.live_nodes)
         except redis.RedisError as error:
@@ -227,9 +249,16 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
     return app
 
 
+def router_drain(grace_s: float = DEFAULT_GRACE_S) -> Drain:
+    """The router's drain: refused requests are sent to another router (ValueError for a bad
+    ``grace_s``)."""
+    return Drain("router", grace_s, elsewhere="send it to another router")
+
+
 async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes, headers: Mapping[str, str],
-                   request: CompletionRequest) -> Response:  # fmt: skip
-    """Send the body to the chosen node; on a failure before it answered, to the next one."""
+                   request: CompletionRequest, drain: Drain, request_id: str) -> Response:  # fmt: skip
+    """Send the body to the chosen node; on a failure before it answered, to the next one. A
+    stream stays open in ``drain`` as ``request_id`` until its last chunk went out."""
     forward_headers = {"content-type": "application/json"}
     if NAMESPACE_HEADER in headers:
         forward_headers[NAMESPACE_HEADER] = headers[NAMESPACE_HEADER]
@@ -244,7 +273,7 @@ async def _forward(service: RouterService, client: httpx.AsyncClient, raw: bytes
             break  # every live node failed it (or the directory went since): their reasons say why
         counting = asyncio.ensure_future(anyio.to_thread.run_sync(service.count, decision))
         try:
-            return await _send(client, decision, raw, forward_headers, request.stream)
+            return await _send(client, decision, raw, forward_headers, request.stream, drain, request_id)
         except _NodeFailed as failure:
             failures.append(f"{decision.node_id}: {failure}")
             if failure.unreachable:
@@ -271,8 +300,9 @@ class _NodeFailed(Exception):
 
 
 async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, headers: dict[str, str],
-                stream: bool) -> Response:  # fmt: skip
-    """The chosen node's answer, passed through (a 200 stream chunk by chunk)."""
+                stream: bool, drain: Drain, request_id: str) -> Response:  # fmt: skip
+    """The chosen node's answer, passed through (a 200 stream chunk by chunk, until the drain
+    cuts it)."""
     url = f"{decision.node.address}/v1/completions"
     try:
         upstream = await client.send(client.build_request("POST", url, content=raw, headers=headers), stream=True)
@@ -296,8 +326,14 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
         if not first or first.startswith(_ERROR_EVENT):
             await upstream.aclose()
             raise _NodeFailed(first.decode(errors="replace")[:200] or "an empty stream", unreachable=False)
-        return StreamingResponse(_relay(first, events, decision, client), media_type=media_type,
-                                 headers=reply_headers, background=BackgroundTask(upstream.aclose))  # fmt: skip
+
+        async def finished() -> None:  # a coroutine: on the event loop, where the drain's state lives
+            drain.close(request_id)  # also where the relay never started (its client left first)
+            await upstream.aclose()
+
+        relay = _relay(first, drain.until_cut(events), decision, client, lambda: drain.close(request_id))
+        return StreamingResponse(relay, media_type=media_type,
+                                 headers=reply_headers, background=BackgroundTask(finished))  # fmt: skip
     try:
         body = await upstream.aread()
     except httpx.ReadTimeout:
@@ -353,14 +389,18 @@ async def _whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield pending
 
 
-async def _relay(first: bytes, events: AsyncIterator[bytes], decision: Decision,
-                 client: httpx.AsyncClient) -> AsyncIterator[bytes]:  # fmt: skip
-    """A started stream, passed on; if the node breaks it off, an error event and ``[DONE]``
-    end it (not a cut connection: clients tell a failed stream from a finished one)."""
-    yield first
+async def _relay(first: bytes, events: AsyncIterator[bytes], decision: Decision, client: httpx.AsyncClient,
+                 ended: Callable[[], None]) -> AsyncIterator[bytes]:  # fmt: skip
+    """A started stream, passed on; if the node breaks it off, or the router's drain cuts it, an
+    error event and ``[DONE]`` end it (not a cut connection: clients tell a failed stream from
+    a finished one). ``ended`` is called once it ended, however."""
     try:
+        yield first
         async for chunk in events:
             yield chunk
+    except RequestError as cut:
+        yield sse(cut.body())
+        yield sse("[DONE]")
     except httpx.ReadTimeout:
         yield sse(_silent(decision, client).body())
         yield sse("[DONE]")
@@ -368,6 +408,8 @@ async def _relay(first: bytes, events: AsyncIterator[bytes], decision: Decision,
         message = f"node {decision.node_id} broke off the stream: {type(error).__name__}"
         yield sse(error_body(message, kind="server_error"))
         yield sse("[DONE]")
+    finally:
+        ended()
 
 
 def _silent(decision: Decision, client: httpx.AsyncClient) -> RequestError:
