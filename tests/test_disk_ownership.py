@@ -150,6 +150,15 @@ def test_read_only_needs_an_existing_directory(tmp_path):
     assert not missing.exists()
 
 
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_file_where_the_directory_should_be_is_named(tmp_path, read_only):
+    path = tmp_path / "not_a_dir"
+    path.write_bytes(b"kept")
+    with pytest.raises(ValueError, match=rf"^disk directory {re.escape(str(path))} is a file; expected a directory"):
+        make_tier(path, read_only=read_only)
+    assert path.read_bytes() == b"kept"
+
+
 def test_a_closed_tier_refuses_reads_and_writes_but_keeps_its_figures(tmp_path):
     with make_tier(tmp_path) as tier:
         tier.put(keys(2), random_blocks(2), NS)

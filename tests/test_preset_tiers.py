@@ -24,7 +24,7 @@ def test_cache_options_turn_the_disk_tier_on(tmp_path):
 
 @pytest.mark.parametrize("options, tiers, message", [
     ({"disk_dir": "DIR"}, True, (r"a disk tier \(disk_dir='DIR'\) needs host_bytes > 0 and "
-                                 r"disk_bytes > 0; got self.host_bytes=2097152, self.disk_bytes=0")),
+                                 r"disk_bytes > 0; got host_bytes=2097152, disk_bytes=0")),
     ({"disk_dir": "DIR", "disk_bytes": 1 << 20, "host_bytes": 0}, True,
      (r"^cache_options disk_dir='DIR' needs host_bytes > 0 \(the disk tier sits below the host tier\); "
       r"pass host_bytes too$")),

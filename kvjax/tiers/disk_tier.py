@@ -194,6 +194,9 @@ class DiskTier:
         self._pid = os.getpid()  # a forked child's copy reads and writes nothing (its lock is the parent's)
         self._dir_lock: DirectoryLock | None = None
         if self.directory is not None:
+            if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+                raise ValueError(f"disk directory {self.directory} is a file; expected a directory (or a path "
+                                 "to create one at)")
             if self.read_only and not os.path.isdir(self.directory):
                 raise ValueError(f"disk directory {self.directory} does not exist (read_only=True opens "
                                  "an existing one)")

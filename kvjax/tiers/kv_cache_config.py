@@ -83,7 +83,7 @@ class KVCacheConfig:
             raise ValueError(f"vocab_size={self.vocab_size!r} must be None or an int in [1, 2**31] (ids are int32)")
         if self.disk_dir is not None and (self.host_bytes == 0 or self.disk_bytes == 0):
             raise ValueError(f"a disk tier (disk_dir={self.disk_dir!r}) needs host_bytes > 0 and "
-                             f"disk_bytes > 0; got {self.host_bytes=}, {self.disk_bytes=}")
+                             f"disk_bytes > 0; got host_bytes={self.host_bytes}, disk_bytes={self.disk_bytes}")
         if isinstance(self.selective_min_hits, bool) or not isinstance(self.selective_min_hits, int) \
                 or self.selective_min_hits < 1:  # fmt: skip
             raise ValueError(f"selective_min_hits={self.selective_min_hits!r} must be an int >= 1")
