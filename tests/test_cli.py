@@ -156,6 +156,16 @@ def test_cluster_demo_help_describes_it_in_a_whole_sentence(capsys):
     assert code == 0 and description.endswith("side by side.") and "round_robin" in description
 
 
+@pytest.mark.parametrize("command", ["demo", "replay", "cluster-demo"])
+def test_every_option_says_what_it_does_not_only_its_default(command, capsys):
+    """``--long-prefix-units`` was documented as "(default: 4)" alone."""
+    code, out, _ = run_cli([command, "--help"], capsys)
+    options = out.split("options:", 1)[1]
+    bare = re.findall(r"^\s+(--[\w-]+)(?: [A-Z_ ]+)?\s*\n\s+\(default", options, re.MULTILINE)
+    bare += re.findall(r"^\s+(--[\w-]+)(?: [A-Z_ ]+)?\s+\(default", options, re.MULTILINE)
+    assert code == 0 and not bare
+
+
 def test_the_real_entry_point_prints_one_line(tmp_path):
     """``python -m kvjax`` as a user runs it: a subprocess, from outside the checkout."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -30,7 +30,9 @@ def add_router_options(group, *, remote_fetch_cost_default: str = "no credit") -
                             f"than --long-prefix-units typical prompts of prefill (default: "
                             f"{_DEFAULTS.long_prefix_slack:g})")
     group.add_argument("--long-prefix-units", type=float, metavar="U",
-                       help=f"(default: {_DEFAULTS.long_prefix_units:g})")
+                       help=f"typical prompts of prefill (load units) a request's longest holders must save, against "
+                            f"the best node within the plain slack, for --long-prefix-slack to apply (default: "
+                            f"{_DEFAULTS.long_prefix_units:g})")
     group.add_argument("--imbalance-abs", type=float, metavar="N",
                        help=f"load units a node may be above the mean load before the safety valve skips it "
                             f"(default: {_DEFAULTS.imbalance_abs:g})")
