@@ -51,8 +51,6 @@ def test_config_from_dict_and_canonical_dtype():
     (dict(page_size=16.0), r"page_size=16.0 must be a positive int"),
     (dict(head_dim=True), r"head_dim=True must be a positive int"),
     (dict(dtype="float33"), r"dtype='float33' is not a dtype jax.numpy knows"),
-    (dict(dtype="int32"), r"dtype='int32' must be a floating dtype \(e.g. 'bfloat16', 'float32'\).*kv_quant"),
-    (dict(dtype="int8", kv_quant="int8"), r"dtype='int8' must be a floating dtype"),
     (dict(pages=3), r"unknown pool config keys \['pages'\]; expected some of \['num_blocks'"),
 ])
 def test_config_errors(values, message):

@@ -82,9 +82,6 @@ class PoolConfig:
             name = jnp.dtype(self.dtype).name
         except TypeError as e:
             raise ValueError(f"dtype={self.dtype!r} is not a dtype jax.numpy knows") from e
-        if not jnp.issubdtype(name, jnp.floating):  # the kernels compute in it; quantized storage is kv_quant's
-            raise ValueError(f"dtype={self.dtype!r} must be a floating dtype (e.g. 'bfloat16', 'float32'): the "
-                             "model's K/V dtype; for int8 or fp8 pages set kv_quant")
         object.__setattr__(self, "dtype", name)  # canonical, so equal configs compare equal
         object.__setattr__(self, "kv_quant", parse_quant(self.kv_quant, "kv_quant", self.kv_scale))
 
