@@ -68,6 +68,20 @@ def test_bad_requests_are_refused_and_change_nothing(engine, kwargs, message):
     engine.check_invariants()
 
 
+def test_a_closed_engine_refuses_requests_and_steps_by_name():
+    """It used to go on serving from the device after its cache said every tier was cleared."""
+    engine = make_engine()
+    engine.add_request("a", tokens=[1, 2, 3], max_new_tokens=2)
+    engine.close()
+    with pytest.raises(ValueError, match=r"^request_id='b': this engine is closed \(close\(\) was called\)"):
+        engine.add_request("b", tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"^this engine is closed \(close\(\) was called\); step needs"):
+        engine.step()
+    with pytest.raises(ValueError, match=r"^this KVCache is closed"):
+        engine.cache.admit([1, 2, 3, 4])
+    engine.close()  # idempotent
+
+
 def test_eviction_to_the_low_watermark_happens_once_when_scheduler_and_engine_both_ask():
     # the scheduler's evict_to_low_watermark and the engine's spill_ahead read the same target:
     # the engine evicts only what the scheduler has not, so the pool stops at the low mark

@@ -128,6 +128,9 @@ class Engine:
         of ``prompt``/``tokens``, token ids (prompt or stop ids) outside the model's vocabulary, or a request longer
         than ``max_model_len``.
         """
+        if self.cache.closed:
+            raise ValueError(f"request_id={request_id!r}: this engine is closed (close() was called); "
+                             "build a new one to serve")
         if (prompt is None) == (tokens is None):
             raise ValueError("pass exactly one of prompt= (text) or tokens= (token ids)")
         if request_id in self._records:
@@ -189,7 +192,10 @@ class Engine:
     # --- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """Run one step (see the module docstring); returns its events in order."""
+        """Run one step (see the module docstring); returns its events in order. ValueError
+        once the engine is closed (its cache's tiers are gone)."""
+        if self.cache.closed:
+            raise ValueError("this engine is closed (close() was called); step needs an open engine")
         before = compilations()
         try:
             return self._step()
@@ -277,7 +283,8 @@ class Engine:
             raise RuntimeError(f"requests {sorted(live - self._records.keys())} are live without a record")
 
     def close(self) -> None:
-        """Release the cache's resources (tier files, transfer threads)."""
+        """Release the cache's resources (tier files, transfer threads); ``add_request`` and
+        ``step`` refuse afterwards."""
         self.cache.close()
 
     def __enter__(self) -> Engine:

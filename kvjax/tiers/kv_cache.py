@@ -263,6 +263,11 @@ class KVCache:
 
     # --- the request path ------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._closed
+
     def admit(self, tokens: TokensLike | Lookup, namespace: NamespaceLike = None, *,
               accept_lossy: bool | None = None) -> SeqHandle | None:  # fmt: skip
         """Map device hits, start fetches of host/disk hits worth fetching, allocate the rest.
@@ -280,6 +285,8 @@ class KVCache:
         evicted or a later commit replaces it. Pages computed on top of lossy hits are
         recorded as exact: only KV that itself went through the codec is flagged.
         """
+        if self._closed:  # its events said "cleared": hits now would be blocks no subscriber knows of
+            raise ValueError("this KVCache is closed (close() was called); admit needs an open cache")
         _check_accept_lossy(accept_lossy)
         lookup = self._fresh_lookup(tokens, namespace)
         ns, buf = lookup.namespace, lookup.buf
@@ -615,7 +622,7 @@ class KVCache:
         """Stop the transfer workers (queued transfers fail; the disk keeps what it wrote) and
         close the disk tier this cache opened (a given one stays open). The device and host
         tiers go with the cache: a "cleared" event each (and the disk no longer counts host
-        copies as dependents of its blocks)."""
+        copies as dependents of its blocks). ``admit`` refuses afterwards (ValueError)."""
         if self.transfer is not None:
             self.transfer.close()
         closing, self._closed = not self._closed, True
