@@ -344,6 +344,19 @@ def test_reset_replaces_the_holdings_after_lost_batches(directory):
         assert run_of(directory, TENANT_A, keys).blocks_by_tier == {"device": 0, "host": 3, "disk": 0}
 
 
+def test_a_reset_holding_a_dropped_first_block_again_publishes_it_held(directory):
+    # the lost batches cached the marked block again; the resync wrote its mask, then the
+    # remembered mark over it: the node looked as if it held nothing of the prefix
+    keys = keys_of(TENANT_A)
+    with running_publisher(directory) as publisher:
+        publisher.submit([stored(TENANT_A, keys[:2]), stored(TENANT_A, keys[:2], kind="removed", seq=2)])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).first_dropped_ms > 0)
+        publisher.reset([(TENANT_A.digest(), key, "host") for key in keys[:2]])
+        assert wait_until(lambda: publisher.epoch == 2)  # set once the resync wrote everything, marks last
+        view = run_of(directory, TENANT_A, keys)
+        assert (view.prefix_blocks, view.first_dropped_ms) == (2, 0)
+
+
 def test_a_second_process_with_the_same_id_supersedes_the_first(directory):
     with running_publisher(directory) as first, running_publisher(directory) as second:
         assert wait_until(lambda: first.status == "superseded")

@@ -210,6 +210,8 @@ class DirectoryPublisher:
             # marked when they leave (a routing hint lost, nothing wrong)
             self._first_blocks.clear()
             self._fold_entries(reset)
+            for block in self._holdings:  # held again: a mark written after its mask would hide it
+                self._marks.pop(block, None)
             self._needs_resync = True
         changed: set[_Block] = set()
         for batch in batches:
