@@ -86,6 +86,7 @@ class DirectoryPublisher:
         self._written_load: NodeLoad | None = None
         self._needs_resync = True
         self._refresh_queue: list[_Block] = []
+        self._refresh_count = 0  # blocks of the queue refreshed per heartbeat
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._registered = threading.Event()
@@ -313,11 +314,14 @@ class DirectoryPublisher:
         """Extend the TTL of the next slice of held blocks (all of them every block_ttl_s / 2)."""
         if not self._refresh_queue:
             self._refresh_queue = list(self._holdings)
-        rounds = max(1.0, self.directory.block_ttl_s / 2 / self.heartbeat_s)
-        count = math.ceil(len(self._holdings) / rounds)
-        if count:
-            blocks, self._refresh_queue = self._refresh_queue[:count], self._refresh_queue[count:]
-            self.directory.refresh_blocks(blocks)
+            rounds = max(1.0, self.directory.block_ttl_s / 2 / self.heartbeat_s)
+            # sized by the queue, not the holdings now: after a mass eviction it still drains in time
+            self._refresh_count = math.ceil(len(self._refresh_queue) / rounds)
+        count = self._refresh_count
+        blocks, self._refresh_queue = self._refresh_queue[:count], self._refresh_queue[count:]
+        held = [block for block in blocks if block in self._holdings]  # a left block's key is not ours to extend
+        if held:
+            self.directory.refresh_blocks(held)
 
 
 def describe_successor(successor: NodeView | None) -> str:
