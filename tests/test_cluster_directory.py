@@ -170,6 +170,14 @@ def test_a_node_without_heartbeat_leaves_within_its_ttl(redis_server, redis_pref
     assert not directory.client.exists(directory.node_key("n1"))  # no record resurrected by the router
 
 
+def test_an_old_epochs_late_write_leaves_the_new_records_load_alone(directory):
+    # the old process's load overwrote the new one's, and its writes kept the record alive
+    old = directory.register("n1", "http://a", CLUSTER)
+    directory.register("n1", "http://b", CLUSTER)
+    directory.write_blocks("n1", old, {}, NodeLoad(5, 500))
+    assert directory.live_nodes()[0].load == NodeLoad(0, 0)
+
+
 def test_a_newer_epoch_of_the_same_id_supersedes_the_old_process(directory):
     old = directory.register("n1", "http://a", CLUSTER)
     directory.register("n1", "http://b", CLUSTER)

@@ -318,8 +318,8 @@ class DirectoryMachine(RuleBasedStateMachine):
                 holders.pop(node, None)
                 if not holders:
                     del self.fields[block]
-        if load is not None and node in self.records:
-            self.records[node].load = load
+        if load is not None and node in self.records and self.records[node].epoch == epoch:
+            self.records[node].load = load  # an old epoch's process does not speak for the new one
 
     # checks ----------------------------------------------------------------------------------
 
@@ -371,7 +371,7 @@ class DirectoryMachine(RuleBasedStateMachine):
 
 def test_directory_lookups_walk_the_live_epochs(redis_module):
     DirectoryMachine.server = redis_module
-    run_state_machine_as_test(DirectoryMachine, settings=_settings(max_examples=60, steps=25))
+    run_state_machine_as_test(DirectoryMachine, settings=_settings(max_examples=120, steps=25))
 
 
 # --- a node's publisher: events in, the cache's runs out -----------------------------------

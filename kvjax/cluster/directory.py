@@ -200,6 +200,7 @@ class Directory:
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
         self._add_load = client.register_script(_ADD_LOAD)
+        self._write_load = client.register_script(_WRITE_LOAD)
         self._lookup = client.register_script(_LOOKUP)
 
     @classmethod
@@ -269,8 +270,9 @@ class Directory:
         record's load.
 
         Routers see all of it or none of it. ``load`` also refreshes the record's TTL: a
-        node that steps is alive (a record that already expired gets no epoch back, so it
-        stays invisible until the node registers again).
+        node that steps is alive. Only while ``epoch`` is the record's: an expired record is
+        not written (it stays invisible until the node registers again), nor a newer epoch's
+        (an old process that has not yet heard it was superseded).
         """
         ttl_ms = self._ms(self.block_ttl_s)
         dropped = dropped or {}
@@ -283,9 +285,8 @@ class Directory:
                 else:
                     pipe.hdel(name, node_id)
             if load is not None:
-                node = self.node_key(node_id)
-                pipe.hset(node, mapping={"inflight": load.inflight, "prefill_tokens": load.prefill_tokens})
-                pipe.pexpire(node, self._ms(self.node_ttl_s))
+                self._write_load([self.node_key(node_id)], [epoch, load.inflight, load.prefill_tokens,
+                                                            self._ms(self.node_ttl_s)], client=pipe)  # fmt: skip
             pipe.execute()
 
     def refresh_blocks(self, blocks: Iterable[tuple[bytes, bytes]]) -> None:
@@ -420,6 +421,14 @@ _ADD_LOAD = """
 if redis.call('HEXISTS', KEYS[1], 'epoch') == 0 then return 0 end
 redis.call('HINCRBY', KEYS[1], 'inflight', ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'prefill_tokens', ARGV[2])
+return 1
+"""
+
+# KEYS: node record. ARGV: epoch, inflight, prefill tokens, ttl ms.
+_WRITE_LOAD = """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'inflight', ARGV[2], 'prefill_tokens', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 
