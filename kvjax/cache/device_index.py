@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -386,8 +387,9 @@ class DeviceIndex:
         ``ttl=None``: a hard pin, held until ``unpin`` with the same tokens and namespace.
         ``ttl`` seconds: a soft pin that expires by itself (hot system prompts).
         """
-        if ttl is not None and not ttl > 0:
-            raise ValueError(f"{ttl=} must be a positive number of seconds (or None: hard pin)")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float, np.integer, np.floating))
+                                or not 0 < ttl < math.inf):  # fmt: skip
+            raise ValueError(f"{ttl=} must be a positive finite number of seconds (or None: hard pin)")
         ns = as_namespace(namespace)
         buf = token_bytes(tokens, self.vocab_size)
         now = self.clock()
