@@ -389,6 +389,34 @@ def test_room_for_a_spill_never_takes_the_disk_copy_of_a_host_page_that_room_evi
         cache.check_invariants()
 
 
+def test_host_room_writes_a_victim_whose_disk_copy_a_background_spill_took_before_its_bit_cleared():
+    """r is on host and disk, z on disk only (its block the older), x on host only; the host
+    is full. A background spill of x, finished before the next poll, makes room on the full
+    disk by evicting r's block (r has a host copy: it costs nothing there), and r's DISK bit
+    stays until that poll. Write-back room for y then took r's host copy as one on disk
+    too, wrote nothing, and r left the trie at the poll. The disk's word is asked (a victim
+    whose disk copy cannot be locked is written first)."""
+    clock = Clock()
+    disk = MemoryDisk(POOL.block_shape, POOL.dtype, 2)
+    with make(host_blocks=2, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
+              transfer_factory=ManualTransfer, high_watermark=1.0, low_watermark=1.0) as cache:  # fmt: skip
+        r, z, x, y = prompt(5), prompt(5, start=100), prompt(5, start=200), prompt(5, start=300)
+        _serve_and_evict(cache, clock, z, spill=True)  # z: host and disk
+        _serve_and_evict(cache, clock, r, spill=True)  # r: host and disk; the disk is full
+        assert cache.evict_host(1) == 1  # z's copy, the older
+        _serve_and_evict(cache, clock, x)  # x: host only; the host is full
+        _serve(cache, clock, y)  # y on device
+        cache._mover.spill_host(everything=True)
+        cache.transfer.complete(0)  # x written, r's block evicted; no poll yet
+        dropped = cache.trie.dropped_pages
+        clock.now += 1.0
+        cache.evict(8)  # y's write-back copy needs r's slot
+        _settle(cache)
+        assert cache.trie.dropped_pages == dropped  # before the fix: r
+        assert [cache.match(t).tiers.tolist() for t in (r, y)] == [[Tier.DISK], [Tier.HOST]]
+        cache.check_invariants()
+
+
 def test_a_full_disk_keeps_the_last_copy_of_a_prefix_whose_next_page_is_on_host(tmp_path):
     """a and e are on disk only, a's segment the least recently used; b (after a) has a host
     copy, f (another prompt) too, older. Host room for i sends f to disk (back-pressure), into

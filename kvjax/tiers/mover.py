@@ -285,10 +285,11 @@ class TierMover:
         try:
             while True:
                 doomed, on_disk = index.room_victims(num_blocks, exclude)
-                doomed = [key for key in doomed if key not in tried]  # one a full disk refused is lost
+                pinned, gone = self._lock_on_disk(on_disk)
+                locked += pinned
+                doomed = [key for key in doomed + gone if key not in tried]  # one a full disk refused is lost
                 if not doomed:
                     break
-                locked += self._lock_on_disk(on_disk)
                 tried.update(doomed)
                 self._spill_now(doomed)
             return index.make_host_room(num_blocks, exclude)
@@ -296,15 +297,19 @@ class TierMover:
             for key, namespace in locked:
                 index.disk.unlock([key], namespace)
 
-    def _lock_on_disk(self, keys: list[bytes]) -> list[tuple[bytes, bytes]]:
+    def _lock_on_disk(self, keys: list[bytes]) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
         """Pin the disk blocks of host pages ``keys`` against eviction; returns (key,
-        namespace) of each pinned, for ``unlock``."""
-        index, locked = self.index, []
+        namespace) of each pinned, for ``unlock``, and the keys whose block the disk no
+        longer holds: a spill's room took it (a background spill's too, finished on a worker
+        thread, its DISK bit cleared only at the next ``poll``), so their host copy is the last."""
+        index, locked, gone = self.index, [], []
         for key in keys:
             namespace = index.host_entries[key].namespace
             if index.disk.lock([key], namespace):
                 locked.append((key, namespace))
-        return locked
+            else:
+                gone.append(key)
+        return locked, gone
 
     def _spill_now(self, keys: list[bytes]) -> None:
         index, trie = self.index, self.trie
