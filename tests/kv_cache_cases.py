@@ -5,8 +5,8 @@
   segments as the real engine does and copies with a real (synchronous) engine.
 * ``MemoryDisk``: the DiskTier API in memory, counted in blocks, evicting unlocked blocks on
   its own when a write does not fit, in the real tier's order (``VictimOrder``, each block a
-  segment: blocks with a copy elsewhere first, then blocks nothing depends on, then least
-  recently used); a block can be corrupted so its next read is a miss and a metric.
+  segment: blocks nothing depends on first, then least recently used); a block can be
+  corrupted so its next read is a miss and a metric.
 * ``page_content(namespace, tokens, block_shape, dtype)``: the KV a model would write for the
   last page of ``tokens``: a deterministic function of the namespace and every token up to
   the page's end, so a block served for the wrong prefix or tenant shows.
@@ -265,17 +265,6 @@ class MemoryDisk:
 
     def dependents(self) -> dict:
         return dict(self._dependents)
-
-    def add_copies(self, keys, namespace) -> None:
-        for key in keys:
-            self._order.cover((namespace, key))
-
-    def remove_copies(self, keys, namespace) -> None:
-        for key in keys:
-            self._order.uncover((namespace, key))
-
-    def copies(self) -> dict:
-        return self._order.covers()
 
     def check_invariants(self) -> None:
         if len(self._blocks) > self.capacity_blocks or min(self._locks.values(), default=1) < 1:

@@ -297,8 +297,8 @@ def test_dependents_held_elsewhere_keep_a_block_until_the_leaves_went():
 
 
 def test_with_only_prefixes_left_the_deepest_goes_first():
-    """Every block has a dependent: b's host copy names b (rank 2), a has b on disk after it
-    (rank 3). Room for x takes b, not a: a page after a lost prefix is lost too."""
+    """Every block has a dependent: b's host copy names b (rank 1), a has b on disk after it
+    (rank 2). Room for x takes b, not a: a page after a lost prefix is lost too."""
     a, b, x = keys(3)
     tier = _memory_tier(2)
     tier.put([a], random_blocks(1), NS)
@@ -368,39 +368,6 @@ def test_bad_input_raises_and_leaves_state_unchanged(tmp_path):
     assert os.listdir(tmp_path) == [LOCK_FILE] and tier.stats().put_blocks == 0
 
 
-def test_a_block_with_a_copy_elsewhere_goes_first_even_as_a_prefix():
-    """A block whose page has a copy elsewhere (the tiered cache's host copy) loses nothing
-    when its disk copy goes, not even the blocks after it (found through that copy): a,
-    covered, goes before x, the least recently used leaf, though b on disk depends on it. A
-    segment goes first only when every block of it is covered; removed, the copy leaves a
-    to the order by dependents again."""
-    a, b, x, y, z, w = keys(6)
-    names = dict(a=a, b=b, x=x, y=y, z=z, w=w)
-    tier = _memory_tier(3)
-    tier.put([x], random_blocks(1), NS)
-    tier.put([a], random_blocks(1), NS)
-    tier.put([b], random_blocks(1), NS, parents=[a])
-    tier.add_copies([a, a], NS)  # two copies elsewhere (a key may be counted more than once)
-    tier.add_copies([keys(1, start=9)[0]], NS)  # a key the tier does not hold
-    tier.put([y], random_blocks(1), NS)
-    assert _held(tier, names) == ["b", "x", "y"]
-    with pytest.raises(ValueError, match=r"has 2 copies elsewhere, not 3 to remove"):
-        tier.remove_copies([a, a, a], NS)
-    tier.remove_copies([a, a], NS)
-    tier.put([a], random_blocks(1), NS)  # x goes: the least recently used, nothing after it
-    assert _held(tier, names) == ["a", "b", "y"] and tier.copies() == {(NS, keys(1, start=9)[0]): 1}
-    tier.check_invariants()
-
-    pair = _memory_tier(4, blocks_per_segment=2)
-    pair.put([z, w], random_blocks(2), NS)
-    pair.put([x, y], random_blocks(2), NS)
-    pair.add_copies([z], NS)  # w, in the same segment, has none: evicting it loses w
-    pair.add_copies([y, x], NS)
-    pair.put([a, b], random_blocks(2), NS)  # x-y goes, though z-w is older
-    assert _held(pair, names) == ["a", "b", "z", "w"]
-    pair.check_invariants()
-
-
 class DiskTierMachine(RuleBasedStateMachine):
     """Random put/get/discard/lock/dependents/reopen sequences; the tier never serves a wrong
     block, and its eviction order stays in step with its blocks (block i is put with i - 1
@@ -414,7 +381,6 @@ class DiskTierMachine(RuleBasedStateMachine):
         self.tier = self.open()
         self.locked = []  # keys locked and not yet unlocked
         self.dependents = []  # keys given a dependent and not yet relieved of it
-        self.copies = []  # keys given a copy elsewhere and not yet relieved of it
 
     def open(self):
         return DiskTier(self.path, (4,), "int8", 6 * 4 + 3000, segment_bytes=8)
@@ -443,16 +409,6 @@ class DiskTierMachine(RuleBasedStateMachine):
     @rule()
     def remove_dependent(self):
         self.tier.remove_dependents([self.dependents.pop()], NS)
-
-    @rule(i=st.integers(0, 9))
-    def add_copy(self, i):
-        self.tier.add_copies([bytes([i]) * 16], NS)
-        self.copies.append(bytes([i]) * 16)
-
-    @precondition(lambda self: self.copies)
-    @rule()
-    def remove_copy(self):
-        self.tier.remove_copies([self.copies.pop()], NS)
 
     @rule(ids=st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True))
     def get(self, ids):
@@ -488,7 +444,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         held = {bytes([i]) * 16 for i in range(10) if self.tier.contains(bytes([i]) * 16, NS)}
         self.tier.close()
         self.tier = self.open()
-        self.dependents, self.copies = [], []  # counted in memory only, by the tier that closed
+        self.dependents = []  # counted in memory only, by the tier that closed
         reopened = {bytes([i]) * 16 for i in range(10) if self.tier.contains(bytes([i]) * 16, NS)}
         assert held <= reopened  # discards are not persisted; nothing spilled is lost
 

@@ -342,25 +342,6 @@ def _only_e_leaves_when_serving(cache, clock, tokens):
     cache.check_invariants()
 
 
-def test_a_full_disk_evicts_a_block_whose_page_has_a_host_copy_before_one_it_alone_holds(tmp_path):
-    """a is on disk only, b on host and disk (b's block the newer); the disk is full. Spilling
-    c evicted a's block, the least recently used, and a left the trie, while evicting b's
-    would have lost nothing: b stays on host, found through its host copy. The disk counts
-    each host copy of a block it holds (``DiskTier.add_copies``), and evicts b's."""
-    clock = Clock()
-    with _cache_over_a_two_block_disk(tmp_path, clock) as cache:
-        a, b, c = prompt(5), prompt(5, start=100), prompt(5, start=200)
-        _serve_and_evict(cache, clock, a, spill=True)  # a: host and disk
-        _serve_and_evict(cache, clock, b, spill=True)  # b: host and disk; the disk is full
-        assert cache.evict_host(1) == 1  # a's copy, the older
-        dropped = cache.trie.dropped_pages
-        _serve_and_evict(cache, clock, c, spill=True)  # c: host, then disk
-        assert cache.trie.dropped_pages == dropped  # before the fix: a
-        assert [cache.match(t).tiers.tolist() for t in (a, b, c)] == [[Tier.DISK], [Tier.HOST],
-                                                                      [Tier.HOST | Tier.DISK]]  # fmt: skip
-        cache.check_invariants()
-
-
 def test_room_for_a_spill_never_takes_the_disk_copy_of_a_host_page_that_room_evicts():
     """r is on host and disk (its disk block the oldest), z on disk only, x on host only; the
     host is full. Write-back copies of y1-y2 need both host slots: r's copy goes (it is on

@@ -15,13 +15,12 @@ for want of file descriptors or memory, or was interrupted: the segment is intac
 stays (`transient_read_errors`). No I/O error escapes `put` or `get`.
 
 Capacity: bytes on disk (checkpoint files plus manifest). Eviction removes whole segments,
-never one that a `lock` or a running read pins: first those whose every block has a copy
-elsewhere too, then those whose blocks nothing outside them depends on, then the deepest of
-a prefix, least recently used first among equals (`kvjax.tiers.disk_victims`). A block
-depends on its parent (the key `put` names before it): a page is found only through its
-prefix, so evicting the parent would take it along. The tier knows its own blocks' parents;
-a caller holding copies elsewhere (the tiered cache's host copies) names them with
-`add_copies` and their parents with `add_dependents`. There is no compaction, so a
+never one that a `lock` or a running read pins: first those whose blocks nothing outside them
+depends on, then the deepest of a prefix, least recently used first among equals
+(`kvjax.tiers.disk_victims`). A block depends on its parent (the key `put` names before it):
+a page is found only through its prefix, so evicting the parent would take it along. The
+tier knows its own blocks' parents; a caller holding copies elsewhere (the tiered cache's
+host copies) names their parents with `add_dependents`. There is no compaction, so a
 segment whose blocks were partly discarded keeps its bytes until all its blocks are
 discarded or it is evicted. `discard` is not persisted: after a reopen, blocks of
 segments still on disk are served again (a key always names the same content).
@@ -422,31 +421,6 @@ class DiskTier:
         """What ``add_dependents`` counts now, per (namespace, parent key)."""
         with self._lock:
             return dict(self._dependents)
-
-    def add_copies(self, keys: Sequence[bytes], namespace: bytes) -> None:
-        """Counts one copy held elsewhere (a host tier) of each block of ``keys`` (repeats
-        count again): until ``remove_copies``, eviction takes a segment whose blocks all have
-        one before any other, since evicting it loses nothing (see the module docstring). A
-        key need not be held here, now or ever. Never persisted."""
-        with self._lock:
-            for key in keys:
-                self._order.cover((namespace, key))
-
-    def remove_copies(self, keys: Sequence[bytes], namespace: bytes) -> None:
-        """Undoes ``add_copies`` (ValueError, nothing changed, for a key not counted)."""
-        with self._lock:
-            counts = collections.Counter((namespace, key) for key in keys)
-            for block, count in counts.items():
-                if self._order.covered(block) < count:
-                    raise ValueError(f"key={block[1].hex()} has {self._order.covered(block)} copies elsewhere, "
-                                     f"not {count} to remove")  # fmt: skip
-            for block, count in counts.items():
-                self._order.uncover(block, count)
-
-    def copies(self) -> dict[tuple[bytes, bytes], int]:
-        """What ``add_copies`` counts now, per (namespace, key)."""
-        with self._lock:
-            return self._order.covers()
 
     def check_invariants(self) -> None:
         """Raises RuntimeError when the index is inconsistent."""

@@ -1,9 +1,4 @@
-"""The order in which a disk tier evicts its segments: copies held elsewhere too first, then
-blocks nothing depends on.
-
-A block whose page has a copy elsewhere too (the host tier's: ``cover``) loses nothing when
-its disk copy goes: the page, and every page found through it, stays reachable. Evicting it
-first keeps the pages the disk alone holds, so the tiers together hold more pages.
+"""The order in which a disk tier evicts its segments: blocks nothing depends on first.
 
 A page is found only through its prefix (its key chains its parent's, and a lookup walks
 the trie from the root, probing the disk page by page), so a disk block's copy may be all
@@ -16,12 +11,10 @@ spills go down a prefix before the pages after it, so its segment is often the o
 that evicts blocks) by what evicting one costs beyond its own blocks, then by least recent
 use:
 
-0. every block of it has a copy elsewhere: its loss costs nothing;
-1. no block of it without a copy elsewhere has a dependent outside it: its loss costs
-   those blocks only;
-2. such a block has dependents held elsewhere only (``hold``): the deepest disk copy of
+0. no block of it has a dependent outside it: its loss costs nothing else;
+1. a block of it has dependents held elsewhere only (``hold``): the deepest disk copy of
    a prefix whose next pages are on host;
-3. such a block has a child block in another segment: that child's segment goes first.
+2. a block of it has a child block in another segment: that child's segment goes first.
 
 A dependent in the same segment leaves with it, so a segment holding a whole chain is a
 leaf. Ranks follow every change at once (evicting a child's segment can make its parent's
@@ -47,23 +40,16 @@ Block = Hashable  # (namespace, key) of a block; a parent is named the same way
 
 
 class _Segment:
-    __slots__ = ("outer", "held", "bare", "stamp")
+    __slots__ = ("outer", "held", "stamp")
 
     def __init__(self, stamp: int):
-        self.outer = 0  # its blocks without a copy elsewhere with a child block in another segment
-        self.held = 0  # its blocks without a copy elsewhere with dependents held elsewhere
-        self.bare = 0  # its blocks without a copy elsewhere
+        self.outer = 0  # its blocks with a child block in another segment
+        self.held = 0  # its blocks with dependents held elsewhere
         self.stamp = stamp  # last use (larger: more recent)
 
     @property
     def rank(self) -> int:
-        return 3 if self.outer else 2 if self.held else 1 if self.bare else 0
-
-    def count(self, state: tuple[bool, bool, bool], sign: int) -> None:
-        """Add (``sign`` 1) or take away (-1) one block's ``_state``."""
-        self.outer += sign * state[0]
-        self.held += sign * state[1]
-        self.bare += sign * state[2]
+        return 2 if self.outer else 1 if self.held else 0
 
 
 class VictimOrder:
@@ -76,7 +62,6 @@ class VictimOrder:
         self._children: dict[Block, collections.Counter[str]] = {}  # parent -> segments of its held children
         self._num_children: collections.Counter[Block] = collections.Counter()
         self._holds: collections.Counter[Block] = collections.Counter()  # dependents held elsewhere
-        self._covers: collections.Counter[Block] = collections.Counter()  # copies of the block held elsewhere
         self._heap: list[tuple[int, int, str]] = []
         self._clock = itertools.count()
 
@@ -103,7 +88,9 @@ class VictimOrder:
         segment = self._segments[name]
         before = segment.rank
         self._where[block] = name
-        segment.count(self._state(block), 1)
+        outer, held = self._state(block)
+        segment.outer += outer
+        segment.held += held
         if parent is not None:
             self._parent[block] = parent
             self._change(parent, lambda: self._count_child(parent, name, 1))
@@ -117,7 +104,9 @@ class VictimOrder:
             return
         segment = self._segments[name]
         before = segment.rank
-        segment.count(self._state(block), -1)
+        outer, held = self._state(block)
+        segment.outer -= outer
+        segment.held -= held
         del self._where[block]
         parent = self._parent.pop(block, None)
         if parent is not None:
@@ -147,33 +136,6 @@ class VictimOrder:
         """Dependents held elsewhere, per block (a copy)."""
         return dict(self._holds)
 
-    # --- copies held elsewhere -------------------------------------------------------------
-
-    def cover(self, block: Block, count: int = 1) -> None:
-        """``count`` more copies of ``block`` itself are held elsewhere (``block`` need not be
-        held here, now or ever): while any is, its disk copy costs nothing to evict."""
-        self._change(block, lambda: self._covers.update({block: count}))
-
-    def uncover(self, block: Block, count: int = 1) -> None:
-        """Undo ``cover(block, count)``."""
-        if self._covers[block] < count:
-            raise ValueError(f"{count} copies uncovered of a block covered {self._covers[block]} times")
-
-        def drop():
-            self._covers[block] -= count
-            if not self._covers[block]:
-                del self._covers[block]
-
-        self._change(block, drop)
-
-    def covered(self, block: Block) -> int:
-        """Copies of ``block`` held elsewhere now."""
-        return self._covers[block]
-
-    def covers(self) -> dict[Block, int]:
-        """Copies held elsewhere, per block (a copy)."""
-        return dict(self._covers)
-
     # --- eviction --------------------------------------------------------------------------
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
@@ -196,7 +158,7 @@ class VictimOrder:
         return chosen
 
     def rank(self, name: str) -> int:
-        """Segment ``name``'s rank (0 to 3, see the module docstring)."""
+        """Segment ``name``'s rank (0, 1 or 2, see the module docstring)."""
         return self._segments[name].rank
 
     def check(self, where: dict[Block, str]) -> None:
@@ -210,27 +172,26 @@ class VictimOrder:
         if children != self._children or self._num_children != collections.Counter(
                 {parent: sum(c.values()) for parent, c in children.items()}):  # fmt: skip
             raise RuntimeError("children counted per parent disagree with the blocks held")
-        counted = collections.defaultdict(lambda: [0, 0, 0])
+        outer, held = collections.Counter(), collections.Counter()
         for block, name in self._where.items():
-            counted[name] = [total + part for total, part in zip(counted[name], self._state(block))]
+            block_outer, block_held = self._state(block)
+            outer[name] += block_outer
+            held[name] += block_held
         live = {(s.rank, s.stamp, name) for name, s in self._segments.items()}
         for name, segment in self._segments.items():
-            if [segment.outer, segment.held, segment.bare] != counted[name]:
-                raise RuntimeError(f"segment {name} counts {segment.outer=} {segment.held=} {segment.bare=}, "
-                                   f"its blocks {counted[name]}")  # fmt: skip
+            if (segment.outer, segment.held) != (outer[name], held[name]):
+                raise RuntimeError(f"segment {name} counts {segment.outer=} {segment.held=}, "
+                                   f"its blocks {outer[name]}, {held[name]}")  # fmt: skip
         if not live <= set(self._heap) or set(self._where.values()) - set(self._segments):
             raise RuntimeError("a segment is missing from the eviction order, or a block from its segment")
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _state(self, block: Block) -> tuple[bool, bool, bool]:
-        """(a child block in another segment, dependents held elsewhere, no copy elsewhere) of
-        a held block; all False for a block with a copy elsewhere (it costs nothing)."""
-        if self._covers[block]:
-            return False, False, False
+    def _state(self, block: Block) -> tuple[bool, bool]:
+        """(a child block in another segment, dependents held elsewhere) of a held block."""
         children = self._children.get(block)
         outer = children is not None and self._num_children[block] > children[self._where[block]]
-        return outer, self._holds[block] > 0, True
+        return outer, self._holds[block] > 0
 
     def _count_child(self, parent: Block, name: str, count: int) -> None:
         children = self._children.setdefault(parent, collections.Counter())
@@ -242,16 +203,17 @@ class VictimOrder:
             del self._children[parent], self._num_children[parent]
 
     def _change(self, block: Block, mutate: Callable[[], None]) -> None:
-        """Apply ``mutate`` (a change of ``block``'s children, holds or covers), re-ranking its segment."""
+        """Apply ``mutate`` (a change of ``block``'s children or holds), re-ranking its segment."""
         name = self._where.get(block)
         if name is None:
             mutate()
             return
         segment = self._segments[name]
-        before = segment.rank
-        segment.count(self._state(block), -1)
+        before, (outer, held) = segment.rank, self._state(block)
         mutate()
-        segment.count(self._state(block), 1)
+        now_outer, now_held = self._state(block)
+        segment.outer += now_outer - outer
+        segment.held += now_held - held
         self._reranked(name, segment, before)
 
     def _reranked(self, name: str, segment: _Segment, before: int) -> None:

@@ -29,9 +29,7 @@ Rules it keeps:
   (``DiskTier.add_dependents``): a page is found only through its prefix, so a disk making
   room must not drop the last copy of a prefix whose next pages are on host, while blocks
   nothing depends on are there to go instead (a back-pressure spill used to evict the least
-  recently used segment, often such a prefix, taking the host copies below it along);
-  and as a copy elsewhere of its own page (``DiskTier.add_copies``): that page's disk block
-  costs nothing to evict, so the disk gives it up before a block it alone holds.
+  recently used segment, often such a prefix, taking the host copies below it along).
 
 Every host block that becomes live or stops being live is a block event (``events``).
 """
@@ -60,7 +58,7 @@ _HOST, _DISK = int(Tier.HOST), int(Tier.DISK)
 class HostEntry:
     """One host block the index knows about (see the module docstring)."""
 
-    __slots__ = ("namespace", "slot", "ready", "busy", "dropped", "handed", "source", "failed", "parent", "live")
+    __slots__ = ("namespace", "slot", "ready", "busy", "dropped", "handed", "source", "failed", "parent")
 
     def __init__(self, namespace: bytes, slot: int, ready: bool):
         self.namespace = namespace  # namespace digest
@@ -72,7 +70,6 @@ class HostEntry:
         self.source: bytes | None = None  # the handed entry whose slot this one took
         self.failed = False  # its copy failed while transfers held it: it goes with the last release
         self.parent: bytes | None = None  # key of the page before it, a disk dependent while it is live
-        self.live = False  # counted by the disk as a copy elsewhere (and a dependent of ``parent``)
 
 
 class TierIndex:
@@ -346,11 +343,8 @@ class TierIndex:
         if not int(node.tiers[index]) & _DISK:
             self.undisked[key] = None
         entry.parent = self.trie.parent_key(node, index)
-        if self.disk is not None:
-            entry.live = True
-            self.disk.add_copies([key], namespace)  # its disk copy, if any, costs nothing to evict now
-            if entry.parent is not None:
-                self.disk.add_dependents([entry.parent], namespace)
+        if entry.parent is not None and self.disk is not None:
+            self.disk.add_dependents([entry.parent], namespace)
         if self.events.active:
             self.events.record(namespace, key, entry.parent, "host", "stored")
 
@@ -506,9 +500,6 @@ class TierIndex:
                                              for key in live if self.host_entries[key].parent is not None)  # fmt: skip
             if dependents != collections.Counter(self.disk.dependents()):
                 raise RuntimeError("the disk counts other host copies as dependents than the live ones")
-            copies = collections.Counter((self.host_entries[key].namespace, key) for key in live)
-            if copies != collections.Counter(self.disk.copies()):
-                raise RuntimeError("the disk counts other host copies as copies elsewhere than the live ones")
         if self.host_used > self.host_capacity:
             raise RuntimeError(f"host holds {self.host_used} blocks; capacity {self.host_capacity}")
         for key, entry in self.host_entries.items():
@@ -587,13 +578,10 @@ class TierIndex:
             self._free_slots.append(entry.slot)
 
     def _host_removed(self, key: bytes, entry: HostEntry) -> None:
-        """``key``'s host copy stops being live: an event, and the disk loses a copy elsewhere
-        and a dependent."""
-        if self.disk is not None and entry.live:
-            self.disk.remove_copies([key], entry.namespace)
-            if entry.parent is not None:
-                self.disk.remove_dependents([entry.parent], entry.namespace)
-        entry.parent, entry.live = None, False
+        """``key``'s host copy stops being live: an event, and the disk loses a dependent."""
+        if entry.parent is not None and self.disk is not None:
+            self.disk.remove_dependents([entry.parent], entry.namespace)
+        entry.parent = None
         if self.events.active:
             self.events.record(entry.namespace, key, None, "host", "removed")
 
@@ -619,10 +607,8 @@ class TierIndex:
 
     def release_dependents(self) -> None:
         """The host tier goes (its cache closes): the disk, which may outlive it, no longer
-        counts its copies as copies elsewhere or as dependents."""
-        for key, entry in self.host_entries.items():
-            if entry.live and not entry.dropped:
-                self.disk.remove_copies([key], entry.namespace)
-                if entry.parent is not None:
-                    self.disk.remove_dependents([entry.parent], entry.namespace)
-            entry.parent, entry.live = None, False
+        counts its copies as dependents."""
+        for entry in self.host_entries.values():
+            if entry.parent is not None and not entry.dropped and self.disk is not None:
+                self.disk.remove_dependents([entry.parent], entry.namespace)
+            entry.parent = None
