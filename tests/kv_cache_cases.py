@@ -199,11 +199,11 @@ class MemoryDisk:
         held = [(ns, parent) for ns, parent in zip(namespaces, parents) if parent is not None]
         for block in held:  # the room the put makes never evicts its blocks' parents (as DiskTier's write)
             self._order.hold(block)
-        stored, written = [], set()
+        # a put is one segment: the room it makes never evicts its own blocks, new or held already
+        stored, written = [], {(ns, key) for key, ns in zip(keys, namespaces) if (ns, key) in self._blocks}
         for key, block, ns, parent in zip(keys, np.asarray(blocks), namespaces, parents):
             if (ns, key) in self._blocks:
                 continue
-            # a put is one segment: the room it makes never evicts its own blocks
             if len(self._blocks) >= self.capacity_blocks and not self._evict_one(keep=written):
                 self.refused_blocks += sum((n, k) not in self._blocks for k, n in zip(keys, namespaces))
                 break

@@ -257,6 +257,19 @@ def test_a_put_never_evicts_the_parent_of_a_block_it_writes():
     tier.check_invariants()
 
 
+def test_a_put_never_evicts_a_block_it_names_that_the_disk_holds_already():
+    """A spill saving host pages names some the disk holds (the trie did not know): the room
+    for the others took the least recently used, one of those, whose host copy went next."""
+    a, b, x = keys(3)
+    tier = _memory_tier(2)
+    tier.put([a], random_blocks(1), NS)
+    tier.put([x], random_blocks(1), NS)
+    assert tier.put([a, b], random_blocks(2), NS) == [b]  # a is the least recently used
+    assert _held(tier, dict(a=a, b=b, x=x)) == ["a", "b"]
+    assert tier.stats().duplicate_blocks == 1
+    tier.check_invariants()
+
+
 def test_a_segment_holding_a_whole_chain_is_evicted_in_its_turn():
     """Blocks depending on a block in their own segment leave with it: nothing else is lost,
     so the segment goes least recently used first, as one without a chain."""

@@ -371,12 +371,12 @@ def test_room_for_a_spill_never_takes_the_disk_copy_of_a_host_page_that_room_evi
 
 
 def test_host_room_writes_a_victim_whose_disk_copy_a_background_spill_took_before_its_bit_cleared():
-    """r is on host and disk, z on disk only (its block the older), x on host only; the host
-    is full. A background spill of x, finished before the next poll, makes room on the full
-    disk by evicting r's block (r has a host copy: it costs nothing there), and r's DISK bit
-    stays until that poll. Write-back room for y then took r's host copy as one on disk
-    too, wrote nothing, and r left the trie at the poll. The disk's word is asked (a victim
-    whose disk copy cannot be locked is written first)."""
+    """r is on host and disk, z on disk only (its disk block the more recently used), x on
+    host only; the host is full. A background spill of x, finished before the next poll,
+    makes room on the full disk by evicting r's block, and r's DISK bit stays until that
+    poll. Write-back room for y then took r's host copy as one on disk too, wrote nothing,
+    and r left the trie at the poll. The disk's word is asked (a victim whose disk copy
+    cannot be locked is written first)."""
     clock = Clock()
     disk = MemoryDisk(POOL.block_shape, POOL.dtype, 2)
     with make(host_blocks=2, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
@@ -385,17 +385,49 @@ def test_host_room_writes_a_victim_whose_disk_copy_a_background_spill_took_befor
         _serve_and_evict(cache, clock, z, spill=True)  # z: host and disk
         _serve_and_evict(cache, clock, r, spill=True)  # r: host and disk; the disk is full
         assert cache.evict_host(1) == 1  # z's copy, the older
+        z_block = disk.held_blocks()[0]
+        assert disk.get([z_block[1]], z_block[0]).hits.all()  # r's disk block is the least recently used
         _serve_and_evict(cache, clock, x)  # x: host only; the host is full
         _serve(cache, clock, y)  # y on device
         cache._mover.spill_host(everything=True)
         cache.transfer.complete(0)  # x written, r's block evicted; no poll yet
-        dropped = cache.trie.dropped_pages
         clock.now += 1.0
         cache.evict(8)  # y's write-back copy needs r's slot
         _settle(cache)
-        assert cache.trie.dropped_pages == dropped  # before the fix: r
-        assert [cache.match(t).tiers.tolist() for t in (r, y)] == [[Tier.DISK], [Tier.HOST]]
+        # r is written (before the fix it left the trie); z, the disk's least recently used
+        # block then, made the room: a drop by the disk's policy
+        assert [cache.match(t).tiers.tolist() for t in (r, y, z)] == [[Tier.DISK], [Tier.HOST], []]
         cache.check_invariants()
+
+
+def test_an_idle_cache_over_a_full_disk_stops_spilling():
+    """Six one-page prompts through a host of four blocks (spill above two, down to one) over a
+    disk of three. Once the transfers settle and nothing is served, polls must stop writing.
+    (A disk that evicted first the blocks whose page had a host copy made each background
+    spill into the full disk evict one, whose page then lacked a disk copy again: the next
+    poll wrote it back, evicting another, one block per poll, forever.)"""
+    clock = Clock()
+    disk = MemoryDisk(POOL.block_shape, POOL.dtype, 3)
+    with make(host_blocks=4, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
+              transfer_factory=ManualTransfer, high_watermark=0.5, low_watermark=0.25) as cache:  # fmt: skip
+        for i in range(6):
+            tokens = prompt(5, start=100 * i)
+            clock.now += 1.0
+            handle = cache.admit(tokens)
+            cache.transfer.complete_all()
+            cache.poll()
+            cache.commit(handle, tokens)
+            cache.release(handle)
+            clock.now += 1.0
+            cache.evict(8)
+            for _ in range(3):
+                cache.transfer.complete_all()
+                cache.poll()
+        evicted = disk.stats().evicted_blocks
+        for _ in range(5):
+            cache.transfer.complete_all()
+            cache.poll()
+        assert disk.stats().evicted_blocks == evicted and not cache.transfer.pending
 
 
 def test_a_full_disk_keeps_the_last_copy_of_a_prefix_whose_next_page_is_on_host(tmp_path):

@@ -286,19 +286,29 @@ class DiskTier:
                     _log.warning("disk tier %s is read-only: put stores nothing", self.directory)
                 self._stats.rejected_blocks += len(rows)
                 return []
+            # The blocks it holds already stay while it makes room for the others: a spill
+            # saving host pages must not evict one of them for another (its host copy goes next).
+            kept = {self._blocks[(namespaces[r], keys[r])][0] for r in set(range(len(keys))).difference(rows)}
+            for name in kept:
+                self._segments[name].pins += 1
         stored = []
-        for start in range(0, len(rows), self.blocks_per_segment):
-            chunk = rows[start:start + self.blocks_per_segment]
-            if not self._may_write(len(chunk)):
-                continue
-            contiguous = chunk[-1] - chunk[0] == len(chunk) - 1  # then a view, not a copy
-            segment = payload[chunk[0]:chunk[-1] + 1] if contiguous else payload[chunk]
-            if self._write(segment, [namespaces[r] for r in chunk], [keys[r] for r in chunk],
-                           [parents[r] for r in chunk]):  # fmt: skip
-                stored.extend(chunk)
-            else:
-                with self._lock:
-                    self._stats.rejected_blocks += len(chunk)
+        try:
+            for start in range(0, len(rows), self.blocks_per_segment):
+                chunk = rows[start:start + self.blocks_per_segment]
+                if not self._may_write(len(chunk)):
+                    continue
+                contiguous = chunk[-1] - chunk[0] == len(chunk) - 1  # then a view, not a copy
+                segment = payload[chunk[0]:chunk[-1] + 1] if contiguous else payload[chunk]
+                if self._write(segment, [namespaces[r] for r in chunk], [keys[r] for r in chunk],
+                               [parents[r] for r in chunk]):  # fmt: skip
+                    stored.extend(chunk)
+                else:
+                    with self._lock:
+                        self._stats.rejected_blocks += len(chunk)
+        finally:
+            with self._lock:
+                for name in kept:
+                    self._unpin(name)
         with self._lock:  # room for a later chunk may have evicted an earlier one
             return [keys[r] for r in stored if (namespaces[r], keys[r]) in self._blocks]
 
