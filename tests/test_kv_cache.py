@@ -483,6 +483,42 @@ def test_a_full_disk_keeps_the_prefix_of_the_pages_write_back_is_copying(tmp_pat
         cache.check_invariants()
 
 
+def test_host_room_leaves_the_disk_copy_of_a_page_on_device_free_for_a_spill():
+    """a-b-c leaves the device: a stays on disk only, b and c get host copies from write-back.
+    The host is full of r (on device too, pinned, and on disk) and x (on host only), so its
+    room evicts both copies, sending x to disk first (back-pressure), into a full disk of a's
+    and r's blocks. It locked r's disk block, as that of a victim whose page keeps it, though
+    r stays on device: the disk could only evict a, the prefix of the pages being copied, and
+    a, b and c left the trie (the two slots made for them stayed free). r's block goes now."""
+    clock = Clock()
+    disk = MemoryDisk(POOL.block_shape, POOL.dtype, 2)
+    with make(host_blocks=2, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
+              transfer_factory=ManualTransfer, high_watermark=1.0, low_watermark=1.0) as cache:  # fmt: skip
+        abc, r, x = prompt(13), prompt(5, start=100), prompt(5, start=200)
+        _serve_and_evict(cache, clock, prompt(5), spill=True)  # a: host and disk
+        assert cache.evict_host(1) == 1  # a: disk only
+        _serve(cache, clock, abc)  # a read from disk; b and c computed
+        assert cache.evict_host(1) == 1  # the copy that read left on host
+        cache.pin(abc)
+        _serve_and_evict(cache, clock, r, spill=True)  # r: host and disk; the disk is full
+        _serve(cache, clock, r)  # r back on device, its host copy kept
+        cache.pin(r)
+        _serve_and_evict(cache, clock, x)  # x: host only; the host is full
+        cache.unpin(abc)
+        assert cache.match(abc).tiers.tolist() == [Tier.DEVICE | Tier.DISK, Tier.DEVICE, Tier.DEVICE]
+        assert cache.match(r).tiers.tolist() == [Tier.DEVICE | Tier.HOST | Tier.DISK]
+        assert cache.match(x).tiers.tolist() == [Tier.HOST]
+        dropped = cache.trie.dropped_pages
+        clock.now += 1.0
+        assert len(cache.evict(3)) == 3  # a-b-c
+        _settle(cache)
+        assert cache.trie.dropped_pages == dropped  # before the fix: a, b and c
+        assert cache.stats.lost_host_blocks == 0
+        assert [cache.match(t).tiers.tolist() for t in (abc, r, x)] == [[Tier.DISK, Tier.HOST, Tier.HOST],
+                                                                        [Tier.DEVICE], [Tier.DISK]]  # fmt: skip
+        cache.check_invariants()
+
+
 # --- fetch or recompute ----------------------------------------------------------------------
 
 

@@ -570,3 +570,22 @@ def test_a_disk_making_room_keeps_the_prefix_of_pages_with_copies():
         ("serve_longer", dict(i=0, more=[0, 0])),
         ("serve_refusing_after_a_fetch", dict(i=0)),
     ], write_policy="write_back", cost=0, host_blocks=4, variant=0)  # fmt: skip
+
+
+def test_host_room_for_write_back_leaves_the_disk_copy_of_a_page_on_device_to_a_spill():
+    """Found by the machine above: two evicted pages without copies, after two with disk
+    copies only, need the host's two evictable copies: one of a page on device (held by a
+    prefetch) and on disk, one on host only, written to a full disk first. The disk's other
+    blocks were being read by the prefetch, and the room locked the disk copy of the page on
+    device as if it were that page's last: the disk evicted the prefix of a page being
+    copied, which left the trie (``_check_write_back_used_the_room``)."""
+    _replay(QuantizedPoolMachine(), [
+        ("serve", dict(accept_lossy=None, evict=0, namespace=A, tokens=[0, 1, 2, 0, 1, 2])),
+        ("serve", dict(accept_lossy=None, evict=3, namespace=A, tokens=[0, 1, 1, 2, 2, 0, 0, 0, 0])),
+        ("serve_again", dict(accept_lossy=None, i=1, to_disk=False)),
+        ("evict", dict(num_blocks=1)),
+        ("serve", dict(accept_lossy=None, evict=0, namespace=B, tokens=[0, 1])),
+        ("serve_longer", dict(i=1, more=[0])),
+        ("prefetch", dict(namespace=A, tokens=[0, 1, 2, 0, 1, 2])),
+        ("serve_longer", dict(i=0, more=[0])),
+    ], write_policy="write_back", cost=0, host_blocks=4, variant=0)  # fmt: skip

@@ -276,7 +276,9 @@ class TierMover:
         a full disk used to evict one of them (its page had a host copy then), and the host
         copy went next, never written anywhere: a page lost that neither tier chose to drop.
         Victims that lose their disk copy all the same (the disk had dropped it before its
-        DISK bit was cleared) are written too."""
+        DISK bit was cleared) are written too. Victims whose page is on device keep neither
+        copy locked: the page loses nothing with them, and locked, their disk blocks left a
+        full disk only the prefixes of pages write-back is copying to evict."""
         index = self.index
         if index.disk is None:
             return index.make_host_room(num_blocks, exclude)

@@ -168,8 +168,10 @@ class TierIndex:
     def room_victims(self, num_blocks: int, exclude: Iterable[bytes] = ()) -> tuple[list[bytes], list[bytes]]:
         """(doomed, on disk): the host entries ``make_host_room(num_blocks, exclude)`` would
         evict whose page would then be in no tier (off device, no disk copy), what a disk
-        write must save first; and those whose page keeps a disk copy, which that write
-        must not evict to make its room. Evicts nothing."""
+        write must save first; and those whose page, off device, keeps a disk copy, which
+        that write must not evict to make its room. A page on device is in neither: it stays
+        indexed without both copies, so the disk may give its block up for that write (else
+        it could be left the last copy of a prefix to evict). Evicts nothing."""
         short = num_blocks - (self.host_capacity - self.host_used)
         if short <= 0:
             return [], []
@@ -179,10 +181,9 @@ class TierIndex:
             if located is None:
                 continue
             node, index = located
-            if int(node.tiers[index]) & _DISK:
-                on_disk.append(key)
-            elif not node.on_device:
-                doomed.append(key)
+            if node.on_device:
+                continue  # stays indexed on device: neither copy below it is its last
+            (on_disk if int(node.tiers[index]) & _DISK else doomed).append(key)
         return doomed, on_disk
 
     def _victims(self, short: int, exclude: Iterable[bytes]) -> list[bytes]:
