@@ -118,6 +118,8 @@ def test_validate_tokens_returns_little_endian_int32():
         (np.array([7, 2**31], np.int64), None, r"token id 2147483648 at index 1 is out of range"),
         (np.array([-5, 1], np.int32), None, r"token id -5 at index 0 is out of range"),
         ([[1, 2]], 10, r"tokens must be 1-D, got shape \(1, 2\)"),
+        ("abc", 10, r"^tokens must be a 1-D sequence of token ids \(ints\), got str 'abc': text needs tokenizing"),
+        (b"ab", 10, r"^tokens must be a 1-D sequence of token ids \(ints\), got bytes b'ab'"),
         ([1.5], 10, r"token id 1.5 at index 0 is not an integer"),
         ([float("nan")], 10, r"token id nan at index 0 is not an integer"),
         (["a"], 10, r"tokens must be integers, got dtype <U1"),

@@ -33,6 +33,9 @@ def validate_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) 
         # name 2**63 as 9.223372036854776e+18: keep the values as sent
         array = np.asarray(tokens, dtype=object)
     if array.ndim != 1:
+        if isinstance(tokens, (str, bytes)):  # a 0-d array: "got shape ()" did not say text was passed
+            raise ValueError(f"tokens must be a 1-D sequence of token ids (ints), got {type(tokens).__name__} "
+                             f"{tokens[:32]!r}: text needs tokenizing first")
         raise ValueError(f"tokens must be 1-D, got shape {array.shape}")
     if array.size == 0:
         return np.zeros(0, TOKEN_DTYPE)
