@@ -807,6 +807,10 @@ def test_bad_requests_raise_and_change_nothing():
             cache.evict_host(-1)
         with pytest.raises(ValueError, match=r"num_pages=-1 must be an int >= 0"):
             cache.pages_in_other_namespaces(prompt(8), "a", -1)
+        for call in (lambda: cache.commit(None, prompt(4)), lambda: cache.is_ready("seq-1"),
+                     lambda: cache.wait_ready(None)):  # fmt: skip
+            with pytest.raises(ValueError, match=r"^handle=(None|'seq-1') must be the SeqHandle admit returned$"):
+                call()
         assert cache.num_sequences == 0 and cache.allocator.num_free == 8
         cache.check_invariants()
 

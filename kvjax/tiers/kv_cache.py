@@ -357,6 +357,7 @@ class KVCache:
     def is_ready(self, handle: SeqHandle) -> bool:
         """Whether every fetch of ``handle`` finished (its hit KV is in the pool); transfers
         that finished take effect first, so ``handle.num_hit_tokens`` is final once True."""
+        _check_handle(handle)
         if handle.seq_id in self._mover.waiters:
             self._apply_transfers()
         return handle.seq_id not in self._mover.waiters
@@ -414,6 +415,7 @@ class KVCache:
         ValueError while the handle is not ready (its fetched pages are not in the pool yet).
         With ``write_through`` the new pages start their host copies.
         """
+        _check_handle(handle)
         if handle.seq_id in self._mover.waiters and not self.is_ready(handle):
             raise ValueError(f"sequence {handle.seq_id} is waiting for fetches; call wait_ready before commit")
         first = handle._committed
@@ -787,6 +789,12 @@ def _truncate(matched: list[tuple[Node, int]], num_pages: int) -> list[tuple[Nod
         out.append((node, min(k, num_pages)))
         num_pages -= k
     return out
+
+
+def _check_handle(handle) -> None:
+    """A handle ``admit`` returned, before its fields are read (None was an AttributeError)."""
+    if not isinstance(handle, SeqHandle):
+        raise ValueError(f"handle={handle!r} must be the SeqHandle admit returned")
 
 
 def _check_accept_lossy(accept_lossy) -> None:
