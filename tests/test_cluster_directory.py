@@ -388,7 +388,8 @@ def test_held_blocks_stay_refreshed_after_most_of_the_holdings_leave(redis_serve
     # the slice per heartbeat was sized by the holdings now, the queue by the holdings when it
     # was built: after a mass eviction the queue took many TTLs to drain, and held blocks at
     # its end expired
-    directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=2.0, block_ttl_s=1.2)
+    # TTLs long enough for a heartbeat on a loaded machine; the old queue still took many of them
+    directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=4.0, block_ttl_s=2.4)
     evicted, kept = keys_of(TENANT_A, list(range(120))), keys_of(TENANT_B, TOKENS[:12])
     with running_publisher(directory) as publisher:
         publisher.submit([stored(TENANT_A, evicted), stored(TENANT_B, kept, seq=30)])
@@ -396,7 +397,7 @@ def test_held_blocks_stay_refreshed_after_most_of_the_holdings_leave(redis_serve
         time.sleep(0.3)  # a heartbeat queued all 33 blocks for refreshing
         publisher.submit([stored(TENANT_A, evicted, kind="removed", seq=33)])
         assert wait_until(lambda: run_of(directory, TENANT_A, evicted).prefix_blocks == 0)
-        time.sleep(1.6)  # past the block TTL: only refreshes keep the kept blocks
+        time.sleep(2.8)  # past the block TTL: only refreshes keep the kept blocks
         assert run_of(directory, TENANT_B, kept).prefix_blocks == 3
 
 
