@@ -481,7 +481,8 @@ class PublisherMachine(RuleBasedStateMachine):
     @invariant()
     def lookups_give_each_nodes_run_once_published(self):
         expected = self._expected()
-        if not wait_until(lambda: self._matches(expected), timeout=3.0, interval=0.01):
+        # returns once they match; the bound only has to outlast a starved publisher thread
+        if not wait_until(lambda: self._matches(expected), timeout=10.0, interval=0.01):
             got = [self._observed(ns, keys) for ns, keys in LOOKUPS]
             raise AssertionError(f"expected {expected}\ngot {got}\nstatus "
                                  f"{ {n: (p.status, p.epoch, p.last_error) for n, p in self.publishers.items()} }")
