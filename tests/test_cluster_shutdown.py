@@ -97,6 +97,23 @@ def health(url):
         return {}
 
 
+def assert_finished(events):
+    """A stream that ran to its MAX_TOKENS: no error event, one finish, then ``[DONE]``."""
+    assert events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
+    assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def assert_cut(events, cut, message):
+    """A stream cut after its first tokens (an error event naming why, then ``[DONE]``) and a
+    non-streamed request cut as a JSON 503 with the same message."""
+    assert events[-2:] == [{"error": {"message": message, "type": "server_error", "param": None, "code": None}},
+                           "[DONE]"]  # fmt: skip
+    assert all("choices" in event for event in events[:-2]) and len(events) > 2  # tokens came before the cut
+    assert cut.status_code == 503 and cut.headers["content-type"] == "application/json"
+    assert cut.json()["error"]["message"] == message  # a JSON 503, which a router retries elsewhere
+
+
 def test_a_stream_in_flight_at_sigterm_finishes_then_the_node_exits_and_has_left_the_directory(nodes):
     processes, directory = nodes
     node = processes["g1"]
@@ -111,9 +128,7 @@ def test_a_stream_in_flight_at_sigterm_finishes_then_the_node_exits_and_has_left
         hold_steps(node.url, None)  # the rest of the stream, while the node drains
         events = stream.result()
     assert node.process.wait(timeout=60) == 0  # it stopped; SIGTERM did not kill it
-    assert events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
-    assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
-    assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert_finished(events)
     assert "g1" not in live(directory)  # dropped its record (its TTL is 60 s)
     assert json.loads(node.process.stdout.readline()) == {"stopped": node.url}
     assert "g1: SIGTERM: draining 1 open request(s)" in node.log_path.read_text()
@@ -128,11 +143,10 @@ def test_a_draining_node_refuses_new_requests_and_a_second_signal_cuts_those_in_
         stream = pool.submit(read_stream, node.url, body(MAX_TOKENS, stream=True), started)
         started.result(timeout=120)
         plain = pool.submit(httpx.post, f"{node.url}/v1/completions", json=body(MAX_TOKENS, stream=False), timeout=120)
-        assert wait_until(lambda: httpx.get(f"{node.url}/health").json()["inflight"] == 2, timeout=30)
+        assert wait_until(lambda: health(node.url)["inflight"] == 2, timeout=30)
         node.process.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: httpx.get(f"{node.url}/health").json()["status"] == "draining")
-        health = httpx.get(f"{node.url}/health")
-        assert health.status_code == 503
+        assert wait_until(lambda: health(node.url).get("status") == "draining", timeout=30)
+        assert httpx.get(f"{node.url}/health", timeout=30).status_code == 503
         refused = httpx.post(f"{node.url}/v1/completions", json=body(4, stream=False), timeout=30)
         assert refused.status_code == 503
         assert refused.json()["error"]["message"] == ("node g2 is shutting down (SIGTERM) and takes no new "
@@ -142,12 +156,8 @@ def test_a_draining_node_refuses_new_requests_and_a_second_signal_cuts_those_in_
         node.process.send_signal(signal.SIGTERM)  # the second: cut them now
         events, cut = stream.result(), plain.result()
     assert node.process.wait(timeout=60) == 0
-    message = "node g2 shut down before the request finished (cut at a second signal); no more tokens come"
-    assert events[-2:] == [{"error": {"message": message, "type": "server_error", "param": None, "code": None}},
-                           "[DONE]"]  # fmt: skip
-    assert all("choices" in event for event in events[:-2]) and len(events) > 2  # tokens came before the cut
-    assert cut.status_code == 503 and cut.headers["content-type"] == "application/json"
-    assert cut.json()["error"]["message"] == message  # a JSON 503, which a router retries elsewhere
+    assert_cut(events, cut, "node g2 shut down before the request finished (cut at a second signal); no more "
+                            "tokens come")  # fmt: skip
 
 
 def test_a_node_whose_id_a_newer_process_took_over_serves_nothing_more(nodes):
@@ -195,9 +205,7 @@ def test_a_router_stopped_by_sigterm_finishes_the_stream_it_passes_on_refuses_ne
         hold_steps(node.url, None)  # the rest of the stream, while the router drains
         events = stream.result()
     assert router.process.wait(timeout=60) == 0  # it stopped; SIGTERM did not kill it
-    assert events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
-    assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
-    assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert_finished(events)
     assert json.loads(router.process.stdout.readline()) == {"stopped": router.url}
     assert "router: SIGTERM: draining 1 open request(s)" in router.log_path.read_text()
     assert health(node.url)["status"] == "ok"  # its node serves on
@@ -224,12 +232,8 @@ def test_a_second_signal_to_a_draining_router_cuts_what_it_passes_on_and_tells_t
     finally:
         hold_steps(node.url, None)
     assert router.process.wait(timeout=60) == 0
-    message = "router shut down before the request finished (cut at a second signal); no more tokens come"
-    assert events[-2:] == [{"error": {"message": message, "type": "server_error", "param": None, "code": None}},
-                           "[DONE]"]  # fmt: skip
-    assert all("choices" in event for event in events[:-2]) and len(events) > 2  # tokens came before the cut
-    assert cut.status_code == 503 and cut.headers["content-type"] == "application/json"
-    assert cut.json()["error"]["message"] == message
+    assert_cut(events, cut, "router shut down before the request finished (cut at a second signal); no more "
+                            "tokens come")  # fmt: skip
 
 
 # --- the drain in process --------------------------------------------------------------------

@@ -268,6 +268,16 @@ def test_host_evictions_lose_only_what_no_lower_tier_takes(disk):
             assert findable <= 6 and stats.pressure_spilled_blocks == 0
 
 
+def _write_back_over_a_memory_disk(disk_blocks, *, host_blocks=2, high_watermark=1.0, low_watermark=1.0):
+    """(clock, disk, cache): write-back, LRU, over a ``MemoryDisk`` of ``disk_blocks``;
+    transfers run when the test completes them (at the watermarks 1.0, no background spill)."""
+    clock = Clock()
+    disk = MemoryDisk(POOL.block_shape, POOL.dtype, disk_blocks)
+    cache = make(host_blocks=host_blocks, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
+                 transfer_factory=ManualTransfer, high_watermark=high_watermark, low_watermark=low_watermark)
+    return clock, disk, cache
+
+
 def _cache_over_a_two_block_disk(tmp_path, clock):
     """A write-back cache over a real disk tier with room for two one-block segments; LRU on
     device and host, no background spill (transfers run when ``_settle`` completes them)."""
@@ -349,10 +359,8 @@ def test_room_for_a_spill_never_takes_the_disk_copy_of_a_host_page_that_room_evi
     evicting its oldest block, r's: r was then on host only, and the room evicted that copy
     too, never written anywhere: r was lost (``lost_host_blocks``), though the disk had z to
     give up. A host copy the room evicts keeps its disk copy while the spill makes room."""
-    clock = Clock()
-    disk = MemoryDisk(POOL.block_shape, POOL.dtype, 2)
-    with make(host_blocks=2, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
-              transfer_factory=ManualTransfer, high_watermark=1.0, low_watermark=1.0) as cache:  # fmt: skip
+    clock, disk, cache = _write_back_over_a_memory_disk(2)
+    with cache:
         r, z, x, y = prompt(5), prompt(5, start=100), prompt(5, start=200), prompt(9, start=300)
         _serve_and_evict(cache, clock, r, spill=True)  # r: host and disk
         _serve_and_evict(cache, clock, z, spill=True)  # z: host and disk; the disk is full
@@ -377,10 +385,8 @@ def test_host_room_writes_a_victim_whose_disk_copy_a_background_spill_took_befor
     poll. Write-back room for y then took r's host copy as one on disk too, wrote nothing,
     and r left the trie at the poll. The disk's word is asked (a victim whose disk copy
     cannot be locked is written first)."""
-    clock = Clock()
-    disk = MemoryDisk(POOL.block_shape, POOL.dtype, 2)
-    with make(host_blocks=2, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
-              transfer_factory=ManualTransfer, high_watermark=1.0, low_watermark=1.0) as cache:  # fmt: skip
+    clock, disk, cache = _write_back_over_a_memory_disk(2)
+    with cache:
         r, z, x, y = prompt(5), prompt(5, start=100), prompt(5, start=200), prompt(5, start=300)
         _serve_and_evict(cache, clock, z, spill=True)  # z: host and disk
         _serve_and_evict(cache, clock, r, spill=True)  # r: host and disk; the disk is full
@@ -406,10 +412,8 @@ def test_an_idle_cache_over_a_full_disk_stops_spilling():
     (A disk that evicted first the blocks whose page had a host copy made each background
     spill into the full disk evict one, whose page then lacked a disk copy again: the next
     poll wrote it back, evicting another, one block per poll, forever.)"""
-    clock = Clock()
-    disk = MemoryDisk(POOL.block_shape, POOL.dtype, 3)
-    with make(host_blocks=4, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
-              transfer_factory=ManualTransfer, high_watermark=0.5, low_watermark=0.25) as cache:  # fmt: skip
+    clock, disk, cache = _write_back_over_a_memory_disk(3, host_blocks=4, high_watermark=0.5, low_watermark=0.25)
+    with cache:
         for i in range(6):
             tokens = prompt(5, start=100 * i)
             clock.now += 1.0
@@ -490,10 +494,8 @@ def test_host_room_leaves_the_disk_copy_of_a_page_on_device_free_for_a_spill():
     and r's blocks. It locked r's disk block, as that of a victim whose page keeps it, though
     r stays on device: the disk could only evict a, the prefix of the pages being copied, and
     a, b and c left the trie (the two slots made for them stayed free). r's block goes now."""
-    clock = Clock()
-    disk = MemoryDisk(POOL.block_shape, POOL.dtype, 2)
-    with make(host_blocks=2, write_policy="write_back", policy="lru", disk_tier=disk, clock=clock,
-              transfer_factory=ManualTransfer, high_watermark=1.0, low_watermark=1.0) as cache:  # fmt: skip
+    clock, disk, cache = _write_back_over_a_memory_disk(2)
+    with cache:
         abc, r, x = prompt(13), prompt(5, start=100), prompt(5, start=200)
         _serve_and_evict(cache, clock, prompt(5), spill=True)  # a: host and disk
         assert cache.evict_host(1) == 1  # a: disk only
