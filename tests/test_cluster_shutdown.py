@@ -16,6 +16,7 @@ and no timing is asserted.
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import signal
 import uuid
@@ -97,6 +98,19 @@ def health(url):
         return {}
 
 
+@contextlib.contextmanager
+def stream_at_its_first_tokens(node_url, url, workers=1):
+    """(pool, stream): a stream of MAX_TOKENS sent to ``url`` (the node or a router in front of
+    it) whose first tokens came, the node ``node_url`` then holding its requests in place
+    (``hold_steps``) until the test lets them go; ``pool`` has room for ``workers`` calls."""
+    hold_steps(node_url, FIRST_STEPS)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        started = concurrent.futures.Future()
+        stream = pool.submit(read_stream, url, body(MAX_TOKENS, stream=True), started)
+        started.result(timeout=120)
+        yield pool, stream
+
+
 def assert_finished(events):
     """A stream that ran to its MAX_TOKENS: no error event, one finish, then ``[DONE]``."""
     assert events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
@@ -117,11 +131,7 @@ def assert_cut(events, cut, message):
 def test_a_stream_in_flight_at_sigterm_finishes_then_the_node_exits_and_has_left_the_directory(nodes):
     processes, directory = nodes
     node = processes["g1"]
-    hold_steps(node.url, FIRST_STEPS)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        started = concurrent.futures.Future()
-        stream = pool.submit(read_stream, node.url, body(MAX_TOKENS, stream=True), started)
-        started.result(timeout=120)
+    with stream_at_its_first_tokens(node.url, node.url) as (_, stream):
         node.process.send_signal(signal.SIGTERM)
         assert wait_until(lambda: health(node.url).get("status") == "draining", timeout=30)
         assert not stream.done()
@@ -137,11 +147,7 @@ def test_a_stream_in_flight_at_sigterm_finishes_then_the_node_exits_and_has_left
 def test_a_draining_node_refuses_new_requests_and_a_second_signal_cuts_those_in_flight(nodes):
     processes, directory = nodes
     node = processes["g2"]
-    hold_steps(node.url, FIRST_STEPS)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        started = concurrent.futures.Future()
-        stream = pool.submit(read_stream, node.url, body(MAX_TOKENS, stream=True), started)
-        started.result(timeout=120)
+    with stream_at_its_first_tokens(node.url, node.url, workers=2) as (pool, stream):
         plain = pool.submit(httpx.post, f"{node.url}/v1/completions", json=body(MAX_TOKENS, stream=False), timeout=120)
         assert wait_until(lambda: health(node.url)["inflight"] == 2, timeout=30)
         node.process.send_signal(signal.SIGTERM)
@@ -188,11 +194,7 @@ def test_a_router_stopped_by_sigterm_finishes_the_stream_it_passes_on_refuses_ne
     processes, _ = nodes
     node, router = processes["g4"], processes["router"]
     assert wait_until(lambda: health(router.url).get("status") == "ok", timeout=30)  # it routes to g4
-    hold_steps(node.url, FIRST_STEPS)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        started = concurrent.futures.Future()
-        stream = pool.submit(read_stream, router.url, body(MAX_TOKENS, stream=True), started)
-        started.result(timeout=120)  # its first tokens came through the router
+    with stream_at_its_first_tokens(node.url, router.url) as (_, stream):  # its first tokens came through the router
         router.process.send_signal(signal.SIGTERM)
         assert wait_until(lambda: health(router.url).get("status") == "draining", timeout=30)
         draining = httpx.get(f"{router.url}/health", timeout=30)
@@ -215,12 +217,8 @@ def test_a_second_signal_to_a_draining_router_cuts_what_it_passes_on_and_tells_t
     processes, _ = nodes
     node, router = processes["g4"], processes["router2"]
     assert wait_until(lambda: health(router.url).get("status") == "ok", timeout=30)
-    hold_steps(node.url, FIRST_STEPS)
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            started = concurrent.futures.Future()
-            stream = pool.submit(read_stream, router.url, body(MAX_TOKENS, stream=True), started)
-            started.result(timeout=120)
+        with stream_at_its_first_tokens(node.url, router.url, workers=2) as (pool, stream):
             plain = pool.submit(httpx.post, f"{router.url}/v1/completions", json=body(MAX_TOKENS, stream=False),
                                 timeout=120)  # fmt: skip
             assert wait_until(lambda: health(node.url)["inflight"] == 2, timeout=30)  # both reached the node
