@@ -58,8 +58,8 @@ def engine():
     (dict(tokens=[1, -1]), r"token id -1 at index 1 is out of range; expected 0 <= id < 256 \(vocab_size=256\)"),
     (dict(tokens=[1], stop_token_ids="ab"), r"stop_token_ids='ab' must be a collection of token ids"),
     (dict(tokens=[1], stop_token_ids=2), r"^stop_token_ids=2 must be a collection of token ids \(ints\), e.g. \[2\]$"),
-    (dict(tokens=[1], stop_token_ids=[3, 256]), r"^stop_token_ids holds 256, outside the vocabulary; "
-                                                 r"expected 0 <= id < 256$"),
+    (dict(tokens=[1], stop_token_ids=[3, 256]), r"^stop_token_ids \(sorted\) \[3, 256\]: token id 256 at index 1 is "
+                                                 r"out of range; expected 0 <= id < 256 \(vocab_size=256\)$"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -157,11 +157,11 @@ class Engine:
         request = Request(request_id, tokens, max_new_tokens, namespace, arrival_time=self.clock(),
                           stop_token_ids=stop_token_ids, sampling=sampling,
                           accept_lossy=accept_lossy)  # fmt: skip
-        vocab_size = self.model.cfg.vocab_size  # the ids sampling can return
-        outside = sorted(t for t in request.stop_token_ids if not 0 <= t < vocab_size)
-        if outside:  # such an id can never be sampled: the request would silently run to max_new_tokens
-            raise ValueError(f"stop_token_ids holds {outside[0]}, outside the vocabulary; expected "
-                             f"0 <= id < {vocab_size}")
+        try:  # an id outside the vocabulary is never sampled: the request would run to max_new_tokens
+            stop = sorted(request.stop_token_ids)
+            validate_tokens(stop, self.model.cfg.vocab_size)
+        except ValueError as error:
+            raise ValueError(f"stop_token_ids (sorted) {stop}: {error}") from None
         seed = sampling.seed if sampling.seed is not None else (self.config.seed * 1_000_003 + self._num_added) % 2**32
         record = RequestRecord(request, sampling, seed, request.arrival_time, fingerprint, changes)
         accepted = self.scheduler.add(request)  # validates token ids; raises before anything is kept
