@@ -279,7 +279,13 @@ class DiskTier:
         self._check_open()
         payload = np.ascontiguousarray(blocks).reshape(len(keys), -1).view(np.uint8)
         with self._lock:
-            rows = [r for r in range(len(keys)) if (namespaces[r], keys[r]) not in self._blocks]
+            rows, kept = [], set()  # rows to write; segments of the blocks it holds already
+            for r in range(len(keys)):
+                ref = self._blocks.get((namespaces[r], keys[r]))
+                if ref is None:
+                    rows.append(r)
+                else:
+                    kept.add(ref[0])
             self._stats.duplicate_blocks += len(keys) - len(rows)
             if self.read_only:
                 if rows and not self._stats.rejected_blocks:
@@ -288,7 +294,6 @@ class DiskTier:
                 return []
             # The blocks it holds already stay while it makes room for the others: a spill
             # saving host pages must not evict one of them for another (its host copy goes next).
-            kept = {self._blocks[(namespaces[r], keys[r])][0] for r in set(range(len(keys))).difference(rows)}
             for name in kept:
                 self._segments[name].pins += 1
         stored = []
