@@ -803,6 +803,8 @@ def test_bad_requests_raise_and_change_nothing():
             cache.admit([0, -1, 2])
         with pytest.raises(ValueError, match=r"sequence of 40 tokens needs 10 blocks; the pool has 8"):
             cache.admit(prompt(40))
+        with pytest.raises(ValueError, match=r"tokens is empty \(num_tokens=0\); admit expects a prompt of >= 1 token"):
+            cache.admit(np.zeros(0, np.int32))
         with pytest.raises(ValueError, match=r"namespace='b' differs from the lookup's Namespace\(tenant='a'"):
             cache.admit(cache.lookup(prompt(4), "a"), "b")
         with pytest.raises(ValueError, match=r"num_blocks=-1 must be >= 0"):

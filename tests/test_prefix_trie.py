@@ -225,6 +225,7 @@ def test_bad_requests_raise_clear_errors_and_change_nothing(cache):
     cases = [
         (lambda: cache.admit([1, 100]), r"token id 100 at index 1 is out of range; expected 0 <= id < 100"),
         (lambda: cache.admit([1] * 40), r"sequence of 40 tokens needs 20 blocks; the pool has 16"),
+        (lambda: cache.admit([]), r"tokens is empty \(num_tokens=0\); admit expects a prompt of >= 1 token"),
         (lambda: cache.commit(handle, [1, 2, 9]), r"tokens disagree with the tokens this sequence was given"),
         (lambda: cache.commit(handle, [1, 2, 3, 4]), r"4 tokens committed; the sequence has room for 3"),
         (lambda: cache.extend(handle, -1), r"num_new_tokens=-1 must be an int >= 0"),

@@ -191,7 +191,10 @@ class DeviceIndex:
         return max(num_bytes // 4 - 1, 0) // self.page_size * self.trie.page_bytes
 
     def check_fits(self, num_tokens: int) -> None:
-        """ValueError unless a sequence of ``num_tokens`` tokens fits in the pool at all."""
+        """ValueError unless a sequence of ``num_tokens`` tokens fits in the pool at all (and
+        has a token: an empty prompt has no last token to compute logits for)."""
+        if num_tokens < 1:
+            raise ValueError(f"tokens is empty (num_tokens={num_tokens}); admit expects a prompt of >= 1 token")
         num_pages = -(-num_tokens // self.page_size)
         if num_pages > self.allocator.num_blocks:
             raise ValueError(f"sequence of {num_tokens} tokens needs {num_pages} blocks; "
