@@ -43,6 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from paged_attention_report import render_markdown  # noqa: E402  (benchmarks/, beside this file)
 
 from pallas_kernels import paged_attention  # noqa: E402
+from pallas_kernels.dispatch import tuning_keys  # noqa: E402
 from pallas_kernels.kv_format import KVFormat, quantize_pool, relative_error  # noqa: E402
 
 DECODE_BATCHES = (8, 32, 64, 128, 256)
@@ -417,8 +418,8 @@ def _max_diff(out, expect) -> float:
 
 
 def _paged_fn(impl, **tuning):
-    if impl == "xla":
-        tuning = {}  # the XLA path takes only its own step size
+    # max_q_len is the GPU kernel's: an impl gets only the tuning it takes
+    tuning = {k: v for k, v in tuning.items() if k in tuning_keys("paged_attention", impl)}
     return jax.jit(functools.partial(paged_attention, layer=0, impl=impl, **tuning))
 
 

@@ -52,7 +52,7 @@ def gather_blocks(
     is XLA's gather); ``tuning`` passes implementation-specific sizes through.
     """
     check_block_copy_args(kv_pages, block_ids)
-    gather = select("gather_blocks", impl, interpret)
+    gather = select("gather_blocks", impl, interpret, tuning)
 
     def gather_leaf(pages):  # any rank: the kernels copy whole blocks as flat bits
         if block_ids.shape[0] == 0:
@@ -79,7 +79,7 @@ def scatter_blocks(
     :func:`gather_blocks`.
     """
     check_block_copy_args(kv_pages, block_ids, blocks)
-    scatter = select("scatter_blocks", impl, interpret)
+    scatter = select("scatter_blocks", impl, interpret, tuning)
     if block_ids.shape[0] == 0:
         return kv_pages
     if is_quantized(kv_pages):

@@ -13,7 +13,8 @@ way: public op -> dispatch -> implementations.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Collection
 
 from pallas_kernels.backend import PALLAS_IMPLS, resolve_impl, resolve_interpret
 from pallas_kernels.block_copy_pallas import (
@@ -34,7 +35,7 @@ from pallas_kernels.paged_attention_gpu import paged_attention_gpu
 from pallas_kernels.paged_attention_tpu import paged_attention_tpu
 from pallas_kernels.paged_attention_xla import paged_attention_xla
 
-__all__ = ["KERNELS", "OPS", "select"]
+__all__ = ["KERNELS", "OPS", "select", "tuning_keys"]
 
 KERNELS: dict[tuple[str, str], Callable] = {
     ("paged_attention", "xla"): paged_attention_xla,
@@ -67,12 +68,18 @@ _DEFAULT_OVERRIDES = {
 }
 
 
-def select(op: str, impl: str | None = None, interpret: bool | None = None) -> Callable:
+# Keyword arguments the public ops pass themselves: not tuning.
+_OP_ARGS = frozenset({"layer", "sm_scale", "sliding_window", "soft_cap", "interpret"})
+
+
+def select(op: str, impl: str | None = None, interpret: bool | None = None,
+           tuning: Collection[str] = ()) -> Callable:  # fmt: skip
     """The function that runs ``op`` with implementation ``impl``.
 
     ``impl=None`` picks this backend's default for ``op``; an unknown ``impl``, or
     ``interpret=False`` for a Pallas implementation off its accelerator, raises
-    ``ValueError``. A Pallas implementation comes with ``interpret=`` bound.
+    ``ValueError``, as does a name in ``tuning`` (the caller's tuning keywords) that the
+    implementation does not take. A Pallas implementation comes with ``interpret=`` bound.
     """
     if impl is None:
         default = resolve_impl(None)
@@ -80,7 +87,22 @@ def select(op: str, impl: str | None = None, interpret: bool | None = None) -> C
     impl = resolve_impl(impl)
     interpret = resolve_interpret(impl, interpret)
     fn = KERNELS[op, impl]
+    if tuning:
+        known = tuning_keys(op, impl)
+        unknown = sorted(set(tuning) - set(known))
+        if unknown:
+            takes = f"expected some of {list(known)}" if known else "it takes none"
+            raise ValueError(f"tuning {unknown} is not taken by {op} with impl={impl!r}; {takes}")
     if impl in PALLAS_IMPLS:
         return functools.partial(fn, interpret=interpret)
     return fn
 
+
+
+@functools.cache
+def tuning_keys(op: str, impl: str) -> tuple[str, ...]:
+    """The tuning keywords (block sizes, warps) ``op``'s implementation ``impl`` takes."""
+    # The quantized writes pass their tuning on to the plain write of the same impl.
+    fn = KERNELS["write_kv" if op == "write_kv_quantized" else op, impl]
+    params = inspect.signature(fn).parameters.values()
+    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _OP_ARGS)

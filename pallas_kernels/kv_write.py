@@ -56,7 +56,7 @@ def write_kv(
     implementation-specific sizes through (``tokens_per_step`` for ``pallas_tpu``).
     """
     check_kv_write_args(kv_pages, k, v, slot_mapping, layer=layer)
-    write = select("write_kv_quantized" if is_quantized(kv_pages) else "write_kv", impl, interpret)
+    write = select("write_kv_quantized" if is_quantized(kv_pages) else "write_kv", impl, interpret, tuning)
     if k.shape[0] == 0:
         return kv_pages
     return write(kv_pages, k, v, slot_mapping, layer=int(layer), **tuning)

@@ -57,7 +57,7 @@ def paged_attention(
         sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale)
     if num_seqs is None:  # after the checks: they name a block_tables that is not an array
         num_seqs = jnp.array([block_tables.shape[0]], jnp.int32)
-    attend = select("paged_attention", impl, interpret)
+    attend = select("paged_attention", impl, interpret, tuning)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     return attend(q, kv_pages, block_tables, seq_lens, cu_q_lens, num_seqs, layer=int(layer),
                   sm_scale=scale, sliding_window=None if sliding_window is None else int(sliding_window),

@@ -11,9 +11,10 @@ from pallas_kernels import (
     check_paged_attention_metadata,
     check_slot_mapping,
     paged_attention,
+    scatter_blocks,
 )
 from pallas_kernels.backend import IMPLS, resolve_impl, resolve_interpret
-from pallas_kernels.dispatch import KERNELS, OPS, select
+from pallas_kernels.dispatch import KERNELS, OPS, select, tuning_keys
 from pallas_kernels.example_inputs import make_case
 
 
@@ -88,6 +89,25 @@ def test_select_binds_interpret_to_pallas_implementations_only():
         select("gather_blocks", "pallas_gpu", interpret=False)
     with pytest.raises(ValueError, match=r"impl='cuda' is not a known implementation"):
         select("write_kv", "cuda")
+
+
+def test_tuning_a_kernel_does_not_take_is_refused_by_name():
+    # A GPU config's num_warps on the CPU path, and a typo, each named with what the impl takes.
+    with pytest.raises(ValueError, match=r"tuning \['num_warps'\] is not taken by gather_blocks with "
+                                         r"impl='xla'; it takes none"):
+        select("gather_blocks", "xla", tuning={"num_warps": 4})
+    with pytest.raises(ValueError, match=r"tuning \['block_k'\] is not taken by paged_attention with "
+                                         r"impl='pallas_tpu'; expected some of \['block_q', 'pages_per_block', "
+                                         r"'vmem_limit_bytes'\]"):
+        select("paged_attention", "pallas_tpu", tuning={"block_q": 8, "block_k": 8})
+    # The quantized write passes its tuning on to the plain write of its impl.
+    assert tuning_keys("write_kv_quantized", "pallas_tpu") == tuning_keys("write_kv", "pallas_tpu") == (
+        "tokens_per_step",)
+    for op, impl in KERNELS:  # every impl takes its own tuning keywords
+        select(op, impl, tuning=tuning_keys(op, impl))
+    pages = jnp.arange(2 * 8, dtype=jnp.float32).reshape(2, 1, 2, 1, 2, 2)
+    with pytest.raises(ValueError, match=r"tuning \['num_warps'\] is not taken by scatter_blocks"):
+        scatter_blocks(pages, jnp.array([1], jnp.int32), pages[:1], impl="xla", num_warps=4)
 
 
 def test_defaults_per_backend(monkeypatch):
