@@ -490,6 +490,31 @@ def test_a_pull_waits_no_longer_than_its_deadline_behind_a_hung_one(tmp_path):
         assert not engine._deadline_jobs  # pulls that ended in time leave nothing behind
 
 
+def test_a_pull_with_a_deadline_the_watcher_cannot_keep_is_refused_and_a_far_one_kills_no_deadline(tmp_path):
+    # a NaN deadline sat atop the watcher's heap for good and one of 1e10 s (past the longest
+    # wait a lock takes) killed the watcher: either way no later pull expired, and a pull
+    # queued behind a hung one waited for all of it
+    host, _ = tiers(tmp_path)
+    release = threading.Event()
+    with TransferEngine(host) as engine:
+        for bad in (float("nan"), float("inf"), None, "1"):
+            with pytest.raises(ValueError, match=r"deadline=.* must be a finite number of time.monotonic\(\) seconds"):
+                engine.pull_remote(lambda deadline: "x", 1, 8, deadline=bad)
+        for bad in (0, -8, 2.5, True):
+            with pytest.raises(ValueError, match=rf"block_nbytes={bad!r} must be an int >= 1"):
+                engine.pull_remote(lambda deadline: "x", 1, bad, deadline=time.monotonic() + WAIT_S)
+        assert done(engine.pull_remote(lambda deadline: "far", 1, 8, deadline=time.monotonic() + 1e10)).blocks == "far"
+        start = time.monotonic()
+        hung = engine.pull_remote(lambda deadline: release.wait(3 * WAIT_S), 1, 8, deadline=start + 0.6)
+        queued = engine.pull_remote(lambda deadline: "never ran", 1, 8, deadline=start + 0.3)
+        try:  # both by the watcher, the hung pull still running
+            assert queued.result(WAIT_S).error == transfer.PULL_EXPIRED
+            assert hung.result(WAIT_S).error == transfer.PULL_ABANDONED
+        finally:
+            release.set()
+        assert engine.wait_idle(WAIT_S)
+
+
 def test_close_fails_an_offload_still_waiting_for_the_reads_it_follows():
     # an offload submitted with after= (the fetches that read its slots first) was neither
     # queued nor failed by close: its future stayed pending for good

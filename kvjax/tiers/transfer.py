@@ -60,6 +60,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -377,9 +378,14 @@ class TransferEngine:
             raise ValueError(f"pull={pull!r} must be a callable (deadline) -> blocks")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 1")
+        if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < 1:
+            raise ValueError(f"block_nbytes={block_nbytes!r} must be an int >= 1")
+        # NaN sat atop the watcher's heap for good (no later pull expired), inf killed it
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+            raise ValueError(f"deadline={deadline!r} must be a finite number of time.monotonic() seconds")
         if not isinstance(priority, Priority):
             raise ValueError(f"{priority=} must be a Priority ({list(Priority)})")
-        job = _Job(Link.REMOTE_TO_HOST, priority, np.zeros(0, np.intp), num_blocks * int(block_nbytes),
+        job = _Job(Link.REMOTE_TO_HOST, priority, np.zeros(0, np.intp), num_blocks * block_nbytes,
                    _Future(), pull=pull, deadline=deadline, num_blocks=num_blocks)  # fmt: skip
         self._promotable(job)
         if not self.synchronous:  # nobody waits past the deadline, whatever runs ahead on the link
@@ -544,7 +550,9 @@ class TransferEngine:
                         if job is not None:
                             break  # else it finished in time
                         continue
-                    self._deadline_wake.wait(self._deadlines[0][0] - now if self._deadlines else None)
+                    # a far deadline's wait past TIMEOUT_MAX raised OverflowError, and the watcher died
+                    self._deadline_wake.wait(min(self._deadlines[0][0] - now, threading.TIMEOUT_MAX)
+                                             if self._deadlines else None)  # fmt: skip
             self._expire_pull(job)
 
     def _expire_pull(self, job: _Job) -> None:
