@@ -166,7 +166,9 @@ class OfferService:
         if time.monotonic() >= deadline:  # nobody will pull it
             self._count("late")
             return self._empty("the requester's wait ended before the offer")
-        offer_id = self._offer(payload)
+        # the requester may pull until its wait ends: an offer reclaimed before that (the
+        # transport's TTL alone) made a good peer's slow pull hang, and the peer suspect
+        offer_id = self._offer(payload, max(self.transport.offer_ttl_s, deadline - time.monotonic()))
         self._count("offered_pages", export.num_pages)
         return OfferReply(export.num_pages, offer_id, self.transport.address, self.block_nbytes, tuple(export.keys),
                           tuple(checksums), tuple(export.tiers))  # fmt: skip
@@ -185,7 +187,7 @@ class OfferService:
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"bad ack: {type(error).__name__}: {error}") from None
 
-    def _offer(self, payload: np.ndarray) -> int:
+    def _offer(self, payload: np.ndarray, ttl_s: float) -> int:
         if self.fault == "hang":
             return secrets.randbits(62) + 1  # an id nobody offers: the pull never completes
         if self.fault == "corrupt":
@@ -199,7 +201,7 @@ class OfferService:
             timer.daemon = True
             timer.start()
             return offer_id
-        return self.transport.offer(payload)
+        return self.transport.offer(payload, ttl_s)
 
     def _offer_as(self, offer_id: int, payload: np.ndarray) -> None:
         """The "slow" fault: the offer appears late, under the id already answered."""

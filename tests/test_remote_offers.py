@@ -1,0 +1,72 @@
+"""The owner's side of remote fetch in one process: ``OfferService`` over a real cache and
+a real transfer server (its reaper driven by hand on a fake clock), the requester's pull and
+checks done by hand. (The HTTP round trip between node processes: test_cluster_remote.)"""
+
+import time
+
+import pytest
+from test_kv_cache import POOL, compute, make, prompt
+from tier_cases import random_blocks
+
+from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cluster.remote_offers import OfferReply, OfferRequest, OfferService
+from kvjax.tiers.remote_transport import RemoteTransport, verified_blocks
+
+TTL_S = 5.0
+WAIT_S = 20  # generous: a loaded 2-core CI box
+
+
+@pytest.fixture
+def owner():
+    with make() as cache:
+        yield cache
+
+
+@pytest.fixture
+def clock():
+    return [0.0]
+
+
+@pytest.fixture
+def transport(clock):
+    transport = RemoteTransport(offer_ttl_s=TTL_S, clock=lambda: clock[0], reap=False)
+    yield transport
+    transport.close()
+
+
+def service(owner, transport):
+    def export(request, deadline):
+        return owner.export_pages(request.tokens, request.namespace, request.first_page, request.num_pages)
+
+    return OfferService(transport, export, owner.codec.name, owner.codec.block_nbytes)
+
+
+def ask(owner, tokens, namespace, num_pages, wait_s):
+    request = OfferRequest(namespace, tokens, 0, num_pages, owner.codec.name, owner.codec.block_nbytes, wait_s)
+    return request.to_json()
+
+
+def pull_and_check(owner, transport, reply, tokens, namespace):
+    """The requester's pull and checks: how many leading pages verified."""
+    payload = transport.pull(reply.address, reply.offer_id, reply.num_pages, reply.block_nbytes,
+                             time.monotonic() + WAIT_S)  # fmt: skip
+    ns = Namespace(namespace)
+    keys = chained_block_keys(tokens, POOL.page_size, ns)[: reply.num_pages]
+    assert list(reply.keys) == keys
+    return verified_blocks(ns.digest(), keys, payload, reply.checksums)
+
+
+def test_an_offer_lasts_as_long_as_its_requester_waits(owner, transport, clock):
+    # the offer expired after the transport's TTL whatever the requester's wait (up to 600 s):
+    # the reaper pulled it back while the requester could still pull, whose pull then hung to
+    # its deadline and made a good peer suspect
+    tokens = prompt(13)
+    compute(owner, tokens, "t", random_blocks(4, POOL.block_shape))
+    offers = service(owner, transport)
+    reply = OfferReply.from_json(offers.offer(ask(owner, tokens, "t", 3, wait_s=6 * TTL_S)).to_json())
+    short = OfferReply.from_json(offers.offer(ask(owner, tokens, "t", 3, wait_s=TTL_S / 5)).to_json())
+    assert reply.num_pages == short.num_pages == 3
+    clock[0] = 2 * TTL_S  # past the TTL, within the first requester's wait
+    assert transport.reap_expired() == 1 and transport.outstanding_offers == 1  # a short wait keeps the TTL
+    assert pull_and_check(owner, transport, reply, tokens, "t") == 3
+    assert offers.ack({"offer_id": reply.offer_id}) and transport.outstanding_offers == 0
