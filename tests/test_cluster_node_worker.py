@@ -5,6 +5,7 @@ engine of the tiny preset; requests in, answers out (one test steps the engine).
 import concurrent.futures
 import time
 
+import numpy as np
 import pytest
 from cluster_fixtures import wait_until
 
@@ -15,6 +16,7 @@ from kvjax.cluster.node_worker import EngineWorker, cluster_info_of
 from kvjax.cluster.openai_api import CompletionRequest, RequestError
 from kvjax.cluster.publisher import DirectoryPublisher
 from kvjax.cluster.remote_fetch import FetchOutcome, FetchPlan, PeerHint
+from kvjax.cluster.remote_offers import OfferRequest
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_events import FinishEvent
 
@@ -102,6 +104,26 @@ def test_an_engine_that_breaks_answers_the_request_in_hand_and_leaves_the_direct
         assert isinstance(answers[0], RuntimeError) and "the engine failed: broken on purpose" in str(answers[0])
         assert not worker.alive
         assert wait_until(lambda: directory.live_nodes() == [])  # routers stop choosing it now, not after its TTL
+    finally:
+        worker.stop()
+
+
+def test_a_peer_asking_a_node_whose_engine_failed_is_answered_at_once(engine, monkeypatch):
+    # nobody took the export any more: the ask held the owner's server thread (and the peer)
+    # until the peer's deadline, up to minutes, and then said only that it timed out
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(engine, "add_request", broken)
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        answers = []
+        worker.submit("r1", CompletionRequest("tiny", "hi", None), answers.append)
+        assert wait_until(lambda: answers) and not worker.alive
+        ask = OfferRequest(None, np.arange(32, dtype=np.int32), 0, 2, "raw", 16384, 10.0)
+        with pytest.raises(RuntimeError, match="the engine failed: broken on purpose"):
+            worker.export(ask, time.monotonic() + 10.0)
     finally:
         worker.stop()
 

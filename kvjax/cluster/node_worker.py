@@ -153,7 +153,12 @@ class EngineWorker:
 
     def export(self, request: OfferRequest, deadline: float) -> ExportedPages:
         """Pages a peer asks for, read on the engine thread between steps (blocking);
-        TimeoutError if ``deadline`` (monotonic seconds) passes first."""
+        TimeoutError if ``deadline`` (monotonic seconds) passes first; RuntimeError at once
+        once the engine thread is gone (nobody would answer: the ask held a server thread
+        until its deadline, up to minutes)."""
+        if not self.alive:
+            raise RuntimeError(f"the engine failed: {self.error}" if self.error is not None
+                               else "the engine thread is not running")  # fmt: skip
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("export", request, deadline, future))
         return future.result(timeout=max(0.0, deadline - time.monotonic()))
