@@ -461,9 +461,21 @@ def test_the_remote_link_runs_pulls_by_priority_under_its_budget_and_its_deadlin
         done(starved)
         assert order == ["demand", "prefetch", "starved"]  # expired never ran; demand first
         stats = engine.stats()["remote_to_host"]
-        assert stats == {"jobs": 5, "failed": 2, "bytes": 2006, "queued": 0}
+        assert stats == {"jobs": 5, "failed": 2, "bytes": 6, "queued": 0}  # the background pulls brought nothing
         with pytest.raises(ValueError, match="num_blocks=0 must be an int >= 1"):
             engine.pull_remote(pull("x"), 0, 3, deadline=far)
+
+
+def test_the_remote_link_counts_the_bytes_that_arrived_not_those_asked_for(tmp_path):
+    # a fetch whose peer offered nothing, or whose blocks failed their checks, returns None
+    # (or the verified leading run): the link counted every byte asked for as delivered
+    host, _ = tiers(tmp_path)
+    arrived = np.zeros((1, 100), np.uint8)
+    with TransferEngine(host) as engine:
+        far = time.monotonic() + WAIT_S
+        assert done(engine.pull_remote(lambda deadline: None, 4, 100, deadline=far)).blocks is None
+        assert done(engine.pull_remote(lambda deadline: arrived, 3, 100, deadline=far)).blocks is arrived
+        assert engine.stats()["remote_to_host"] == {"jobs": 2, "failed": 0, "bytes": 100, "queued": 0}
 
 
 def test_a_pull_waits_no_longer_than_its_deadline_behind_a_hung_one(tmp_path):

@@ -724,8 +724,8 @@ class TransferEngine:
             counters = self._counters[job.link]
             counters["jobs"] += 1
             counters["failed"] += not result.ok
-            if job.link is Link.REMOTE_TO_HOST:
-                counters["bytes"] += job.nbytes if result.ok else 0
+            if job.link is Link.REMOTE_TO_HOST:  # what arrived: a fetch that verified nothing returns None
+                counters["bytes"] += getattr(result.blocks, "nbytes", 0) if result.ok else 0
             else:
                 counters["bytes"] += (done if result.ok or job.keys else 0) * self.host.block_nbytes
         try:
