@@ -110,6 +110,13 @@ def test_offer_rejects_anything_but_a_byte_matrix(transport):
         transport.offer(np.zeros((2, 4), np.float32))
 
 
+def test_offer_rejects_a_ttl_that_is_not_a_positive_number_of_seconds(transport):
+    # a ttl_s of 0 meant the transport's default, a negative one an offer the reaper took at once
+    for bad in (0, 0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=rf"ttl_s={bad!r} must be > 0 seconds"):
+            transport.offer(payload(1), ttl_s=bad)
+
+
 def test_checksums_bind_namespace_key_and_bytes():
     blocks = payload(4, seed=3)
     sums = block_checksums(NS, keys(4), blocks)

@@ -136,15 +136,19 @@ class RemoteTransport:
     # --- owner side ------------------------------------------------------------------------
 
     def offer(self, payload: np.ndarray, ttl_s: float | None = None, *, offer_id: int | None = None) -> int:
-        """Offer ``payload`` (``u8[num_blocks, block_nbytes]``) for one pull; returns its id
+        """Offer ``payload`` (``u8[num_blocks, block_nbytes]``) for one pull, reclaimed
+        ``ttl_s`` seconds later unless acknowledged (None: ``offer_ttl_s``); returns its id
         (a fresh random one unless ``offer_id`` names it)."""
         payload = np.asarray(payload)
         if payload.ndim != 2 or payload.dtype != np.uint8:
             raise ValueError(f"payload {payload.shape} {payload.dtype} must be u8[num_blocks, block_nbytes]")
+        if ttl_s is not None and not ttl_s > 0:  # 0 meant the default TTL, a negative one an offer expired already
+            raise ValueError(f"ttl_s={ttl_s!r} must be > 0 seconds (or None: offer_ttl_s)")
         offer_id = secrets.randbits(62) + 1 if offer_id is None else int(offer_id)
         array = jax.device_put(payload, self._sharding)
         with self._lock:
-            self._offers[offer_id] = _Offer(self.clock() + (ttl_s or self.offer_ttl_s), *payload.shape)
+            expires = self.clock() + (self.offer_ttl_s if ttl_s is None else ttl_s)
+            self._offers[offer_id] = _Offer(expires, *payload.shape)
             self.counters["offers"] += 1
             self.counters["offered_bytes"] += payload.nbytes
         self._server.await_pull(offer_id, [array])
