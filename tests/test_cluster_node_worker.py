@@ -3,22 +3,26 @@ directory publisher: events recorded into a real EventLog reach a real Redis, wi
 engine of the tiny preset; requests in, answers out (one test steps the engine)."""
 
 import concurrent.futures
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 from cluster_fixtures import wait_until
+from fastapi.testclient import TestClient
 
 from kvjax.cache.block_events import EventLog
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import NodeLoad
+from kvjax.cluster.node_server import create_node_app
 from kvjax.cluster.node_worker import EngineWorker, cluster_info_of
 from kvjax.cluster.openai_api import CompletionRequest, RequestError
 from kvjax.cluster.publisher import DirectoryPublisher
 from kvjax.cluster.remote_fetch import FetchOutcome, FetchPlan, PeerHint
-from kvjax.cluster.remote_offers import OfferRequest
+from kvjax.cluster.remote_offers import OfferRequest, OfferService
 from kvjax.serving.engine import Engine
 from kvjax.serving.engine_events import FinishEvent
+from kvjax.tiers.remote_transport import RemoteTransport
 
 TENANT = Namespace("tenant-a")
 
@@ -124,6 +128,17 @@ def test_a_peer_asking_a_node_whose_engine_failed_is_answered_at_once(engine, mo
         ask = OfferRequest(None, np.arange(32, dtype=np.int32), 0, 2, "raw", 16384, 10.0)
         with pytest.raises(RuntimeError, match="the engine failed: broken on purpose"):
             worker.export(ask, time.monotonic() + 10.0)
+        # over HTTP a 503 (this node cannot serve), as a completion gets, not a 500 and a traceback
+        codec = engine.cache.codec
+        transport = RemoteTransport()
+        try:
+            offers = OfferService(transport, worker.export, codec.name, codec.block_nbytes)
+            with TestClient(create_node_app(worker, "tiny", "n1", offers)) as client:
+                body = dataclasses.replace(ask, codec=codec.name, block_nbytes=codec.block_nbytes).to_json()
+                response = client.post("/kv/offer", json=body)
+        finally:
+            transport.close()
+        assert response.status_code == 503 and "the engine failed: broken on purpose" in response.json()["error"]
     finally:
         worker.stop()
 

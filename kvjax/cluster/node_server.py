@@ -138,6 +138,10 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
                 return JSONResponse({"error": str(error)}, status_code=503)
             except TimeoutError as error:
                 return JSONResponse({"error": str(error) or "timed out"}, status_code=504)
+            except RuntimeError as error:
+                if worker.alive:
+                    raise  # a broken invariant: a 500 with its traceback
+                return JSONResponse({"error": str(error)}, status_code=503)  # the engine failed
             except ValueError as error:
                 return JSONResponse({"error": str(error)}, status_code=400)
             return JSONResponse(reply.to_json())
