@@ -121,7 +121,8 @@ def walked_run(entries, epoch, count):
 def test_lookup_equals_a_walk_of_every_block_for_cache_shaped_holdings(directory):
     """Random holdings shaped as a cache's are (a block held only with its parent, a device
     block only with its parent on device; host and disk in any mix below), plus entries of an
-    old epoch and of dead nodes: the lookup's binary searches give what walking every block
+    old epoch, of the same epoch by another client (a process from before Redis lost its
+    data) and of dead nodes: the lookup's binary searches give what walking every block
     gives, for every node, prompt length and tier mix."""
     rng = random.Random(13)
     epochs = {node: directory.register(node, f"http://{node}", CLUSTER) for node in ("n1", "n2", "n3", "n4")}
@@ -132,13 +133,16 @@ def test_lookup_equals_a_walk_of_every_block_for_cache_shaped_holdings(directory
         for node, epoch in epochs.items():
             run = rng.choice([0, count, rng.randint(0, count)])
             device = rng.choice([0, run, rng.randint(0, run)])
-            mine = {i: (epoch, 1 | rng.choice([0, 2, 4, 6]) if i < device else rng.choice([2, 4, 6])) for i in range(run)}
-            stale = {i: (epoch - 1, 1) for i in range(run, count) if rng.random() < 0.5}  # a previous epoch's
-            directory.write_blocks(node, epoch, {(TENANT_A.digest(), keys[i]): mask for i, (_, mask) in mine.items()})
-            for i, (old, mask) in stale.items():
-                directory.client.hset(directory.block_key(TENANT_A.digest(), keys[i]), node, f"{old}:{mask}")
-            entries[node] = {**stale, **mine}
-        directory.client.hset(directory.block_key(TENANT_A.digest(), keys[-1]), "gone", "1:7")  # a dead node's
+            mine = {i: 1 | rng.choice([0, 2, 4, 6]) if i < device else rng.choice([2, 4, 6]) for i in range(run)}
+            # a previous epoch's, or this epoch's number in another client's incarnation
+            stale = {i: rng.choice([(epoch - 1, directory.incarnation), (epoch, "0ther")])
+                     for i in range(run, count) if rng.random() < 0.5}  # fmt: skip
+            directory.write_blocks(node, epoch, {(TENANT_A.digest(), keys[i]): mask for i, mask in mine.items()})
+            for i, (old, incarnation) in stale.items():
+                directory.client.hset(directory.block_key(TENANT_A.digest(), keys[i]), node, f"{old}/{incarnation}:1")
+            entries[node] = {**{i: (None, 1) for i in stale}, **{i: (epoch, mask) for i, mask in mine.items()}}
+        dead = f"1/{directory.incarnation}:7"
+        directory.client.hset(directory.block_key(TENANT_A.digest(), keys[-1]), "gone", dead)
         for view in directory.lookup(TENANT_A.digest(), keys):
             expected = walked_run(entries[view.node_id], epochs[view.node_id], count)
             assert (view.prefix_blocks, dict(view.blocks_by_tier)) == expected, (trial, view.node_id)
@@ -154,6 +158,50 @@ def test_entries_of_an_old_epoch_are_never_used(directory):
     assert directory.lookup(TENANT_A.digest(), keys)[0].prefix_blocks == 0
     directory.write_blocks("n1", new, masks_of(stored(TENANT_A, keys[:3])))
     assert directory.lookup(TENANT_A.digest(), keys)[0].prefix_blocks == 3
+
+
+@pytest.fixture
+def lossy_redis():
+    """A redis-server of the test alone, free to lose its data (FLUSHALL, as a restart without
+    persistence does) without disturbing the session's."""
+    with RedisProcess.start() as server:
+        yield server
+
+
+def test_a_process_from_before_redis_lost_its_data_never_counts_as_one_registered_after(lossy_redis):
+    # epochs restarted at 1 after the loss: the old process's epoch 1 was the new process's
+    # too, so its late writes counted as the new one's and its heartbeat still said "ok"
+    keys = keys_of(TENANT_A)
+    old_process, new_process, peer = (Directory.connect(lossy_redis.url, node_ttl_s=60.0) for _ in range(3))
+    old = old_process.register("n1", "http://old", CLUSTER)
+    old_process.client.flushall()
+    new = new_process.register("n1", "http://new", CLUSTER)
+    old_process.write_blocks("n1", old, masks_of(stored(TENANT_A, keys)), NodeLoad(7, 700))
+    old_process.write_learned("n1", old, {"from": "old"})
+    (view,) = peer.lookup(TENANT_A.digest(), keys)
+    assert (view.address, view.epoch, view.prefix_blocks, view.load) == ("http://new", new, 0, NodeLoad(0, 0))
+    assert peer.peers_learned("n2") == {}
+    assert old_process.heartbeat("n1", old, NodeLoad()) == "superseded"
+    old_process.deregister("n1", old)  # its shutdown leaves the new record alone
+    new_process.write_blocks("n1", new, masks_of(stored(TENANT_A, keys[:3])))
+    new_process.write_learned("n1", new, {"from": "new"})
+    assert peer.lookup(TENANT_A.digest(), keys)[0].prefix_blocks == 3
+    assert peer.peers_learned("n2") == {"n1": {"from": "new"}}
+
+
+def test_a_process_registering_again_after_redis_lost_its_data_starts_a_new_epoch(lossy_redis):
+    # its writes between the loss and its re-registration (it had not heard yet) were under the
+    # epoch the restarted counter handed it again: a block it let go meanwhile stayed counted
+    keys = keys_of(TENANT_A)
+    directory = Directory.connect(lossy_redis.url, node_ttl_s=60.0)
+    first = directory.register("n1", "http://a", CLUSTER)
+    directory.client.flushall()
+    directory.write_blocks("n1", first, masks_of(stored(TENANT_A, keys)))  # it has not heard of the loss
+    second = directory.register("n1", "http://a", CLUSTER)  # its heartbeat said "gone"
+    directory.write_blocks("n1", second, masks_of(stored(TENANT_A, keys[:2])))  # what it holds now
+    assert directory.lookup(TENANT_A.digest(), keys)[0].prefix_blocks == 2
+    assert second > first
+    assert Directory.connect(lossy_redis.url).register("n1", "http://b", CLUSTER) > second  # the counter went on
 
 
 def test_a_node_without_heartbeat_leaves_within_its_ttl(redis_server, redis_prefix):

@@ -129,7 +129,7 @@ def test_a_restarted_node_never_uses_its_old_epochs_entries(failures):
     directory = failures.directory()
     first_key = chained_block_keys(list(text.encode()), PAGE_SIZE, "tenant-r")[0]
     entry = directory.client.hget(directory.block_key(Namespace("tenant-r").digest(), first_key), "f2")
-    assert entry is not None and entry.decode().startswith(f"{old_epoch}:")
+    assert entry is not None and entry.decode().startswith(f"{old_epoch}/")  # "{epoch}/{incarnation}:{mask}"
     assert held_blocks(failures, text, "tenant-r")[0]["f2"] == 0
     response = post(failures.router.url, text, namespace="tenant-r")
     assert response.status_code == 200 and response.headers["x-kvjax-route"].startswith("no_prefix")

@@ -13,30 +13,34 @@ key                            type    TTL             holds (written by)
                                                        heartbeat prunes ids whose record expired)
 ``{prefix}:node:{id}:epoch``   string  none            the node's last epoch, INCR on every start,
                                                        never reused (register)
-``{prefix}:node:{id}``         hash    ``node_ttl_s``  epoch, address, inflight, prefill_tokens,
-                                                       started (register, heartbeat, the node's
-                                                       step writes; routers HINCRBY the load)
-``{prefix}:node:{id}:learned`` string  ``node_ttl_s``  JSON {"epoch": e, "statistics": {...}}: what
-                                                       the node's eviction policy learned, for its
-                                                       peers (``ReuseStatistics.as_dict``; the
-                                                       node's heartbeat)
-``{prefix}:b:{ns}:{key}``      hash    ``block_ttl_s`` node id -> "{epoch}:{tier mask}" (each node
-                                                       from its block events; mask: device 1,
-                                                       host 2, disk 4), or "{epoch}:0:{ms}" for a
-                                                       first block the node dropped at ``ms``
-                                                       (unix ms of the node's clock)
+``{prefix}:node:{id}``         hash    ``node_ttl_s``  epoch, incarnation, address, inflight,
+                                                       prefill_tokens, started (register,
+                                                       heartbeat, the node's step writes; routers
+                                                       HINCRBY the load)
+``{prefix}:node:{id}:learned`` string  ``node_ttl_s``  JSON {"epoch": e, "incarnation": i,
+                                                       "statistics": {...}}: what the node's
+                                                       eviction policy learned, for its peers
+                                                       (``ReuseStatistics.as_dict``; the node's
+                                                       heartbeat)
+``{prefix}:b:{ns}:{key}``      hash    ``block_ttl_s`` node id -> "{epoch}/{incarnation}:{tier
+                                                       mask}" (each node from its block events;
+                                                       mask: device 1, host 2, disk 4), or
+                                                       "{epoch}/{incarnation}:0:{ms}" for a first
+                                                       block the node dropped at ``ms`` (unix ms
+                                                       of the node's clock)
 =============================  ======  ==============  ============================================
 
 Reading rules: a node is live while its record exists (its heartbeat keeps the TTL); an entry
-counts only if its epoch equals the live record's epoch, so a restarted node's (or a dead
-node's) old entries are never used. A lookup of a request's block keys is one round trip: one
-server-side script reads the live records and returns per live node the length of its leading
-run of the keys and how many of those blocks are fastest on each tier, and when it dropped the
-first key if it did (a first block, one with no parent, that leaves a node's last tier stays
-as a dropped entry, "{epoch}:0:{ms}", as long as the block's key lives: the router sends a
-request nobody holds back to the node that saw its prefix last, ``kvjax.cluster.router``).
-A node that registers a new epoch writes its marks again (its publisher keeps those of the
-last ``block_ttl_s``); marks of a previous epoch are not read, like its other entries.
+counts only if its epoch and incarnation equal the live record's, so a restarted node's (or a
+dead node's) old entries are never used. A lookup of a request's block keys is one round trip:
+one server-side script reads the live records and returns per live node the length of its
+leading run of the keys and how many of those blocks are fastest on each tier, and when it
+dropped the first key if it did (a first block, one with no parent, that leaves a node's last
+tier stays as a dropped entry, "{epoch}/{incarnation}:0:{ms}", as long as the block's key
+lives: the router sends a request nobody holds back to the node that saw its prefix last,
+``kvjax.cluster.router``). A node that registers a new epoch writes its marks again (its
+publisher keeps those of the last ``block_ttl_s``); marks of a previous epoch are not read,
+like its other entries.
 
 The script does not read every key: it relies on what a node's cache guarantees and its
 publisher mirrors transaction by transaction, that a block is held only with its parent (the
@@ -49,6 +53,16 @@ also finds any gap there. 256 keys held on device by 4 nodes: 0.49 -> 0.03 ms of
 against walking every key (``benchmarks/bench_router.py``). A gap among device entries, which
 no publisher writes, can make a run look longer than it is: a routing hint, never KV.
 
+Epochs after Redis lost its data: the counters restart, so an epoch number alone could be
+handed out twice, to a process that registered before the loss (and has not heard of it yet)
+and one that registered after; the old one's writes would count as the new one's. Two rules
+keep every (epoch, incarnation) of a node id unique: each ``Directory`` client draws a random
+``incarnation`` that all its records and entries carry (32 random bits: two clients match with
+odds of 1 in 4 billion), and a client registering again takes the larger of INCR and one past
+its own last epoch, in the same script (its own writes from before it heard of the loss never
+match its new epoch). Heartbeats, load writes, deregistration and learned statistics check
+both, like lookups.
+
 Memory: each node writes one field per block it holds, and deletes it when its events say
 the block left its last tier (an empty hash disappears), so a live node leaves nothing behind
 but its dropped first blocks, one field each while the key lives (its TTL, which any
@@ -57,7 +71,9 @@ What a dead node, or a node's previous epoch, wrote is never read and is bounded
 per node id and block (a restart overwrites its own field), and it expires with the block
 key's TTL, which only a live holder's writes and periodic refreshes extend (see
 ``kvjax.cluster.publisher``). ``{prefix}:node:{id}:epoch`` stays, one small key per node id
-ever used, so epochs never repeat. Blocks are ~100 bytes of Redis memory per holder.
+ever used, so epochs never repeat while Redis keeps its data. Blocks are ~100 bytes of Redis
+memory per holder; the incarnation in each entry adds ~16 (20,000 blocks of one holder: 211 ->
+226 bytes each, key included).
 
 Not for Redis Cluster: the scripts read keys they do not declare (node records, block keys).
 """
@@ -67,6 +83,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -185,6 +202,10 @@ class Directory:
     leaves the routing set within it); ``block_ttl_s``: a block entry expires this long after
     a holder last wrote or refreshed it. Methods raise ``redis.RedisError`` when Redis is
     unreachable; callers decide what that means.
+
+    ``incarnation``: random hex drawn per client, written with each epoch it registers (see
+    the module docstring: epochs stay unique when Redis loses its data). One process, one
+    client per node id.
     """
 
     def __init__(self, client: redis.Redis, *, prefix: str = "kvjax", node_ttl_s: float = 6.0,
@@ -196,6 +217,8 @@ class Directory:
                 raise ValueError(f"{name}={value!r} must be > 0 seconds")
         self.client, self.prefix = client, prefix
         self.node_ttl_s, self.block_ttl_s = float(node_ttl_s), float(block_ttl_s)
+        self.incarnation = secrets.token_hex(4)
+        self._last_epochs: dict[str, int] = {}  # node id -> the last epoch this client registered
         self._register = client.register_script(_REGISTER)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
@@ -245,20 +268,24 @@ class Directory:
         keys = [f"{self.prefix}:cluster", f"{self.prefix}:nodes", f"{self.node_key(node_id)}:epoch",
                 self.node_key(node_id)]  # fmt: skip
         try:
-            epoch = self._register(keys, [node_id, address, self._ms(self.node_ttl_s), int(time.time()), *fields])
+            least = self._last_epochs.get(node_id, 0) + 1  # Redis may have lost the counter since
+            epoch = self._register(keys, [node_id, address, self._ms(self.node_ttl_s), int(time.time()),
+                                          self.incarnation, least, *fields])  # fmt: skip
         except redis.ResponseError as error:
             if "cluster " in str(error):
                 raise ValueError(f"node {node_id!r} cannot join prefix {self.prefix!r}: {error}") from None
             raise
+        self._last_epochs[node_id] = int(epoch)
         return int(epoch)
 
     def heartbeat(self, node_id: str, epoch: int, load: NodeLoad) -> str:
         """Refresh the node's record and load. Returns "ok", "gone" (the record expired or
         Redis lost it: register again and re-publish) or "superseded" (a newer epoch of the
-        same id registered: stop writing)."""
+        same id registered, or the same epoch number by another client after Redis lost its
+        data: stop writing)."""
         status = self._heartbeat([self.node_key(node_id), f"{self.prefix}:nodes"],
                                  [epoch, self._ms(self.node_ttl_s), load.inflight, load.prefill_tokens,
-                                  self.prefix])  # fmt: skip
+                                  self.prefix, self.incarnation])  # fmt: skip
         return {1: "ok", 0: "gone", -1: "superseded"}[int(status)]
 
     def write_blocks(self, node_id: str, epoch: int, masks: Mapping[tuple[bytes, bytes], int],
@@ -276,17 +303,19 @@ class Directory:
         """
         ttl_ms = self._ms(self.block_ttl_s)
         dropped = dropped or {}
+        tag = f"{epoch}/{self.incarnation}"
         with self.client.pipeline(transaction=True) as pipe:
             for block, mask in masks.items():
                 name = self.block_key(*block)
                 if mask or block in dropped:
-                    pipe.hset(name, node_id, f"{epoch}:{mask}" if mask else f"{epoch}:0:{max(1, dropped[block])}")
+                    pipe.hset(name, node_id, f"{tag}:{mask}" if mask else f"{tag}:0:{max(1, dropped[block])}")
                     pipe.pexpire(name, ttl_ms)
                 else:
                     pipe.hdel(name, node_id)
             if load is not None:
                 self._write_load([self.node_key(node_id)], [epoch, load.inflight, load.prefill_tokens,
-                                                            self._ms(self.node_ttl_s)], client=pipe)  # fmt: skip
+                                                            self._ms(self.node_ttl_s), self.incarnation],
+                                 client=pipe)  # fmt: skip
             pipe.execute()
 
     def refresh_blocks(self, blocks: Iterable[tuple[bytes, bytes]]) -> None:
@@ -301,27 +330,28 @@ class Directory:
         """Publish what the node's eviction policy learned (a JSON-safe mapping) under its
         epoch; it expires with the node's record unless written again."""
         check_node_id(node_id)
-        self.client.set(self.learned_key(node_id), json.dumps({"epoch": int(epoch), "statistics": statistics}),
-                        px=self._ms(self.node_ttl_s))  # fmt: skip
+        record = {"epoch": int(epoch), "incarnation": self.incarnation, "statistics": statistics}
+        self.client.set(self.learned_key(node_id), json.dumps(record), px=self._ms(self.node_ttl_s))
 
     def peers_learned(self, node_id: str) -> dict[str, dict]:
         """What every other live node published with ``write_learned``, by node id: only a
-        record written under the node's live epoch (a dead node's, or a previous epoch's, is
-        left out); malformed records are left out too."""
+        record written under the node's live epoch and incarnation (a dead node's, or a
+        previous epoch's, is left out); malformed records are left out too."""
         others = sorted(_text(other) for other in self.client.smembers(f"{self.prefix}:nodes"))
         others = [other for other in others if other != node_id]
         with self.client.pipeline(transaction=False) as pipe:
             for other in others:
-                pipe.hget(self.node_key(other), "epoch")
+                pipe.hmget(self.node_key(other), "epoch", "incarnation")
                 pipe.get(self.learned_key(other))
             replies = pipe.execute()
         learned = {}
-        for other, epoch, record in zip(others, replies[::2], replies[1::2]):
+        for other, (epoch, incarnation), record in zip(others, replies[::2], replies[1::2]):
             if epoch is None or record is None:
                 continue
             try:
                 record = json.loads(record)
-                if int(record["epoch"]) == int(epoch) and isinstance(record["statistics"], dict):
+                if (int(record["epoch"]) == int(epoch) and record.get("incarnation") == _text(incarnation or b"")
+                        and isinstance(record["statistics"], dict)):  # fmt: skip
                     learned[other] = record["statistics"]
             except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
                 continue
@@ -329,7 +359,7 @@ class Directory:
 
     def deregister(self, node_id: str, epoch: int) -> None:
         """Drop the node's record now (a clean shutdown), if ``epoch`` is still the live one."""
-        self._deregister([self.node_key(node_id)], [epoch])
+        self._deregister([self.node_key(node_id)], [epoch, self.incarnation])
 
     # --- a router's reads and writes -------------------------------------------------------
 
@@ -380,29 +410,34 @@ def _text(value: bytes | str) -> str:
 
 
 # KEYS: cluster hash, nodes set, epoch counter, node record.
-# ARGV: node id, address, ttl ms, started (unix s), then cluster field, value pairs.
+# ARGV: node id, address, ttl ms, started (unix s), incarnation, the least epoch to take (one
+# past the client's last: the counter may have restarted), then cluster field, value pairs.
 _REGISTER = """
-for i = 5, #ARGV, 2 do
+for i = 7, #ARGV, 2 do
   local current = redis.call('HGET', KEYS[1], ARGV[i])
   if current and current ~= ARGV[i + 1] then
     return redis.error_reply('cluster ' .. ARGV[i] .. '=' .. current .. ' but this node has ' .. ARGV[i + 1])
   end
 end
-for i = 5, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 7, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 local epoch = redis.call('INCR', KEYS[3])
+if epoch < tonumber(ARGV[6]) then
+  epoch = tonumber(ARGV[6])
+  redis.call('SET', KEYS[3], epoch)
+end
 redis.call('DEL', KEYS[4])
-redis.call('HSET', KEYS[4], 'epoch', epoch, 'address', ARGV[2], 'inflight', 0, 'prefill_tokens', 0,
-           'started', ARGV[4])
+redis.call('HSET', KEYS[4], 'epoch', epoch, 'incarnation', ARGV[5], 'address', ARGV[2], 'inflight', 0,
+           'prefill_tokens', 0, 'started', ARGV[4])
 redis.call('PEXPIRE', KEYS[4], ARGV[3])
 redis.call('SADD', KEYS[2], ARGV[1])
 return epoch
 """
 
-# KEYS: node record, nodes set. ARGV: epoch, ttl ms, inflight, prefill tokens, prefix.
+# KEYS: node record, nodes set. ARGV: epoch, ttl ms, inflight, prefill tokens, prefix, incarnation.
 _HEARTBEAT = """
-local current = redis.call('HGET', KEYS[1], 'epoch')
-if not current then return 0 end
-if current ~= ARGV[1] then return -1 end
+local current = redis.call('HMGET', KEYS[1], 'epoch', 'incarnation')
+if not current[1] then return 0 end
+if current[1] ~= ARGV[1] or current[2] ~= ARGV[6] then return -1 end
 redis.call('HSET', KEYS[1], 'inflight', ARGV[3], 'prefill_tokens', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
@@ -411,9 +446,10 @@ end
 return 1
 """
 
-# KEYS: node record. ARGV: epoch.
+# KEYS: node record. ARGV: epoch, incarnation.
 _DEREGISTER = """
-if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1] then redis.call('DEL', KEYS[1]) end
+local current = redis.call('HMGET', KEYS[1], 'epoch', 'incarnation')
+if current[1] == ARGV[1] and current[2] == ARGV[2] then redis.call('DEL', KEYS[1]) end
 """
 
 # KEYS: node record. ARGV: inflight delta, prefill tokens delta.
@@ -424,9 +460,10 @@ redis.call('HINCRBY', KEYS[1], 'prefill_tokens', ARGV[2])
 return 1
 """
 
-# KEYS: node record. ARGV: epoch, inflight, prefill tokens, ttl ms.
+# KEYS: node record. ARGV: epoch, inflight, prefill tokens, ttl ms, incarnation.
 _WRITE_LOAD = """
-if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
+local current = redis.call('HMGET', KEYS[1], 'epoch', 'incarnation')
+if current[1] ~= ARGV[1] or current[2] ~= ARGV[5] then return 0 end
 redis.call('HSET', KEYS[1], 'inflight', ARGV[2], 'prefill_tokens', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1
@@ -454,7 +491,8 @@ local function name(i)
 end
 local live, ids = {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', prefix .. ':nodes')) do
-  local rec = redis.call('HMGET', prefix .. ':node:' .. id, 'epoch', 'address', 'inflight', 'prefill_tokens')
+  local rec = redis.call('HMGET', prefix .. ':node:' .. id, 'epoch', 'address', 'inflight', 'prefill_tokens',
+                         'incarnation')
   if rec[1] then
     live[#live + 1] = {id, rec}
     ids[#ids + 1] = id
@@ -465,8 +503,8 @@ if count > 0 and #ids > 0 then first = redis.call('HMGET', name(1), unpack(ids))
 local out = {}
 for j, node in ipairs(live) do
   local id, rec = node[1], node[2]
-  local e = rec[1] .. ':'
-  -- entry of this epoch -> its fastest tier: 1 device, 2 host, 3 disk
+  local e = rec[1] .. '/' .. (rec[5] or '') .. ':'
+  -- entry of this epoch and incarnation -> its fastest tier: 1 device, 2 host, 3 disk
   local valid = {[e .. '1'] = 1, [e .. '2'] = 2, [e .. '3'] = 1, [e .. '4'] = 3, [e .. '5'] = 1, [e .. '6'] = 2,
                  [e .. '7'] = 1}
   local seen = {}
@@ -487,8 +525,8 @@ for j, node in ipairs(live) do
   end
   local run, counts, dropped = 0, {0, 0, 0}, 0
   if count > 0 then seen[1] = valid[first[j]] or false end
-  if count > 0 and first[j] and not seen[1] then
-    dropped = tonumber(string.match(first[j], '^' .. rec[1] .. ':0:(%d+)$')) or 0
+  if count > 0 and first[j] and not seen[1] and string.sub(first[j], 1, #e + 2) == e .. '0:' then
+    dropped = tonumber(string.match(string.sub(first[j], #e + 3), '^%d+$')) or 0
   end
   if count > 0 and seen[1] then
     run = count
