@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -211,8 +212,7 @@ def test_a_node_without_heartbeat_leaves_within_its_ttl(redis_server, redis_pref
     directory.write_blocks("n1", epoch, masks_of(stored(TENANT_A, keys)))
     assert directory.heartbeat("n1", epoch, NodeLoad(1, 10)) == "ok"
     assert directory.lookup(TENANT_A.digest(), keys)[0].load == NodeLoad(1, 10)
-    time.sleep(1.2)
-    assert directory.lookup(TENANT_A.digest(), keys) == []  # its entries are there, unused
+    assert wait_until(lambda: directory.lookup(TENANT_A.digest(), keys) == [])  # its entries are there, unused
     assert directory.heartbeat("n1", epoch, NodeLoad()) == "gone"
     assert directory.add_load("n1", 1, 100) is False
     assert not directory.client.exists(directory.node_key("n1"))  # no record resurrected by the router
@@ -420,33 +420,96 @@ def test_a_second_process_with_the_same_id_supersedes_the_first(directory):
         assert first.successor.epoch == second.epoch  # what the first node's refusals name
 
 
+MARKER_MS = 3_600_000  # a block key TTL that no write or refresh of these tests' directories sets
+
+
+def mark(directory, blocks):
+    """Set the blocks' key TTLs to ``MARKER_MS``: a write or refresh sets one back to at most
+    ``block_ttl_s``, which ``refreshed`` sees without waiting for anything to expire."""
+    for block in blocks:
+        assert directory.client.pexpire(directory.block_key(*block), MARKER_MS), block
+
+
+def refreshed(directory, blocks):
+    """Every block key exists and had its TTL set to ``block_ttl_s`` since ``mark``."""
+    return all(0 <= directory.client.pttl(directory.block_key(*block)) <= directory.block_ttl_s * 1000
+               for block in blocks)  # fmt: skip
+
+
+class SteppedDirectory(Directory):
+    """A directory whose heartbeats each wait for the test's ``beat()``: a test counts a
+    publisher's heartbeats (each refreshes a slice of the held blocks) instead of sleeping."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._turn = threading.Condition()
+        self._arrived = self._let_through = 0
+        self._free = False
+
+    def heartbeat(self, node_id, epoch, load):
+        with self._turn:
+            self._arrived += 1
+            self._turn.notify_all()
+            self._turn.wait_for(lambda: self._free or self._let_through >= self._arrived)
+        return super().heartbeat(node_id, epoch, load)
+
+    def beat(self):
+        """Let the waiting heartbeat run; returns once the publisher did all it does before the
+        next one (which then waits)."""
+        with self._turn:
+            assert self._turn.wait_for(lambda: self._arrived > self._let_through, timeout=10)
+            self._let_through += 1
+            self._turn.notify_all()
+            assert self._turn.wait_for(lambda: self._arrived > self._let_through, timeout=10)
+
+    def run_free(self):
+        """Heartbeats stop waiting (before the publisher closes)."""
+        with self._turn:
+            self._free = True
+            self._turn.notify_all()
+
+
 def test_the_publisher_refreshes_block_ttls(redis_server, redis_prefix):
     directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=2.0, block_ttl_s=1.5)
     keys = keys_of(TENANT_A)
+    blocks = [(TENANT_A.digest(), key) for key in keys[:4]]
     with running_publisher(directory, deregister=False) as publisher:
         publisher.submit([stored(TENANT_A, keys[:4])])
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 4)
-        time.sleep(2.0)  # past the block TTL: only the heartbeat's refreshes keep the entries
+        mark(directory, blocks)  # written once: only the heartbeat's refreshes set the TTLs again
+        assert wait_until(lambda: refreshed(directory, blocks))
         assert run_of(directory, TENANT_A, keys).prefix_blocks == 4
-    time.sleep(1.7)
-    assert directory.client.keys(f"{redis_prefix}:b:*") == []  # nobody refreshes them: gone
+    assert wait_until(lambda: directory.client.keys(f"{redis_prefix}:b:*") == [])  # nobody refreshes them: gone
 
 
 def test_held_blocks_stay_refreshed_after_most_of_the_holdings_leave(redis_server, redis_prefix):
     # the slice per heartbeat was sized by the holdings now, the queue by the holdings when it
     # was built: after a mass eviction the queue took many TTLs to drain, and held blocks at
-    # its end expired
-    # TTLs long enough for a heartbeat on a loaded machine; the old queue still took many of them
-    directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=4.0, block_ttl_s=2.4)
+    # its end expired. Heartbeats are counted, not waited out: every held block must be
+    # refreshed within half a block TTL of them, block_ttl_s / 2 / heartbeat_s = 6.
+    directory = SteppedDirectory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=60.0, block_ttl_s=2.4)
+    heartbeats_per_half_ttl = 6
     evicted, kept = keys_of(TENANT_A, list(range(120))), keys_of(TENANT_B, TOKENS[:12])
-    with running_publisher(directory) as publisher:
+    evicted_blocks = [(TENANT_A.digest(), key) for key in evicted]
+    kept_blocks = [(TENANT_B.digest(), key) for key in kept]
+    publisher = DirectoryPublisher(directory, "n1", "http://n1", CLUSTER, heartbeat_s=0.2)
+    publisher.start()
+    try:
         publisher.submit([stored(TENANT_A, evicted), stored(TENANT_B, kept, seq=30)])
-        assert wait_until(lambda: run_of(directory, TENANT_B, kept).prefix_blocks == 3)
-        time.sleep(0.3)  # a heartbeat queued all 33 blocks for refreshing
-        publisher.submit([stored(TENANT_A, evicted, kind="removed", seq=33)])
-        assert wait_until(lambda: run_of(directory, TENANT_A, evicted).prefix_blocks == 0)
-        time.sleep(2.8)  # past the block TTL: only refreshes keep the kept blocks
+        directory.beat()  # the first heartbeat (nothing held yet), then the 33 blocks are written
         assert run_of(directory, TENANT_B, kept).prefix_blocks == 3
+        mark(directory, evicted_blocks + kept_blocks)
+        directory.beat()  # queues the 33 held blocks, the kept ones last, and refreshes the first slice
+        assert refreshed(directory, evicted_blocks[:1]) and not refreshed(directory, kept_blocks[-1:])
+        publisher.submit([stored(TENANT_A, evicted, kind="removed", seq=33)])
+        for _ in range(heartbeats_per_half_ttl):
+            directory.beat()
+        assert run_of(directory, TENANT_A, evicted).prefix_blocks == 0
+        assert refreshed(directory, kept_blocks)
+        assert run_of(directory, TENANT_B, kept).prefix_blocks == 3
+    finally:
+        directory.run_free()
+        publisher.close()
 
 
 def test_registration_fails_clearly_without_redis(redis_prefix):
