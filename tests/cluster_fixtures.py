@@ -36,6 +36,15 @@ def wait_until(predicate, timeout=10.0, interval=0.05):
     return False
 
 
+def speak_for(directory, node_id):
+    """The live epoch of ``node_id``, ``directory`` taking on the node's incarnation so that its
+    writes under that epoch count as the node's own (the node's publisher is another client,
+    with an incarnation of its own: ``kvjax.cluster.directory``)."""
+    epoch, incarnation = directory.client.hmget(directory.node_key(node_id), "epoch", "incarnation")
+    directory.incarnation = incarnation.decode()
+    return int(epoch)
+
+
 def decode_tokens(url):
     """Tokens the node's engine computed in decode steps so far."""
     return float(re.search(r"^kvjax_decode_tokens_total (\S+)$", httpx.get(f"{url}/metrics").text, re.M).group(1))

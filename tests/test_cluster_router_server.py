@@ -12,7 +12,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from cluster_fixtures import decode_tokens, hang_up_while_generating, start_router, wait_until
+from cluster_fixtures import decode_tokens, hang_up_while_generating, speak_for, start_router, wait_until
 from fastapi.testclient import TestClient
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
@@ -46,7 +46,7 @@ def pretend_node_holds(directory, node_id, prompt, namespace=None, blocks=None):
     """Write directory entries as if ``node_id`` held the prompt's blocks (the cache's event
     stream is not wired to nodes yet; the router's path is what this exercises)."""
     keys = chained_block_keys(list(prompt.encode()), 16, namespace)[:blocks]
-    epoch = {view.node_id: view.epoch for view in directory.live_nodes()}[node_id]
+    epoch = speak_for(directory, node_id)
     digest = (Namespace(namespace) if namespace else Namespace()).digest()
     directory.write_blocks(node_id, epoch, {(digest, key): tier_mask(["device"]) for key in keys})
     return len(keys)
@@ -84,7 +84,7 @@ def test_a_prompt_nobody_holds_returns_to_the_node_that_dropped_it(cluster):
     prompt = f"Document {uuid.uuid4().hex} that every node has evicted by now.\nQ: gist?\nA:"
     pretend_node_holds(directory, "n2", prompt, "tenant-a")
     keys, digest = chained_block_keys(list(prompt.encode()), 16, "tenant-a"), Namespace("tenant-a").digest()
-    epoch = {view.node_id: view.epoch for view in directory.live_nodes()}["n2"]
+    epoch = speak_for(directory, "n2")
     directory.write_blocks("n2", epoch, {(digest, key): 0 for key in keys}, dropped={(digest, keys[0]): 1})
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "namespace": "tenant-a"}
     routes = []
