@@ -24,6 +24,9 @@ the node, which then cancels it too (``kvjax.cluster.http_front``).
 On SIGTERM the router drains (``kvjax.cluster.drain``, with ``DrainingServer``): ``/health``
 answers 503 "draining" and new requests a 503 at once, while those in flight, streams
 included, run to their end for the drain's grace period; the router exits once none is open.
+A router has no record in the directory to leave: routers are interchangeable and nothing
+chooses among them by the directory (a load balancer in front has its own list of them), so
+the 503 of ``/health`` is what takes a draining router out of rotation.
 
 Nothing is kept here that a restart would lose: the directory, the nodes' records and their
 loads live in Redis; only the round-robin position and the cluster record are cached.
