@@ -458,6 +458,21 @@ def test_add_and_step_protocol_errors_change_nothing():
         scheduler.add(done)
 
 
+
+@pytest.mark.parametrize("arrival_time", ["0.5", float("nan"), float("inf"), True])
+def test_an_arrival_time_that_is_not_a_finite_number_is_refused_and_changes_nothing(arrival_time):
+    # a str raised deep in the waiting queue after the request was registered (live for good,
+    # never queued); a NaN was queued under a key that compares false with every other
+    scheduler, engine, _ = make()
+    bad = request("bad", [1, 2], arrival_time=arrival_time)
+    with pytest.raises(ValueError, match=rf"request 'bad' has arrival_time={re.escape(repr(arrival_time))}; "
+                                         r"expected None or a finite number of seconds"):  # fmt: skip
+        scheduler.add(bad)
+    assert not scheduler.has_unfinished and scheduler.num_waiting == 0
+    scheduler.check_invariants()
+    assert scheduler.add(request("bad", [1, 2], arrival_time=3))  # the id is free, an int is seconds
+    assert drain(engine) == {"bad": "length"}
+
 # --- the parts: queue order, preemption choice, swap space ------------------------------------
 
 

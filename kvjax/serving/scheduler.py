@@ -39,6 +39,8 @@ grow (hard pins hold the rest of the pool) is stopped with a reason. Nothing rai
 from __future__ import annotations
 
 import collections
+import math
+import numbers
 import time
 from collections.abc import Callable, Mapping
 
@@ -89,8 +91,8 @@ class Scheduler:
     def add(self, request: Request) -> bool:
         """Queue ``request``; False if it is rejected (``finish_reason`` says why).
 
-        Raises ValueError (nothing changed) for a request id already live or token ids outside
-        the cache's vocabulary.
+        Raises ValueError (nothing changed) for a request id already live, token ids outside
+        the cache's vocabulary or an ``arrival_time`` that is not a finite number.
         """
         if request.request_id in self._requests:
             raise ValueError(f"request_id={request.request_id!r} is already queued or running")
@@ -100,8 +102,13 @@ class Scheduler:
         if request.status is not _WAITING or request.num_output_tokens:
             raise ValueError(f"request {request.request_id!r} is {request.status.value}; expected a new request")
         validate_tokens(request.prompt_token_ids, self.cache.vocab_size)
-        if request.arrival_time is None:
+        arrival = request.arrival_time
+        if arrival is None:
             request.arrival_time = self.clock()
+        elif isinstance(arrival, bool) or not isinstance(arrival, numbers.Real) or not math.isfinite(arrival):
+            # it keys the waiting queue: a str raised there with the request half added, a NaN broke the order
+            raise ValueError(f"request {request.request_id!r} has arrival_time={arrival!r}; expected None or "
+                             "a finite number of seconds on the scheduler's clock")  # fmt: skip
         reason = self._admission_refusal(request)
         if reason is not None:
             request.status, request.finish_reason = RequestStatus.REJECTED, reason
