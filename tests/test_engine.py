@@ -309,6 +309,17 @@ def test_engine_refuses_a_pool_that_does_not_fit():
         Engine(model(), cache, pool=other_model)
 
 
+
+def test_prompt_ids_past_the_models_vocabulary_are_refused_when_the_cache_has_none():
+    # a cache without vocab_size let ids past the model's 256 through: the embedding lookup read
+    # them as other tokens and the request "finished" with made-up output
+    cache = KVCache(KVCacheConfig(pool=pool_config(MODEL, PAGE, 32)))
+    with Engine(model(), cache, SCHEDULER, EngineConfig(max_model_len=MAX_LEN, token_buckets=BUCKETS)) as engine:
+        with pytest.raises(ValueError, match=r"token id 300 at index 1 is out of range; expected 0 <= id < 256 "
+                                             r"\(vocab_size=256\)"):  # fmt: skip
+            engine.add_request("r", tokens=[1, 300], max_new_tokens=2)
+        assert not engine.has_unfinished and engine.scheduler.num_waiting == 0
+
 def test_tiny_preset_wires_model_scheduler_and_tiers():
     parts = build_engine_parts("tiny")
     parts["cache"].close()

@@ -150,7 +150,9 @@ class Engine:
         if accept_lossy is not None and not isinstance(accept_lossy, bool):
             raise ValueError(f"accept_lossy={accept_lossy!r} must be None or a bool")
         max_new_tokens = int_arg(max_new_tokens, "max_new_tokens", 1)
-        tokens = validate_tokens(tokens, self.cache.vocab_size)  # names a bad id with the vocabulary
+        # the model's vocabulary: a cache may have none (or a larger one), and an id past the
+        # model's embedding table was read as another token, silently
+        tokens = validate_tokens(tokens, self.model.cfg.vocab_size)  # names a bad id with the vocabulary
         if len(tokens) + max_new_tokens > self.max_model_len:  # before the request's buffer is allocated
             raise ValueError(f"request {request_id!r} needs {len(tokens)} prompt + {max_new_tokens} "
                              f"new tokens; max_model_len={self.max_model_len}")  # fmt: skip
