@@ -302,6 +302,36 @@ def test_fully_cached_prompt_recomputes_its_last_page_privately():
     drain(engine)
 
 
+
+def test_a_lone_decode_waiting_for_a_prefetchs_blocks_passes_the_invariant_check():
+    # it waits a step (it is neither stopped nor scheduled) while a prefetch holds the blocks it
+    # needs; check_invariants called that state "running decode was skipped"
+    clock = Clock()
+    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=clock, high=1.0, low=0.5, host_blocks=8,
+                     cost_model=CostModel(recompute_seconds_per_token=1.0))  # host hits are fetched  # fmt: skip
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=1, token_budget=32, max_prefill_chunk=32))
+    engine = FakeEngine(scheduler, VOCAB)
+    cached = list(range(1, 10))
+    scheduler.add(request("cached", cached, max_new_tokens=1))
+    drain(engine)
+    assert cache.flush(timeout=30) and len(cache.evict(8)) == 2  # its 2 full pages: on host only
+    grow = request("grow", list(range(10, 31)), max_new_tokens=11)  # 6 blocks, growing to 8
+    scheduler.add(grow)
+    engine.step()
+    cache.prefetch(cached)  # takes the 2 free blocks until the fetch is applied
+    assert cache.num_prefetching_blocks == 2 and cache.allocator.num_free == 0
+    waited = 0
+    for _ in range(6):
+        plan = scheduler.schedule()
+        scheduler.check_invariants()  # with the plan in flight
+        waited += not plan.sequences
+        assert not plan.rejected and scheduler.running.keys() == {"grow"}
+        scheduler.on_step_done(plan, engine.run(plan))
+    assert waited == 3  # 3 decodes filled its 6th block, then it waits
+    assert cache.wait_any(30)  # the prefetch lands: its pages are cached, reclaimable
+    assert drain(engine) == {"grow": "length"}
+    assert grow.output_token_ids.tolist() == reference_output(range(10, 31), grow.namespace, 11, VOCAB)
+
 def test_lone_request_blocked_by_pins_is_stopped_with_a_reason():
     scheduler, engine, _ = make(num_blocks=4, page_size=2, high=1.0)
     scheduler.add(request("pinned", [1, 2, 3, 4, 5], max_new_tokens=1))

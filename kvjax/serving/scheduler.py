@@ -579,7 +579,10 @@ def _check_running(scheduler: Scheduler, request: Request, seq: ScheduledSeq | N
         raise RuntimeError(f"running request {rid!r} needs room for {needed} tokens; its handle has "
                            f"{handle.num_tokens} in {len(handle.block_ids)} blocks")  # fmt: skip
     if seq is None:
-        if scheduler.in_flight is not None and not request.is_prefill and rid not in scheduler.fetching:
+        # a lone decode that needs a block a prefetch in flight holds waits a step (``_make_room``)
+        waits = len(scheduler.running) == 1 and scheduler._prefetching_blocks()  # noqa: SLF001 - this module's
+        if scheduler.in_flight is not None and not request.is_prefill and rid not in scheduler.fetching \
+                and not waits:  # fmt: skip
             raise RuntimeError(f"running decode {rid!r} was skipped by step {scheduler.in_flight.step}")
         return
     if seq.start != request.num_computed_tokens or list(seq.block_table) != handle.block_table:
