@@ -1,5 +1,6 @@
-"""Stateful property test: random arrivals, cancellations, pins, tier copies and steps on a tiny
-pool, with check_invariants() after every step and a modelled page pool behind the plans.
+"""Stateful property test: random arrivals, cancellations, pins, tier copies, steps and failed
+steps on a tiny pool, with check_invariants() after every step and a modelled page pool behind
+the plans.
 
 The fake engine (scheduler_cases) checks every KV position a scheduled sequence attends to,
 so a plan that maps a block holding other tokens' KV (a stale hit, a block reused too early,
@@ -130,6 +131,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._step(cancel_mid_step)
             cancel_mid_step = -1
 
+    @rule(ran=st.sampled_from(["nothing", "swap_out", "everything"]))
+    def failed_step(self, ran):
+        """The engine fails part way through a step (``ran`` is what it got done): nothing of
+        the step counts, and the final outputs (checked by ``drain``) are still exact."""
+        plan = self.scheduler.schedule()
+        self.scheduler.check_invariants()
+        self._check_plan_reports(plan)
+        self._fail(plan, ran)
+
     @rule()
     def drain(self):
         """Arrivals stop: every request must end within DRAIN_STEPS steps."""
@@ -171,6 +181,29 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._check_finished(self.requests[request_id], reason)
         scheduler.check_invariants()
 
+
+    def _fail(self, plan, ran):
+        """Nothing of ``plan`` counts: a request it was swapping out or in recomputes (its
+        slots or blocks may hold a partial copy), the rest run again."""
+        scheduler, engine = self.scheduler, self.engine
+        if ran == "swap_out":
+            for block, slot in plan.swap_out:
+                engine.host[slot] = list(engine.pool[block])
+        elif ran == "everything":  # the model wrote its KV; its tokens never came back
+            engine.run(plan, self.requests)
+        swap_in_blocks = {block for _, block in plan.swap_in}
+        swapping = {request_id for request_id, reason in plan.preempted.items() if reason.startswith("swap")}
+        swapping |= {request_id for request_id, request in scheduler.running.items()
+                     if swap_in_blocks & set(request.handle.block_ids.tolist())}  # fmt: skip
+        redo = scheduler.abort_step(plan)
+        assert set(redo) == swapping and scheduler.in_flight is None
+        for request_id in redo:
+            request = self.requests[request_id]
+            assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+            assert not request.swap_slots and request.handle is None
+        if redo:
+            event("aborted a swap")
+        scheduler.check_invariants()
 
     def _check_plan_reports(self, plan):
         for request_id, reason in plan.rejected.items():
