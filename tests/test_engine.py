@@ -320,6 +320,18 @@ def test_prompt_ids_past_the_models_vocabulary_are_refused_when_the_cache_has_no
             engine.add_request("r", tokens=[1, 300], max_new_tokens=2)
         assert not engine.has_unfinished and engine.scheduler.num_waiting == 0
 
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(scheduler_config={"max_num_seqs": 4}), r"scheduler_config=\{'max_num_seqs': 4\} must be a SchedulerConfig"),
+    (dict(scheduler_config={}), r"scheduler_config=\{\} must be a SchedulerConfig"),  # was silently the defaults
+    (dict(config={"max_model_len": 64}), r"config=\{'max_model_len': 64\} must be an? EngineConfig \(EngineConfig"),
+])
+def test_settings_that_are_not_config_objects_are_refused(kwargs, message):
+    # a dict raised AttributeError on its first field read ({} for the scheduler: its defaults ran)
+    cache = KVCache(KVCacheConfig(pool=pool_config(MODEL, PAGE, 32), vocab_size=256))
+    with pytest.raises(ValueError, match=message):
+        Engine(model(), cache, **kwargs)
+
 def test_tiny_preset_wires_model_scheduler_and_tiers():
     parts = build_engine_parts("tiny")
     parts["cache"].close()

@@ -415,6 +415,14 @@ def test_config_validation_messages(settings, message):
         SchedulerConfig(**settings)
 
 
+def test_a_config_that_is_not_a_scheduler_config_is_refused():
+    # a dict (a parsed config section) raised AttributeError: 'dict' object has no attribute ...
+    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=Clock())
+    message = r"config=\{'max_num_seqs': 4\} must be a SchedulerConfig \(SchedulerConfig.from_dict builds one"
+    with pytest.raises(ValueError, match=message + r" from a mapping\) or None"):
+        Scheduler(cache, {"max_num_seqs": 4})
+
+
 def test_config_from_dict():
     assert SchedulerConfig.from_dict({"max_num_seqs": 8, "token_budget": 64}) == SchedulerConfig(8, 64)
     with pytest.raises(ValueError, match=r"unknown scheduler config keys \['budget'\]; expected some of"):

@@ -71,9 +71,14 @@ class Engine:
                  canonicalize: CanonicalizeConfig | None = None, metrics: Metrics | None = None,
                  pool: PagePool | None = None, record_logits: bool = False,
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        settings = (("scheduler_config", scheduler_config, SchedulerConfig), ("config", config, EngineConfig))
+        for name, value, kind in settings:
+            if value is not None and not isinstance(value, kind):  # a dict failed on its first field read ({}: ignored)
+                raise ValueError(f"{name}={value!r} must be a {kind.__name__} ({kind.__name__}.from_dict builds one "
+                                 "from a mapping) or None")  # fmt: skip
         self.model, self.cache = model, cache
-        self.config = config or EngineConfig()
-        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.config = EngineConfig() if config is None else config
+        self.scheduler_config = SchedulerConfig() if scheduler_config is None else scheduler_config
         self.pool = pool or cache.pool
         _check_compatible(model, cache, self.pool)
         vocab_size = model.cfg.vocab_size

@@ -68,8 +68,11 @@ class Scheduler:
 
     def __init__(self, cache: KVCache, config: SchedulerConfig | None = None, *,
                  clock: Callable[[], float] | None = None):  # fmt: skip
+        if config is not None and not isinstance(config, SchedulerConfig):  # a dict failed on its first field read
+            raise ValueError(f"config={config!r} must be a SchedulerConfig (SchedulerConfig.from_dict builds one "
+                             "from a mapping) or None")  # fmt: skip
         self.cache = cache
-        self.config = config or SchedulerConfig()
+        self.config = SchedulerConfig() if config is None else config
         self.clock = clock or cache.clock or time.monotonic
         self.page_size = cache.page_size
         self.stats = SchedulerStats()
