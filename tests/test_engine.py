@@ -176,6 +176,39 @@ def test_full_queue_rejects_with_a_reason():
     assert rejections == 1
 
 
+class _FailingDecode:
+    """A plugged-in tokenizer whose decode fails on a rejected request's empty output."""
+
+    vocab_size = MODEL.vocab_size
+
+    def encode(self, text):
+        return [ord(c) % self.vocab_size for c in text]
+
+    def decode(self, ids):
+        if not len(ids):
+            raise ValueError("nothing to decode")
+        return "".join(map(chr, ids))
+
+
+def test_a_tokenizer_whose_decode_fails_leaves_the_text_out_and_the_engine_running(caplog):
+    """The rejected request's finish ran outside the step's guard: its decode's ValueError left
+    the plan in flight, and every later step failed with "still in flight"."""
+    scheduler = SchedulerConfig(max_num_seqs=4, token_budget=64, max_prefill_chunk=32, max_waiting=2)
+    with make_engine(scheduler=scheduler, tokenizer=_FailingDecode()) as engine:
+        accepted = [engine.add_request(f"r{i}", tokens=[i + 1] * 10, max_new_tokens=2) for i in range(3)]
+        with caplog.at_level("ERROR", logger="kvjax.serving.engine"):
+            finishes = _finishes(engine.run(summary=False))
+        assert accepted == [True, True, False]
+        assert finishes["r2"].status == "rejected" and finishes["r2"].text is None
+        assert "could not decode request 'r2'" in caplog.text
+        assert [finishes[f"r{i}"].output_token_ids.tolist() for i in (0, 1)] == [dense_greedy([1] * 10, 2),
+                                                                                 dense_greedy([2] * 10, 2)]
+        assert finishes["r0"].text == "".join(map(chr, finishes["r0"].output_token_ids))
+        engine.add_request("after", tokens=[5] * 10, max_new_tokens=2)  # the engine still steps
+        assert _finishes(engine.run(summary=False))["after"].output_token_ids.tolist() == dense_greedy([5] * 10, 2)
+        engine.check_invariants()
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
     rng = np.random.default_rng(1)
     prompt, other = rng.integers(0, 256, 17).astype(np.int32), rng.integers(0, 256, 9).astype(np.int32)

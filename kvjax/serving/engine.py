@@ -25,6 +25,7 @@ cached and evicted is the cache's, sampling is per request. Use it as::
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -53,6 +54,7 @@ from kvjax.tiers.page_pool import PagePool
 
 __all__ = ["Engine"]
 
+_log = logging.getLogger(__name__)
 _FETCH_WAIT_SECONDS = 1.0  # a step with nothing to run but fetches in flight waits this long at most
 
 
@@ -349,6 +351,9 @@ class Engine:
         try:
             text = self.tokenizer.decode(output)
         except TypeError:  # a plugged-in tokenizer without decode
+            text = None
+        except Exception:  # the tokens are the answer: a plugged-in decode that fails must not stop the engine
+            _log.exception("the tokenizer could not decode request %r's output; its text is None", request_id)
             text = None
         return FinishEvent(
             request_id, status, request.finish_reason or status, request.prompt_token_ids.copy(), output, text,
