@@ -511,6 +511,19 @@ def test_an_arrival_time_that_is_not_a_finite_number_is_refused_and_changes_noth
     assert scheduler.add(request("bad", [1, 2], arrival_time=3))  # the id is free, an int is seconds
     assert drain(engine) == {"bad": "length"}
 
+
+def test_a_request_or_step_result_of_the_wrong_type_is_refused_by_name():
+    scheduler, engine, _ = make()
+    with pytest.raises(ValueError, match=r"request=\('r', \[1, 2\]\) must be a kvjax Request"):
+        scheduler.add(("r", [1, 2]))
+    assert scheduler.add(request("r", [1, 2]))
+    plan = scheduler.schedule()
+    with pytest.raises(ValueError, match=r"new_tokens=\[3\] must be a mapping of request id -> sampled token id"):
+        scheduler.on_step_done(plan, [3])
+    assert scheduler.in_flight is plan  # nothing changed: the step can still be reported
+    scheduler.on_step_done(plan, {"r": 3})
+    scheduler.check_invariants()
+
 # --- the parts: queue order, preemption choice, swap space ------------------------------------
 
 

@@ -97,6 +97,8 @@ class Scheduler:
         Raises ValueError (nothing changed) for a request id already live, token ids outside
         the cache's vocabulary or an ``arrival_time`` that is not a finite number.
         """
+        if not isinstance(request, Request):
+            raise ValueError(f"request={request!r} must be a kvjax Request")
         if request.request_id in self._requests:
             raise ValueError(f"request_id={request.request_id!r} is already queued or running")
         if request.request_id in self._rejected:
@@ -197,6 +199,8 @@ class Scheduler:
         """
         if plan is not self._in_flight:
             raise ValueError(f"plan of step {plan.step} is not the step in flight")
+        if not isinstance(new_tokens, Mapping):
+            raise ValueError(f"new_tokens={new_tokens!r} must be a mapping of request id -> sampled token id")
         # validate everything before changing anything
         work = pair_tokens(plan, self._running, new_tokens, self.cache.vocab_size or 2**31)
         self._in_flight = None
