@@ -113,6 +113,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(namespace=namespace_st, tokens=tokens_st)
     def admit(self, namespace, tokens):
         num_pages = -(-len(tokens) // self.page_size)
+        if not tokens:  # no last token to compute logits for
+            before = self.snapshot()
+            with pytest.raises(ValueError, match=r"tokens is empty \(num_tokens=0\)"):
+                self.cache.admit(tokens, namespace)
+            assert self.snapshot() == before
+            return
         if num_pages > self.num_blocks:
             with pytest.raises(ValueError, match=f"needs {num_pages} blocks; the pool has {self.num_blocks}"):
                 self.cache.admit(tokens, namespace)
