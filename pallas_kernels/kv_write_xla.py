@@ -62,9 +62,8 @@ def write_kv_quantized_xla(kv_pages, k, v, slot_mapping, *, layer: int):
     pages = data[safe_block, layer]  # [T, 2, h, page, d]: each token's page, repeats alike
     requantized = encode(pages.astype(jnp.float32) * old[..., None, None],
                          new[..., None, None], fmt)
-    pages = jnp.where(fresh[..., None, None], pages, requantized)
-    data = data.at[block, layer].set(pages, mode="drop")
-    data = _set_rows(data, block, layer, offset, encode(kv, new[..., None], fmt))
+    data = _set_pages_and_rows(data, block, layer, offset, fresh, requantized,
+                               encode(kv, new[..., None], fmt))
     scales = scales.at[block, layer, :, :, 0].set(new, mode="drop")
     return QuantizedPages(data, scales)
 
@@ -93,4 +92,16 @@ def _block_offset(slot_mapping, num_blocks: int, page_size: int):
 
 @on_bits(0, 4)
 def _set_rows(data, block, layer, offset, rows):
+    return data.at[block, layer, :, :, offset].set(rows, mode="drop")
+
+
+@on_bits(0, 5, 6)
+def _set_pages_and_rows(data, block, layer, offset, fresh, requantized, rows):
+    """Each touched page of ``layer``: ``requantized``, or as it was where ``fresh`` (its
+    other slots lie past the sequence's end), then this step's ``rows``. On bits, like
+    :func:`_set_rows`: a float8_e5m2 page copied as floats got every NaN byte of the pool
+    rewritten, in blocks and layers the write never touched."""
+    safe_block = jnp.minimum(block, data.shape[0] - 1)
+    pages = jnp.where(fresh[..., None, None], data[safe_block, layer], requantized)
+    data = data.at[block, layer].set(pages, mode="drop")
     return data.at[block, layer, :, :, offset].set(rows, mode="drop")

@@ -246,6 +246,24 @@ def test_a_page_written_from_offset_zero_drops_its_stale_scale():
                                np.abs(np.asarray(k)).max(axis=(0, 2)) / 127, rtol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", QUANT_FORMATS[1::2], ids=_IDS[1::2])
+def test_per_page_write_leaves_every_other_byte_of_the_pool_as_it_was(fmt):
+    # Random bytes everywhere: every float8 NaN payload, both signs. A float8_e5m2 per-page
+    # write used to copy pages as floats and rewrote the NaN bytes of the whole pool.
+    shape = (5, 2, 2, 2, 4, 16)
+    bits = np.random.default_rng(3).integers(0, 256, shape, np.uint8)
+    scales = np.random.default_rng(4).uniform(0.1, 1.0, fmt.scales_shape(shape)).astype(np.float32)
+    pool = QuantizedPages(jnp.asarray(bits.view(fmt.storage_dtype)), jnp.asarray(scales))
+    k = v = jnp.asarray(_rng_kv(5, (2, 2, 16)))
+    # block 2 offset 1: its page is requantized; block 3 offset 0: a fresh page, whose other
+    # slots (past the sequence's end) stay as they were
+    out = pallas_kernels.write_kv(pool, k, v, jnp.array([2 * 4 + 1, 3 * 4], jnp.int32), layer=1, impl="xla")
+    changed = np.asarray(out.data).view(np.uint8) != bits
+    changed[2, 1] = False
+    changed[3, 1, :, :, 0] = False
+    assert not changed.any(), np.argwhere(changed)[:5]
+
+
 @pytest.mark.parametrize("fmt", QUANT_FORMATS[:2], ids=_IDS[:2])
 def test_quantizing_write_donates_the_pool(fmt):
     pool = _fresh_pool(fmt, fill=0.0)
