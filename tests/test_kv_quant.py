@@ -339,4 +339,7 @@ def test_page_pool_holds_and_guards_a_quantized_pool():
         pool.kv_pages = jnp.zeros(cfg.shape, jnp.float32)
     with pytest.raises(ValueError, match="scales"):
         pool.kv_pages = QuantizedPages(pool.kv_pages.data, jnp.zeros((6, 2, 2, 2, 8)))
+    # bfloat16 scales of the right shape were taken, and failed only at the next kernel call
+    with pytest.raises(ValueError, match="scales dtype bfloat16 must be float32"):
+        pool.kv_pages = QuantizedPages(pool.kv_pages.data, pool.kv_pages.scales.astype(jnp.bfloat16))
     pool.check_invariants()  # the rejected assignments left the pool as it was

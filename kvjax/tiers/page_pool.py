@@ -170,6 +170,8 @@ class PagePool:
         if fmt.quantized and tuple(pages.scales.shape) != fmt.scales_shape(self.config.shape):
             return (f"scales {tuple(pages.scales.shape)} must be "
                     f"{fmt.scales_shape(self.config.shape)}")
+        if fmt.quantized and jnp.dtype(pages.scales.dtype) != jnp.float32:
+            return f"scales dtype {pages.scales.dtype} must be float32"
         return None
 
     def check_invariants(self) -> None:
