@@ -97,7 +97,8 @@ class KVFormat:
     granularity: str = "token"
 
     def __post_init__(self):
-        if self.quant is not None and self.quant not in FORMATS:
+        # a list is unhashable: `in FORMATS` raised a TypeError that named neither
+        if self.quant is not None and (not isinstance(self.quant, str) or self.quant not in FORMATS):
             raise ValueError(
                 f"kv quant={self.quant!r} is not a known format; expected None or one of "
                 f"{tuple(FORMATS)}")

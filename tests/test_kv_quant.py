@@ -71,6 +71,10 @@ def test_format_and_pool_config_reject_unknown_names():
         KVFormat("int4")
     with pytest.raises(ValueError, match="granularity='tensor' must be one of"):
         KVFormat("int8", "tensor")
+    with pytest.raises(ValueError, match=r"quant=\['int8'\] is not a known format"):
+        KVFormat(["int8"])
+    with pytest.raises(ValueError, match=r"granularity=\['page'\] must be one of"):
+        KVFormat("int8", ["page"])
     with pytest.raises(ValueError, match="quant='int4'"):
         PoolConfig(4, 1, 1, 8, 16, "float32", kv_quant="int4")
     assert PoolConfig(4, 1, 1, 8, 16, "float32", kv_quant="none").kv_quant is None
