@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kv_cache_cases import MemoryDisk, serve_from_each_tier
 from paged_attention_cases import QUANT_ERROR_BOUNDS
 from tier_cases import random_blocks, same_bits
@@ -22,6 +24,7 @@ from kvjax.cache.cost_model import CostModel
 from kvjax.cache.trie_node import Tier
 from kvjax.serving.swap_store import SwapStore
 from kvjax.tiers.block_codec import IdentityCodec, make_codec
+from kvjax.tiers.host_pool import HostPool
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PagePool, PoolConfig
 from pallas_kernels.kv_format import FORMATS, QuantizedPages, relative_error
@@ -141,6 +144,22 @@ def test_a_directory_written_with_one_codec_is_a_miss_for_another(tmp_path, read
         assert other.admit(TOKENS).num_hit_tokens == 0
     with make(writer, disk_dir=tmp_path) as same:  # the files were left alone
         assert same.match(TOKENS).num_hit_blocks == 2
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([(q, g) for q in FORMATS for g in ("token", "page")]), st.integers(0, 2**32 - 1))
+def test_packed_blocks_round_trip_through_the_host_bit_exact(fmt, seed):
+    """Any data bits and any scale bits (NaN payloads, infinities, subnormals, both signs):
+    encode, a host slot, decode give back every bit of data and scales."""
+    pool = quant_pool(*fmt)
+    codec = make_codec(pool)
+    blocks = random_quantized(pool, 3, seed=seed % 1000)
+    scale_bits = random_blocks(3, pool.kv_format.scales_shape(pool.block_shape), "uint32", seed)
+    blocks = QuantizedPages(jnp.asarray(blocks.data), jnp.asarray(scale_bits.view(np.float32)))
+    host = HostPool(codec.block_shape, codec.dtype, 4)
+    host.write(np.array([2, 0, 3]), codec.encode(blocks))
+    back = codec.decode(host.to_device(np.array([2, 0, 3]), 4))
+    assert same_leaves(jax.tree.map(lambda x: np.asarray(x)[:3], back), blocks)
 
 
 def test_swap_store_moves_quantized_blocks_bit_exact():

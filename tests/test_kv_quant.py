@@ -6,6 +6,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from paged_attention_cases import DECODE, GRID, PREFILL_EDGES, assert_quantized_matches
 from pool_cases import check_quantized_block_copies
 
@@ -47,6 +50,34 @@ def test_quantize_round_trip_error_is_within_the_format_precision(fmt):
     np.testing.assert_allclose(
         scales.reshape(scales.shape[:-1] + (-1,)).max(-1) * fmt.qmax,
         np.abs(x).max(axis=axes).reshape(scales.shape[:-1] + (-1,)).max(-1), rtol=1e-6)
+
+
+# Finite values (|x| in [1e-30, 2^100], or 0), so that every scale is a normal float32: a
+# subnormal one (amax under qmax * 2^-126) is flushed to 0 by XLA's CPU backend (the row
+# stores zeros, an error under 1e-33), and near float32's max int8's 127 * scale rounds to inf.
+_FINITE = st.floats(-2.0**100, 2.0**100, allow_nan=False, width=32).map(lambda x: 0.0 if abs(x) < 1e-30 else x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(QUANT_FORMATS), hnp.arrays(np.float32, (2, 2, 4, 8), elements=_FINITE))
+def test_any_finite_rows_round_trip_within_one_step_of_their_scale(fmt, x):
+    data, scales = kf.quantize(jnp.asarray(x), fmt)  # jnp: the kernels' arithmetic
+    data, scales = np.asarray(data), np.asarray(scales)
+    back = np.asarray(kf.dequantize(data, scales))
+    step = np.broadcast_to(scales[..., None], x.shape)
+    assert np.isfinite(scales).all() and (scales >= 0).all() and np.isfinite(back).all()
+    axes = (-1,) if fmt.granularity == "token" else (-2, -1)
+    amax = np.abs(x).max(axis=axes)
+    np.testing.assert_allclose(scales.reshape(amax.shape) * np.float32(fmt.qmax), amax, rtol=1e-6)
+    slack = np.abs(x) * 2.0**-21  # float32 rounding of x / scale and of data * scale
+    if fmt.quant == "int8":
+        assert np.abs(data.astype(np.int32)).max() <= 127  # symmetric: never -128
+        bound = 0.5 * step * (1 + 1e-5) + slack
+    else:
+        tiny = float(jnp.finfo(fmt.storage_dtype).smallest_subnormal)
+        bound = np.abs(x) * 2.0 ** -(_MANTISSA[fmt.quant] + 1) * (1 + 1e-5) + step * tiny + slack
+    assert (np.abs(back - x) <= bound).all()
+    np.testing.assert_array_equal(back[x == 0], 0.0)
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS[::2], ids=_IDS[::2])
