@@ -132,9 +132,9 @@ def test_a_peer_asking_a_node_whose_engine_failed_is_answered_at_once(engine, mo
         codec = engine.cache.codec
         transport = RemoteTransport()
         try:
-            offers = OfferService(transport, worker.export, codec.name, codec.block_nbytes)
+            offers = OfferService(transport, worker.export, codec)
             with TestClient(create_node_app(worker, "tiny", "n1", offers)) as client:
-                body = dataclasses.replace(ask, codec=codec.name, block_nbytes=codec.block_nbytes).to_json()
+                body = dataclasses.replace(ask, codec=codec.identity, block_nbytes=codec.block_nbytes).to_json()
                 response = client.post("/kv/offer", json=body)
         finally:
             transport.close()

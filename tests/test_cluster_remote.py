@@ -24,6 +24,7 @@ from kvjax.cluster.directory import Directory
 from kvjax.cluster.remote_offers import encode_tokens
 
 PAGE_SIZE = 16  # the tiny preset's
+TINY_CODEC = "raw/float32/2x2x2x16x32"  # its pool's blocks as the tiers store them (BlockCodec.identity)
 SUSPECT_S = 1.0
 SLACK_S = 0.25  # the engine loop notices a finished fetch between steps; a loaded 2-core box
 
@@ -137,7 +138,7 @@ def test_a_tenant_never_gets_another_tenants_blocks(pair):
     assert "kvjax_remote" not in other["usage"] and other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert other["choices"][0]["text"] == reference
     tokens = list(text.encode())[: 4 * PAGE_SIZE]
-    ask = {"tokens": encode_tokens(tokens), "first_page": 0, "num_pages": 4, "codec": "raw",
+    ask = {"tokens": encode_tokens(tokens), "first_page": 0, "num_pages": 4, "codec": TINY_CODEC,
            "block_nbytes": 16384, "wait_s": 5.0}  # fmt: skip
     for namespace, pages in (("tenant-b", 0), (None, 0), ("tenant-a", 4)):  # asked directly, by hand
         reply = httpx.post(f"{pair.owner.url}/kv/offer", json={**ask, "namespace": namespace}, timeout=10).json()
@@ -147,7 +148,7 @@ def test_a_tenant_never_gets_another_tenants_blocks(pair):
 
 
 def test_a_malformed_offer_request_gets_a_400(pair):
-    ask = {"tokens": encode_tokens(list(range(4 * PAGE_SIZE))), "first_page": 0, "num_pages": 4, "codec": "raw",
+    ask = {"tokens": encode_tokens(list(range(4 * PAGE_SIZE))), "first_page": 0, "num_pages": 4, "codec": TINY_CODEC,
            "block_nbytes": 16384, "namespace": None}  # fmt: skip
     for body, message in ((b"{not json", "Expecting property name"),  # both used to be 500s
                           (json.dumps({**ask, "wait_s": 1e10}).encode(), "wait_s=10000000000.0 must be a number"),

@@ -2,6 +2,7 @@
 a real transfer server (its reaper driven by hand on a fake clock), the requester's pull and
 checks done by hand. (The HTTP round trip between node processes: test_cluster_remote.)"""
 
+import dataclasses
 import time
 
 import pytest
@@ -10,6 +11,7 @@ from tier_cases import random_blocks
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.remote_offers import OfferReply, OfferRequest, OfferService
+from kvjax.tiers.block_codec import make_codec
 from kvjax.tiers.remote_transport import RemoteTransport, verified_blocks
 
 TTL_S = 5.0
@@ -38,12 +40,12 @@ def service(owner, transport):
     def export(request, deadline):
         return owner.export_pages(request.tokens, request.namespace, request.first_page, request.num_pages)
 
-    return OfferService(transport, export, owner.codec.name, owner.codec.block_nbytes)
+    return OfferService(transport, export, owner.codec)
 
 
-def ask(owner, tokens, namespace, num_pages, wait_s):
-    request = OfferRequest(namespace, tokens, 0, num_pages, owner.codec.name, owner.codec.block_nbytes, wait_s)
-    return request.to_json()
+def ask(owner, tokens, namespace, num_pages, wait_s, codec=None):
+    codec = codec or owner.codec
+    return OfferRequest(namespace, tokens, 0, num_pages, codec.identity, codec.block_nbytes, wait_s).to_json()
 
 
 def pull_and_check(owner, transport, reply, tokens, namespace):
@@ -70,3 +72,20 @@ def test_an_offer_lasts_as_long_as_its_requester_waits(owner, transport, clock):
     assert transport.reap_expired() == 1 and transport.outstanding_offers == 1  # a short wait keeps the TTL
     assert pull_and_check(owner, transport, reply, tokens, "t") == 3
     assert offers.ack({"offer_id": reply.offer_id}) and transport.outstanding_offers == 0
+
+
+def test_a_peer_whose_blocks_have_the_same_bytes_but_another_dtype_or_layout_gets_none(owner, transport):
+    # the handshake compared the codec's name and block bytes: a float pool's "raw" names no
+    # dtype or layout, so a bfloat16 pool with twice the heads (the same bytes a block) took
+    # this float32 pool's blocks and read them as its own: wrong KV
+    tokens = prompt(13)
+    compute(owner, tokens, "t", random_blocks(4, POOL.block_shape))
+    offers = service(owner, transport)
+    layout = dataclasses.replace(POOL, dtype="bfloat16", num_kv_heads=2 * POOL.num_kv_heads)
+    for other in (dataclasses.replace(POOL, dtype="int32"), layout):
+        codec = make_codec(other)
+        assert codec.block_nbytes == owner.codec.block_nbytes and codec.name == owner.codec.name == "raw"
+        reply = offers.offer(ask(owner, tokens, "t", 3, WAIT_S, codec))
+        assert reply.num_pages == 0 and f"codec {codec.identity} / " in reply.reason
+        assert owner.codec.identity in reply.reason
+    assert offers.offer(ask(owner, tokens, "t", 3, WAIT_S)).num_pages == 3

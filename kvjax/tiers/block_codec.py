@@ -72,6 +72,14 @@ class BlockCodec:
         return math.prod(self.block_shape) * self.dtype.itemsize
 
     @property
+    def identity(self) -> str:
+        """What two caches' stored blocks must agree on for one to read the other's bytes:
+        the codec's name, the stored dtype and shape (``raw/float32/2x2x1x16x8``). The name
+        alone is not enough: a float pool's ``raw`` says neither dtype nor layout, and a
+        bfloat16 pool with twice the heads of a float32 one has blocks of the same bytes."""
+        return f"{self.name}/{self.dtype.name}/{'x'.join(map(str, self.block_shape))}"
+
+    @property
     def stores_as_is(self) -> bool:
         """Whether a stored block is the pool's block itself (same shape, dtype and bits)."""
         return False
