@@ -151,6 +151,29 @@ def test_high_watermark_stops_admission_until_blocks_return():
     assert chunks(plan.prefills) == [("small", 0, 5)]
 
 
+def test_cached_hits_no_sequence_holds_count_against_the_high_watermark():
+    """Mapping a cached-unreferenced prefix makes its blocks held: admission counted only the
+    new blocks, so a long cached conversation pushed the pool past the watermark (6 > 5)."""
+    scheduler, engine, _ = make(num_blocks=10, high=0.5, low=0.3, max_num_seqs=8)
+    prefix = list(range(1, 13))  # 3 full pages
+    scheduler.add(request("first", prefix + [13], max_new_tokens=1))
+    assert drain(engine) == {"first": "length"}
+    assert engine.scheduler.cache.num_reclaimable == 3
+    scheduler.add(request("runner", [30, 31, 32, 33], max_new_tokens=8))  # 1 block, then 2
+    engine.step()
+    engine.step()
+    scheduler.add(request("hit", prefix + [40], max_new_tokens=1))  # 4 pages: 3 hits + 1 new
+    plan, _ = engine.step()
+    assert not plan.prefills and "hit" in scheduler.waiting  # 2 held + 1 new + 3 mapped = 6 > 5
+    finished = {}
+    while not plan.prefills:  # until the runner's blocks return
+        plan, done = engine.step()
+        finished.update(done)
+    assert chunks(plan.prefills) == [("hit", 12, 1)]  # the prefix still hit
+    finished.update(drain(engine))
+    assert finished == {"runner": "length", "hit": "length"}
+
+
 def test_lone_request_ignores_the_watermark():
     scheduler, engine, _ = make(num_blocks=10, high=0.2, low=0.1)
     scheduler.add(request("big", list(range(1, 33)), max_new_tokens=2))  # 8 blocks > 2

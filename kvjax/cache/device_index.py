@@ -45,7 +45,8 @@ from kvjax.cache.records import CacheStats, MatchResult, SeqHandle
 from kvjax.config.checks import int_arg
 from kvjax.text.tokens import TOKEN_DTYPE, token_bytes, validate_tokens
 
-__all__ = ["Admission", "CacheStats", "DeviceIndex", "Eviction", "MatchResult", "SeqHandle", "device_pages", "hit_pages"]
+__all__ = ["Admission", "CacheStats", "DeviceIndex", "Eviction", "MatchResult", "SeqHandle", "device_pages", "hit_pages",
+           "reclaimable_hit_pages"]
 
 TokensLike = Sequence[int] | np.ndarray
 NamespaceLike = Namespace | str | None
@@ -64,6 +65,20 @@ def device_pages(path: list[tuple[Node, int]]) -> int:
         if not node.on_device:
             break
         count += k
+    return count
+
+
+def reclaimable_hit_pages(path: list[tuple[Node, int]], num_pages: int) -> int:
+    """Of a trie walk's first ``num_pages`` device pages, those eviction could free now (no
+    sequence holds them, no pin): mapping them for an admission takes them from what eviction
+    can free, as allocating would."""
+    count = 0
+    for node, k in path:
+        if num_pages <= 0 or not node.on_device:
+            break
+        k = min(k, num_pages)
+        num_pages -= k
+        count += k if PrefixTrie.is_candidate(node) else 0
     return count
 
 
@@ -210,7 +225,7 @@ class DeviceIndex:
         num_pages = -(-len(buf) // self.trie.page_bytes)
         path = list(itertools.takewhile(lambda p: p[0].on_device, matched))
         num_hit = hit_pages(path)
-        locked_away = sum(k for node, k in path if self.trie.is_candidate(node))
+        locked_away = reclaimable_hit_pages(path, num_hit)
         available = self.allocator.num_free + self.trie.num_evictable - locked_away
         if available < num_pages - num_hit:
             self._stats.admit_failures += 1

@@ -388,7 +388,9 @@ class Scheduler:
             num_pages = -(-request.num_tokens // self.page_size)
             num_hit = min(lookup.num_device_blocks, (request.num_tokens - 1) // self.page_size)
             held = allocator.num_blocks - allocator.num_free - cache.num_reclaimable
-            if self._running and held + num_pages - num_hit > high:
+            # held after admission: its new blocks, and the hits no sequence holds yet (mapped,
+            # they are no longer reclaimable: a long cached conversation is not free headroom)
+            if self._running and held + num_pages - num_hit + lookup.num_reclaimable_hits(num_hit) > high:
                 break  # high watermark: leave the headroom to running decodes
             handle = cache.admit(lookup, accept_lossy=request.accept_lossy)
             if handle is None:

@@ -66,7 +66,15 @@ from kvjax.cache.allocator import BlockAllocator
 from kvjax.cache.block_events import BlockIndex, EventLog, Subscription
 from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cache.cost_model import CostModel
-from kvjax.cache.device_index import DeviceIndex, Eviction, NamespaceLike, TokensLike, device_pages, hit_pages
+from kvjax.cache.device_index import (
+    DeviceIndex,
+    Eviction,
+    NamespaceLike,
+    TokensLike,
+    device_pages,
+    hit_pages,
+    reclaimable_hit_pages,
+)
 from kvjax.cache.records import KVCacheStats, MatchResult, SeqHandle
 from kvjax.cache.trie_node import Node, Tier
 from kvjax.config.checks import int_arg
@@ -127,6 +135,11 @@ class Lookup:
     def num_device_blocks(self) -> int:
         """Leading pages with a device copy (``MatchResult.num_device_blocks``)."""
         return device_pages(self.matched)
+
+    def num_reclaimable_hits(self, num_pages: int) -> int:
+        """Of the first ``num_pages`` device hits, those no sequence holds (nor a pin): an
+        admission that maps them takes them from what eviction could free, like new blocks."""
+        return reclaimable_hit_pages(self.matched, num_pages)
 
     @property
     def tiers(self) -> np.ndarray:
