@@ -23,10 +23,11 @@ POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
 
 
-def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Event) -> str:
+def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Event, cut: threading.Event) -> str:
     """An HTTP peer that answers /kv/offer a byte every 50 ms (its body, or its headers): each
     read well within any timeout, the whole answer seconds. ``sent`` is set once the dripped
-    part went (or it was stopped): a fetch that waited for it was held by the peer."""
+    part went (or it was stopped): a fetch that waited for it was held by the peer; ``cut``
+    once the asker closed the connection under it."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(4)
@@ -35,14 +36,17 @@ def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Even
         connection, _ = server.accept()
         connection.recv(65536)
         dripped, rest = (HEAD, b" " * 40) if headers_too else (b" " * 40, b"")
-        if not headers_too:
-            connection.sendall(HEAD)
-        for byte in dripped:
-            if stop.wait(0.05):
-                break
-            connection.sendall(bytes([byte]))
-        sent.set()
-        connection.sendall(rest)
+        try:
+            if not headers_too:
+                connection.sendall(HEAD)
+            for byte in dripped:
+                if stop.wait(0.05):
+                    break
+                connection.sendall(bytes([byte]))
+            sent.set()
+            connection.sendall(rest)
+        except OSError:  # reset or broken pipe: the asker let go
+            cut.set()
         connection.close()
         server.close()
     threading.Thread(target=serve, daemon=True).start()
@@ -51,20 +55,23 @@ def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Even
 
 @pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
 def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline(headers_too):
-    # httpx's timeout bounds each read, not the answer: the ask ran 2 s past a 0.3 s deadline
-    stop, sent = threading.Event(), threading.Event()
+    # httpx's timeout bounds each read, not the answer: the ask ran 2 s past a 0.3 s deadline;
+    # then, cut loose at the deadline, the ask's thread still read the dripping headers to
+    # their end (a few such peers held every ask thread): the connection must close
+    stop, sent, cut = threading.Event(), threading.Event(), threading.Event()
     transport = RemoteTransport(reap=False)
     with KVCache(KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block)) as cache:
         fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
         try:
             now = time.monotonic()
-            plan = FetchPlan(PeerHint("dripper", dripping_peer(stop, headers_too, sent), 4, 0), 0, 4, 0.15, now, now + 0.3)
+            plan = FetchPlan(PeerHint("dripper", dripping_peer(stop, headers_too, sent, cut), 4, 0), 0, 4, 0.15, now, now + 0.3)
             result = fetcher.start(plan, np.arange(20, dtype=np.int32), None).result(timeout=30)
             assert not sent.is_set()  # the request went on at its deadline, not at the end of the answer
             outcome = fetcher.finish(plan, result)
             assert outcome.outcome == "timeout" and outcome.blocks is None
             assert fetcher.health.is_suspect("dripper")
             assert cache.transfer.wait_idle(30) and not sent.is_set()  # its worker too was let go
+            assert cut.wait(30) and not sent.is_set()  # and the ask's connection closed
         finally:
             stop.set()
             fetcher.close()

@@ -32,8 +32,10 @@ bring it back down.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import threading
@@ -61,7 +63,6 @@ from that block on is used); the peer answered 503; the deadline passed while th
 still queued behind other fetches (not the peer's fault)."""
 _SUSPICIOUS = ("timeout", "failed", "corrupt", "refused")
 _RECENT = 1024  # fetch durations kept for the percentiles
-_ASK_THREADS = 4  # asks in flight at once: one runs per fetch, the others are peers too slow to give up on
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -185,7 +186,14 @@ class RemoteFetcher:
         self._links: dict[str, LinkEstimate] = {}
         self._http = httpx.Client(timeout=httpx.Timeout(5.0))
         self._acks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvjax-offer-ack")
-        self._asks = concurrent.futures.ThreadPoolExecutor(_ASK_THREADS, thread_name_prefix="kvjax-offer-ask")
+        # Asks run on one event loop: one cut at its deadline is cancelled there, which closes
+        # its connection (httpx's timeout bounds each read, not the exchange: a thread reading a
+        # peer's headers a byte at a time could not be let go, and a few such peers took every
+        # ask thread, so asks to good peers timed out and made them suspect)
+        self._loop = asyncio.new_event_loop()
+        self._ask_http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="kvjax-offer-ask", daemon=True)
+        self._loop_thread.start()
         self._lock = threading.Lock()
         self.counters = collections.Counter({outcome: 0 for outcome in OUTCOMES})
         self.counters.update(fetched_blocks=0, asked_blocks=0, lookups=0, lookup_errors=0)
@@ -274,8 +282,20 @@ class RemoteFetcher:
 
     def close(self) -> None:
         self._acks.shutdown(wait=False)
-        self._asks.shutdown(wait=False, cancel_futures=True)
+        if self._loop.is_running():  # asks still open are cancelled with their connections
+            closing = asyncio.run_coroutine_threadsafe(self._close_asks(), self._loop)
+            with contextlib.suppress(Exception):
+                closing.result(timeout=5.0)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=5.0)
         self._http.close()
+
+    async def _close_asks(self) -> None:
+        others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        await self._ask_http.aclose()
 
     # --- 3. the remote link's worker thread ------------------------------------------------
 
@@ -322,39 +342,36 @@ class RemoteFetcher:
         return payload[:good].view(self.codec.dtype).reshape(good, *self.codec.block_shape)
 
     def _ask(self, address: str, request: OfferRequest, deadline: float) -> OfferReply:
-        """The peer's offer, or _AskFailed by ``deadline``: the exchange runs on an ask thread,
-        abandoned at the deadline (httpx's timeout bounds each read, not the exchange: a peer
-        sending its headers a byte at a time held the remote link's worker for good)."""
+        """The peer's offer, or _AskFailed by ``deadline``: the exchange runs on the ask loop
+        and is cancelled there at the deadline, its connection closed."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _AskFailed("timeout", "no time left to ask")
-        exchange = self._asks.submit(self._exchange, address, request, deadline, remaining)
+        late = _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s")
+        exchange = asyncio.run_coroutine_threadsafe(self._exchange(address, request, remaining, late), self._loop)
         try:
             return exchange.result(timeout=remaining)
         except concurrent.futures.TimeoutError:
-            exchange.cancel()  # if it never started; else it ends on its own (its body read stops at the deadline)
-            raise _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s") from None
+            exchange.cancel()  # on the loop: the read stops and the connection closes
+            raise late from None
+        except concurrent.futures.CancelledError:  # close() cancelled it
+            raise _AskFailed("failed", f"the ask to {address} was cancelled: this fetcher closed") from None
 
-    def _exchange(self, address: str, request: OfferRequest, deadline: float, remaining: float) -> OfferReply:
-        late = _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s")
+    async def _exchange(self, address: str, request: OfferRequest, remaining: float, late: _AskFailed) -> OfferReply:
         try:
-            with self._http.stream("POST", f"{address}/kv/offer", json=request.to_json(), timeout=remaining) as response:
-                body = bytearray()
-                for chunk in response.iter_bytes():
-                    body += chunk
-                    if time.monotonic() > deadline:
-                        raise late
-        except httpx.TimeoutException:
+            async with asyncio.timeout(remaining):  # the whole exchange, headers and body
+                response = await self._ask_http.post(f"{address}/kv/offer", json=request.to_json(), timeout=remaining)
+        except (TimeoutError, httpx.TimeoutException):
             raise late from None
         except httpx.HTTPError as error:
             raise _AskFailed("failed", f"{address}: {type(error).__name__}: {error}") from None
-        text = body[:200].decode(errors="replace")
+        text = response.content[:200].decode(errors="replace")
         if response.status_code == 503:
             raise _AskFailed("refused", f"{address} refused: {text}")
         if response.status_code != 200:
             raise _AskFailed("failed", f"{address} answered {response.status_code}: {text}")
         try:
-            return OfferReply.from_json(json.loads(body))
+            return OfferReply.from_json(json.loads(response.content))
         except ValueError as error:  # json's errors are ValueErrors too
             raise _AskFailed("corrupt", f"{address}: {error}") from None
 
