@@ -17,7 +17,9 @@ engine's clock or in tokens / blocks:
   empty-free / pool blocks, cached KV included, as its watermarks count them; host blocks;
   disk bytes) and ``pool_fragmentation_ratio``; from the step's ``TierReport``:
   ``fetch_seconds`` by tier, ``fetch_failures``, ``disk_errors``, ``spilled_blocks`` /
-  ``spilled_bytes`` by link.
+  ``spilled_bytes`` by link. A step whose model run failed computed nothing, but the rest
+  is recorded all the same: its preemptions and rejections stand, and its ``TierReport``
+  was taken from the cache, which reports each transfer once.
 """
 
 from __future__ import annotations
@@ -111,15 +113,18 @@ class EngineObserver:
             metrics.inc("prefill_tokens", prefill)
         if plan.decodes:
             metrics.inc("decode_tokens", len(plan.decodes))
+        self.on_step_aborted(plan, scheduler, cache, tiers)
+
+    def on_step_aborted(self, plan: StepPlan, scheduler: Scheduler, cache: KVCache, tiers: TierReport) -> None:
+        """What a step did before (or without) its model run, recorded even when the run failed:
+        its preemptions and rejections stand (``Scheduler.abort_step`` undoes neither), and
+        ``tiers`` was already taken from the cache (it reports each transfer once)."""
+        metrics = self.metrics
         if plan.preempted:
             metrics.inc("preemptions", len(plan.preempted))
         if plan.rejected:
             metrics.inc("rejections", len(plan.rejected))
-        metrics.set("running_sequences", scheduler.num_running)
-        metrics.set("queued_requests", scheduler.num_waiting)
-        for tier, ratio in cache.occupancy().items():
-            metrics.set("pool_occupancy_ratio", ratio, tier=tier)
-        metrics.set("pool_fragmentation_ratio", cache.fragmentation())
+        self.on_gauges(scheduler, cache)
         for tier, seconds in tiers.fetch_seconds:
             metrics.observe("fetch_seconds", seconds, tier=tier)
         if tiers.fetch_failures:
@@ -128,3 +133,12 @@ class EngineObserver:
             metrics.inc("disk_errors", tiers.disk_errors)
         for link, (blocks, num_bytes) in tiers.spilled.items():
             metrics.record_spill(link, blocks, num_bytes)
+
+    def on_gauges(self, scheduler: Scheduler, cache: KVCache) -> None:
+        """Running and queued requests, occupancy per tier and fragmentation, as they are now."""
+        metrics = self.metrics
+        metrics.set("running_sequences", scheduler.num_running)
+        metrics.set("queued_requests", scheduler.num_waiting)
+        for tier, ratio in cache.occupancy().items():
+            metrics.set("pool_occupancy_ratio", ratio, tier=tier)
+        metrics.set("pool_fragmentation_ratio", cache.fragmentation())

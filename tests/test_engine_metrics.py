@@ -1,0 +1,93 @@
+"""The engine's metrics tell the truth: scenarios whose true figures are known by construction
+(requests rejected, sequences preempted, blocks copied to host, requests cancelled), compared
+with what the metrics report."""
+
+import dataclasses
+
+import numpy as np
+from engine_cases import BLOCKS, PAGE, SCHEDULER, make_engine
+
+from kvjax.serving.engine_events import FinishEvent
+from kvjax.serving.scheduler_config import SchedulerConfig
+
+
+def _finishes(events):
+    return {e.request_id: e for e in events if isinstance(e, FinishEvent)}
+
+
+def _fail_model_once(engine, when=lambda plan: True):
+    """The model run of the first step whose plan satisfies ``when`` raises (the step aborts)."""
+    plans, failed = [], []
+    schedule, run = engine.scheduler.schedule, engine.runner.run
+
+    def scheduled():
+        plans.append(schedule())
+        return plans[-1]
+
+    def run_or_fail(*args, **kwargs):
+        if not failed and when(plans[-1]):
+            failed.append(plans[-1])
+            raise RuntimeError("injected device error")
+        return run(*args, **kwargs)
+
+    engine.scheduler.schedule, engine.runner.run = scheduled, run_or_fail
+    return failed
+
+
+def _run_through_failures(engine):
+    events = []
+    while engine.has_unfinished:
+        try:
+            events += engine.step()
+        except RuntimeError as error:
+            assert "injected" in str(error)
+    return events
+
+
+def test_a_rejection_reported_by_an_aborted_step_is_counted():
+    # the FinishEvent "rejected" went out, but the step aborted before on_step counted it
+    with make_engine(scheduler=dataclasses.replace(SCHEDULER, max_waiting=1)) as engine:
+        tokens = np.arange(20, dtype=np.int32)
+        assert engine.add_request("queued", tokens=tokens, max_new_tokens=2)
+        assert not engine.add_request("rejected", tokens=tokens + 1, max_new_tokens=2)  # the queue is full
+        failed = _fail_model_once(engine)
+        finishes = _finishes(_run_through_failures(engine))
+        assert failed and failed[0].rejected  # the rejection came with the step that failed
+        assert {rid: f.status for rid, f in finishes.items()} == {"queued": "finished", "rejected": "rejected"}
+        assert engine.metrics.to_json()["counters"]["rejections"] == 1 == engine.scheduler.stats.rejected
+
+
+def test_a_preemption_planned_by_an_aborted_step_is_counted():
+    # the victim was preempted (it recomputes, its FinishEvent counts it) though the step aborted
+    rng = np.random.default_rng(3)
+    scheduler = SchedulerConfig(max_num_seqs=4, token_budget=64, max_prefill_chunk=32, preemption="recompute")
+    with make_engine(scheduler=scheduler, num_blocks=24) as engine:
+        for i in range(4):  # four sequences that grow to 10 pages each cannot all fit 24 blocks
+            tokens = rng.integers(0, 256, 6 * PAGE + 3).astype(np.int32)
+            engine.add_request(f"r{i}", tokens=tokens, max_new_tokens=3 * PAGE, namespace=f"own{i}")
+        failed = _fail_model_once(engine, when=lambda plan: bool(plan.preempted))
+        finishes = _finishes(_run_through_failures(engine))
+        assert failed, "no step preempted"
+        stats = engine.scheduler.stats
+        preempted = sum(f.num_preemptions for f in finishes.values())
+        assert preempted == stats.preempted_recompute + stats.preempted_swap
+        assert engine.metrics.to_json()["counters"]["preemptions"] == preempted
+
+
+def test_copies_to_host_reported_to_an_aborted_step_are_counted():
+    # the step's TierReport (spills, fetch latencies, failures) was taken from the cache, then dropped
+    rng = np.random.default_rng(1)
+    with make_engine(host_bytes=BLOCKS * 8 * 1024) as engine:
+        engine.add_request("first", tokens=rng.integers(0, 256, 6 * PAGE).astype(np.int32), max_new_tokens=2)
+        list(engine.run(summary=False))
+        engine.cache.evict(BLOCKS)  # write-back: its 6 full pages get host copies
+        while engine.cache.wait_any(5):  # the copies finish; the next step's poll reports them
+            pass
+        engine.add_request("next", tokens=rng.integers(0, 256, 2 * PAGE).astype(np.int32), max_new_tokens=2)
+        failed = _fail_model_once(engine)
+        _run_through_failures(engine)
+        assert failed
+        copied = engine.cache.stats.offloaded_blocks
+        assert copied == 6
+        spilled = engine.metrics.to_json()["counters"]["spilled_blocks"]
+        assert spilled == {"device_to_host": copied, "host_to_disk": 0}
