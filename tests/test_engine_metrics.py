@@ -91,3 +91,19 @@ def test_copies_to_host_reported_to_an_aborted_step_are_counted():
         assert copied == 6
         spilled = engine.metrics.to_json()["counters"]["spilled_blocks"]
         assert spilled == {"device_to_host": copied, "host_to_disk": 0}
+
+
+def test_gauges_follow_cancellations_of_the_last_requests():
+    # a step with no request left returns before on_step: the gauges kept the cancelled requests
+    with make_engine() as engine:
+        for i in range(3):
+            engine.add_request(f"r{i}", tokens=np.arange(30, dtype=np.int32) + i, max_new_tokens=20)
+        engine.step()
+        gauges = engine.metrics.to_json()["gauges"]
+        assert (gauges["running_sequences"], gauges["queued_requests"]) == (3, 0)
+        for i in range(3):
+            assert engine.cancel(f"r{i}")
+        assert {f.status for f in _finishes(engine.run(summary=False)).values()} == {"cancelled"}
+        gauges = engine.metrics.to_json()["gauges"]
+        assert (gauges["running_sequences"], gauges["queued_requests"]) == (0, 0)
+        assert gauges["pool_occupancy_ratio"]["device"] == engine.cache.occupancy()["device"]

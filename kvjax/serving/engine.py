@@ -191,6 +191,9 @@ class Engine:
         if not self.scheduler.cancel(request_id):
             return False
         self._pending.append(self._finish(request_id, "cancelled"))
+        # now: a step with no request left returns before it records anything, and the gauges
+        # would go on counting the last requests cancelled
+        self.observer.on_gauges(self.scheduler, self.cache)
         return True
 
     @property

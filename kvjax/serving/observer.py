@@ -12,7 +12,7 @@ engine's clock or in tokens / blocks:
 * at the end: ``request_seconds``; its computed full pages and its template fingerprint are
   remembered for the miss attribution of later requests;
 * per step: ``prefill_tokens`` and ``decode_tokens`` computed, ``preemptions``,
-  ``rejections``, and the gauges ``running_sequences``, ``queued_requests``,
+  ``rejections``, and (also at a cancellation) the gauges ``running_sequences``, ``queued_requests``,
   ``pool_occupancy_ratio`` per tier (device: the allocator's occupancy, blocks that are not
   empty-free / pool blocks, cached KV included, as its watermarks count them; host blocks;
   disk bytes) and ``pool_fragmentation_ratio``; from the step's ``TierReport``:
