@@ -319,6 +319,7 @@ class _NodeCollector:
                   ("published_blocks", "Block entries written to the directory"),
                   ("resyncs", "Registrations that rewrote every held block"),
                   ("errors", "Directory writes that failed"))  # fmt: skip
+    _TRANSFER_GAUGES = frozenset({"outstanding_offers"})  # of RemoteTransport.stats(); the rest are counts
 
     def __init__(self, worker: EngineWorker, offers: OfferService | None):
         self.worker, self.offers = worker, offers
@@ -353,7 +354,9 @@ class _NodeCollector:
             for name, value in self.offers.counters.items():
                 yield CounterMetricFamily(f"kvjax_node_offer_{name}", f"Offers to peers: {name}", value=value)
             for name, value in self.offers.transport.stats().items():
-                yield GaugeMetricFamily(f"kvjax_node_transfer_{name}", f"Transfer server: {name}", value=value)
+                # every figure but the offers outstanding only grows: a counter (``_total``)
+                family = GaugeMetricFamily if name in self._TRANSFER_GAUGES else CounterMetricFamily
+                yield family(f"kvjax_node_transfer_{name}", f"Transfer server: {name}", value=value)
 
 
 async def _close_on_loop(drain: NodeDrain, request_id: str) -> None:
