@@ -74,6 +74,27 @@ def test_any_samples_in_range_meet_the_bound_with_no_exact_phase(samples, q):
     assert abs(histogram.quantile(q) - truth) <= 0.01 * truth * (1 + 1e-9)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(st.floats(0.0, 1e6), st.floats(0.0, 1e-8), st.just(0.0)), min_size=1, max_size=40),
+    st.integers(0, 8),
+    st.sampled_from([0.01, 0.05, 0.2]),
+)
+def test_past_exact_samples_any_non_negative_samples_meet_the_bound_in_order(samples, exact_samples, relative_error):
+    """Samples kept exactly, then moved into buckets (``exact_samples`` < len), zeros and values
+    below ``min_value`` included: each percentile is within the relative error of numpy's, plus
+    ``min_value`` absolute (a tiny sample reads as 0); p50 <= p90 <= p99 <= max, p0/p100 exact."""
+    histogram = filled(samples, exact_samples=exact_samples, relative_error=relative_error)
+    assert histogram.exact == (len(samples) <= exact_samples)
+    truth = np.percentile(samples, 100 * QS)
+    estimate = np.asarray(histogram.quantiles(QS))
+    assert np.all(np.abs(estimate - truth) <= relative_error * truth * (1 + 1e-9) + histogram.min_value)
+    assert np.all(np.diff(estimate) >= 0)  # monotone in q
+    p0, p50, p90, p99, p100 = histogram.quantiles([0.0, 0.5, 0.9, 0.99, 1.0])
+    assert p0 <= p50 <= p90 <= p99 <= p100
+    assert (p0, p100) == (min(samples), max(samples))
+
+
 def test_default_bucket_count_covers_one_nanosecond_to_a_million_seconds():
     gamma = 1.01 / 0.99
     assert LatencyHistogram().num_buckets == math.ceil(math.log(1e15) / math.log(gamma)) + 1 == 1728
