@@ -107,3 +107,36 @@ def test_gauges_follow_cancellations_of_the_last_requests():
         gauges = engine.metrics.to_json()["gauges"]
         assert (gauges["running_sequences"], gauges["queued_requests"]) == (0, 0)
         assert gauges["pool_occupancy_ratio"]["device"] == engine.cache.occupancy()["device"]
+
+
+class _Clock:
+    """An engine clock that moves only when the test says so (seconds)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_latencies_on_an_injected_clock_run_from_arrival_and_stop_at_the_last_token():
+    # request_seconds ("arrival to its last token") of a cancelled request ran to its cancellation
+    clock = _Clock()
+    with make_engine(clock=clock) as engine:
+        engine.add_request("done", tokens=np.arange(20, dtype=np.int32), max_new_tokens=2)
+        engine.add_request("cancelled", tokens=np.arange(20, dtype=np.int32) + 1, max_new_tokens=50)
+        clock.now = 3.0  # both waited 3 s in the queue
+        engine.step()  # prefill: first tokens at 3 s
+        clock.now = 5.0
+        events = engine.step()  # second tokens at 5 s: "done" finishes
+        clock.now = 105.0
+        assert engine.cancel("cancelled")  # 100 s after its last token
+        events += engine.step()
+        finishes = _finishes(events)
+        assert {rid: f.request_seconds for rid, f in finishes.items()} == {"done": 5.0, "cancelled": 5.0}
+        assert {rid: f.ttft_seconds for rid, f in finishes.items()} == {"done": 3.0, "cancelled": 3.0}
+        latencies = engine.metrics.to_json()["latencies"]
+        assert (latencies["request_seconds"]["count"], latencies["request_seconds"]["max"]) == (2, 5.0)
+        assert (latencies["ttft_seconds"]["count"], latencies["ttft_seconds"]["p50"]) == (2, 3.0)
+        assert (latencies["queue_seconds"]["count"], latencies["queue_seconds"]["max"]) == (2, 3.0)
+        assert (latencies["inter_token_seconds"]["count"], latencies["inter_token_seconds"]["p99"]) == (2, 2.0)

@@ -348,8 +348,8 @@ class Engine:
 
     def _finish(self, request_id: str, status: str) -> FinishEvent:
         record = self._records.pop(request_id)
-        request, now = record.request, self.clock()
-        self.observer.on_finish(record, now)
+        request = record.request
+        self.observer.on_finish(record)
         self._counts[status] += 1
         output = np.array(request.output_token_ids, copy=True)
         try:
@@ -365,7 +365,7 @@ class Engine:
             miss_tokens_by_cause=record.miss_tokens_by_cause, num_computed_tokens=record.num_computed_tokens,
             num_preemptions=request.num_preemptions,
             ttft_seconds=None if record.first_token is None else record.first_token - record.arrival,
-            request_seconds=now - record.arrival if record.admitted is not None else None,
+            request_seconds=None if record.last_token is None else record.last_token - record.arrival,
             canonical_changes=record.canonical_changes)  # fmt: skip
 
 

@@ -36,7 +36,9 @@ class FinishEvent:
     (see ``kvjax.serving.miss_attribution``). ``num_computed_tokens`` counts every token the model
     computed for it in prefill chunks (recomputation after a preemption included).
     ``canonical_changes`` lists what prompt canonicalization changed (empty when off).
-    Times are seconds on the engine's clock; None when the request never got that far.
+    Times are seconds on the engine's clock from the request's arrival: ``ttft_seconds`` to its
+    first token, ``request_seconds`` to its last (a cancellation later adds nothing); None when
+    the request never got that far.
     """
 
     request_id: str

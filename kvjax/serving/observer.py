@@ -9,7 +9,8 @@ engine's clock or in tokens / blocks:
   ``miss_blocks``, see ``kvjax.serving.miss_attribution``). A request re-admitted after a preemption
   is not looked up again: hit rates count each prompt once;
 * per sampled token: ``ttft_seconds`` (arrival to first token) or ``inter_token_seconds``;
-* at the end: ``request_seconds``; its computed full pages and its template fingerprint are
+* at the end: ``request_seconds`` (arrival to its last token, for a request that sampled
+  one: a cancelled request's time ends at its last token, not at the cancellation); its computed full pages and its template fingerprint are
   remembered for the miss attribution of later requests;
 * per step: ``prefill_tokens`` and ``decode_tokens`` computed, ``preemptions``,
   ``rejections``, and (also at a cancellation) the gauges ``running_sequences``, ``queued_requests``,
@@ -96,11 +97,12 @@ class EngineObserver:
             self.metrics.observe("inter_token_seconds", max(now - record.last_token, 0.0))
         record.last_token = now
 
-    def on_finish(self, record: RequestRecord, now: float) -> None:
+    def on_finish(self, record: RequestRecord) -> None:
         """A request ended (finished, cancelled or rejected)."""
         request = record.request
+        if record.last_token is not None:  # to the last token: a cancellation may come much later
+            self.metrics.observe("request_seconds", max(record.last_token - record.arrival, 0.0))
         if record.admitted is not None:
-            self.metrics.observe("request_seconds", max(now - record.arrival, 0.0))
             # Remembered only now: a request admitted while this one still ran missed pages that
             # were in flight, not evicted.
             computed = request.token_ids[: request.num_computed_tokens]
