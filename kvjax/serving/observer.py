@@ -4,7 +4,9 @@ The observer is the one writer of metrics: the cache reports (``AdmissionReport`
 sequence, ``TierReport`` per step) and the observer records. Recorded, all in seconds on the
 engine's clock or in tokens / blocks:
 
-* at a request's first admission: ``queue_seconds``; its prompt's hit tokens and blocks by
+* at a request's first step (its first admission, once a fetch of its cached prefix has
+  landed: its hits are final then): ``queue_seconds``, so the fetch's wait counts as queueing
+  (``fetch_seconds`` has the fetch alone); its prompt's hit tokens and blocks by
   tier (``hit_tokens`` / ``hit_blocks``) and the rest by cause (``miss_tokens`` /
   ``miss_blocks``, see ``kvjax.serving.miss_attribution``). A request re-admitted after a preemption
   is not looked up again: hit rates count each prompt once;
