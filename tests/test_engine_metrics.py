@@ -140,3 +140,19 @@ def test_latencies_on_an_injected_clock_run_from_arrival_and_stop_at_the_last_to
         assert (latencies["ttft_seconds"]["count"], latencies["ttft_seconds"]["p50"]) == (2, 3.0)
         assert (latencies["queue_seconds"]["count"], latencies["queue_seconds"]["max"]) == (2, 3.0)
         assert (latencies["inter_token_seconds"]["count"], latencies["inter_token_seconds"]["p99"]) == (2, 2.0)
+
+
+def test_a_prompt_seen_before_in_full_still_misses_its_last_page():
+    # the documented definition (kvjax.metrics.registry): hit + miss tokens = prompt tokens, and
+    # the last page, never served from cache, is a miss under never_seen when every page before hit
+    prompt = np.arange(3 * PAGE, dtype=np.int32)
+    with make_engine() as engine:
+        for rid in ("first", "again"):
+            engine.add_request(rid, tokens=prompt, max_new_tokens=2)
+            finish = _finishes(engine.run(summary=False))[rid]
+        assert (finish.hit_tokens_by_tier, finish.miss_tokens_by_cause) == ({"device": 2 * PAGE}, {"never_seen": PAGE})
+        snapshot = engine.metrics.to_json()
+        counters, rates = snapshot["counters"], snapshot["rates"]
+        assert sum(counters["hit_tokens"].values()) + sum(counters["miss_tokens"].values()) == 2 * len(prompt)
+        assert sum(counters["hit_blocks"].values()) + sum(counters["miss_blocks"].values()) == 2 * 3
+        assert rates["token_hit_rate"] == rates["block_hit_rate"] == 2 * PAGE / (2 * len(prompt))

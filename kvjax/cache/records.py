@@ -43,7 +43,8 @@ class CacheStats:
 
     @property
     def miss_tokens(self) -> int:
-        """Admitted prompt tokens that had to be computed."""
+        """Admitted prompt tokens not served from device blocks: computed, or fetched from a
+        lower tier (``KVCacheStats.fetched_*_blocks`` count those; this index cannot tell)."""
         return self.prompt_tokens - self.hit_tokens
 
     @property

@@ -17,6 +17,15 @@ Three views of one snapshot:
 
 Latency percentiles come from ``LatencyHistogram`` (exact up to 4,096 samples per series,
 then log buckets with relative error <= 1%).
+
+Hit rates (``rates``): ``token_hit_rate`` is hit tokens / (hit + miss tokens), every prompt
+token of every request counted once, at its first admission; ``block_hit_rate`` the same in
+blocks (a prompt's partial last page counts as one block). The engine never serves a prompt's
+last page from cache (the last token's logits must be computed, see
+``kvjax.serving.scheduler``), so those tokens always count as misses, under the cause of the
+first missed page before them, or ``never_seen`` when every earlier page hit: a prompt of
+``n`` tokens seen before in full reaches a token hit rate of ``page_size * ((n - 1) //
+page_size) / n``, not 1.
 """
 
 from __future__ import annotations
