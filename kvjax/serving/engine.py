@@ -231,7 +231,7 @@ class Engine:
             new_tokens, logits = self._run_model(seqs, records)
         except BaseException:  # the step counts for nothing: the engine steps on (its events go out next)
             self.scheduler.abort_step(plan)
-            self.observer.on_step_aborted(plan, self.scheduler, self.cache, tier_report)  # they happened all the same
+            self.observer.on_step_effects(plan, self.scheduler, self.cache, tier_report)  # they happened all the same
             self._pending = events + self._pending
             raise
         self._note_admitted(records, admitted_at)  # once the step counts (an aborted one runs again)

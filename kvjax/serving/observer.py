@@ -12,8 +12,9 @@ engine's clock or in tokens / blocks:
   is not looked up again: hit rates count each prompt once;
 * per sampled token: ``ttft_seconds`` (arrival to first token) or ``inter_token_seconds``;
 * at the end: ``request_seconds`` (arrival to its last token, for a request that sampled
-  one: a cancelled request's time ends at its last token, not at the cancellation); its computed full pages and its template fingerprint are
-  remembered for the miss attribution of later requests;
+  one: a cancelled request's time ends at its last token, not at the cancellation); its
+  computed full pages and its template fingerprint are remembered for the miss attribution
+  of later requests;
 * per step: ``prefill_tokens`` and ``decode_tokens`` computed, ``preemptions``,
   ``rejections``, and (also at a cancellation) the gauges ``running_sequences``, ``queued_requests``,
   ``pool_occupancy_ratio`` per tier (device: the allocator's occupancy, blocks that are not
@@ -117,10 +118,10 @@ class EngineObserver:
             metrics.inc("prefill_tokens", prefill)
         if plan.decodes:
             metrics.inc("decode_tokens", len(plan.decodes))
-        self.on_step_aborted(plan, scheduler, cache, tiers)
+        self.on_step_effects(plan, scheduler, cache, tiers)
 
-    def on_step_aborted(self, plan: StepPlan, scheduler: Scheduler, cache: KVCache, tiers: TierReport) -> None:
-        """What a step did before (or without) its model run, recorded even when the run failed:
+    def on_step_effects(self, plan: StepPlan, scheduler: Scheduler, cache: KVCache, tiers: TierReport) -> None:
+        """What a step did besides its model run, recorded whether or not the run failed:
         its preemptions and rejections stand (``Scheduler.abort_step`` undoes neither), and
         ``tiers`` was already taken from the cache (it reports each transfer once)."""
         metrics = self.metrics
