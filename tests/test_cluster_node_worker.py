@@ -143,6 +143,22 @@ def test_a_peer_asking_a_node_whose_engine_failed_is_answered_at_once(engine, mo
         worker.stop()
 
 
+def test_a_node_reports_its_throughput_while_it_generates_and_zero_when_idle(engine):
+    # Engine.run sets the gauge per run; a node steps its engine itself, so it read 0 forever
+    gauge = lambda: engine.metrics.to_json()["gauges"]["generated_tokens_per_second"]  # noqa: E731
+    engine.metrics.set("generated_tokens_per_second", 0)
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        answers = []
+        worker.submit("tput", CompletionRequest("tiny", "a prompt", 48), answers.append)
+        assert wait_until(lambda: gauge() > 0, timeout=60)
+        assert wait_until(lambda: any(isinstance(a, FinishEvent) for a in answers), timeout=60)
+        assert wait_until(lambda: gauge() == 0, timeout=30)  # a second with nothing generated
+    finally:
+        worker.stop()
+
+
 class _FailingFetch:
     """A remote fetcher whose every fetch ends at once, failed: the worker's bookkeeping of
     reports without a peer (the real pull is tested with processes in test_cluster_remote)."""

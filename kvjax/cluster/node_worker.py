@@ -53,6 +53,7 @@ __all__ = ["EngineWorker", "check_fits", "cluster_info_of", "share_learned", "st
 
 _LOG = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its queue before looking again
+_RATE_WINDOW_S = 1.0  # the throughput gauge covers at least this much of the engine clock
 _MAX_REPORTS = 4096  # remote-fetch reports kept for answers still to take them (oldest dropped)
 
 Sink = Callable[[object], None]  # receives TokenEvent / FinishEvent / an exception
@@ -96,6 +97,7 @@ class EngineWorker:
         self._stop = threading.Event()
         self._next_share = 0.0  # monotonic s: next exchange of the policy's statistics
         self._steps_left: int | None = None  # engine steps it may run before it holds (hold_steps); None: no limit
+        self._rate_mark = (engine.clock(), engine.num_generated_tokens)  # (engine clock s, tokens) of the last rate
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
 
@@ -180,6 +182,7 @@ class EngineWorker:
                         self._steps_left -= 1
                     for event in self.engine.step():  # a step ends its batch of block events
                         self._deliver(event)
+                self._note_throughput()
                 self._publish()
         except Exception as error:  # a broken engine: fail every request, report unhealthy
             _LOG.exception("engine loop failed")
@@ -338,6 +341,16 @@ class EngineWorker:
         if now >= self._next_share:
             self._next_share = now + self.publisher.heartbeat_s
             share_learned(self.engine.cache.trie.policy, self.publisher)
+
+    def _note_throughput(self) -> None:
+        """``generated_tokens_per_second`` over the last ``_RATE_WINDOW_S`` or more (0 when
+        idle): ``Engine.run`` sets it per run, and a node steps its engine itself."""
+        engine, (then, before) = self.engine, self._rate_mark
+        now = engine.clock()
+        if now - then >= _RATE_WINDOW_S:
+            generated = engine.num_generated_tokens
+            engine.metrics.set("generated_tokens_per_second", (generated - before) / (now - then))
+            self._rate_mark = (now, generated)
 
     def _publish(self) -> None:
         last = self.load
