@@ -40,14 +40,14 @@ def model(seed: int = 0) -> Transformer:
 def make_engine(*, scheduler: SchedulerConfig = SCHEDULER, host_bytes: int = 0, disk_dir=None,
                 disk_bytes: int = 0, seed: int = 0, kv_quant: str | None = None, kv_scale: str = "token",
                 offload_quant: str | None = None, accept_lossy: bool = True, transfer_factory=None,
-                num_blocks: int = BLOCKS, **engine_kwargs) -> Engine:  # fmt: skip
+                num_blocks: int = BLOCKS, cost_model: CostModel = FETCH_ALWAYS, **engine_kwargs) -> Engine:  # fmt: skip
     """An engine over a KVCache (device only unless ``host_bytes``), on the shared shapes;
     ``kv_quant`` / ``kv_scale`` pick the pool's page format, ``offload_quant`` / ``accept_lossy``
     lossy compression of offloaded pages, ``transfer_factory`` the cache's transfer engine."""
     pool = pool_config(MODEL, PAGE, num_blocks, kv_quant=kv_quant, kv_scale=kv_scale)
     config = KVCacheConfig(pool=pool, host_bytes=host_bytes, disk_dir=disk_dir, offload_quant=offload_quant,
                            accept_lossy=accept_lossy,
-                           disk_bytes=disk_bytes, vocab_size=MODEL.vocab_size, cost_model=FETCH_ALWAYS)  # fmt: skip
+                           disk_bytes=disk_bytes, vocab_size=MODEL.vocab_size, cost_model=cost_model)  # fmt: skip
     cache = KVCache(config, transfer_factory=transfer_factory)
     engine_config = engine_kwargs.pop("config", EngineConfig(max_model_len=MAX_LEN, token_buckets=BUCKETS))
     return Engine(model(seed), cache, scheduler, engine_config, **engine_kwargs)

@@ -308,6 +308,15 @@ def test_miss_attributor_tells_evicted_from_never_seen():
     assert attributor.attribute(changed, "a", 4, fingerprint="f") == {"different_template": (8, 2)}
 
 
+def test_miss_attributor_puts_recomputed_pages_before_refused_lossy_ones():
+    # the plan's order: hits, lower-tier pages computed anyway, then the lossy pages the match
+    # stopped at (refused pages used to be counted from right after the hits)
+    attributor = MissAttributor(page_size=2)
+    tokens = np.arange(11, dtype=np.int32)  # 5 mappable pages, the tail page holds the last token
+    causes = attributor.attribute(tokens, "a", 2, refused_pages=2, recomputed_pages=1)
+    assert causes == {"recomputed": (2 + 1, 2), "lossy_refused": (4, 2), "never_seen": (2, 1)}
+
+
 def test_miss_attributor_forgets_the_least_recently_seen():
     attributor = MissAttributor(page_size=2, max_pages=2)
     attributor.remember(np.array([1, 2, 3, 4], np.int32), "a")

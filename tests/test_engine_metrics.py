@@ -5,8 +5,9 @@ with what the metrics report."""
 import dataclasses
 
 import numpy as np
-from engine_cases import BLOCKS, PAGE, SCHEDULER, make_engine
+from engine_cases import BLOCKS, PAGE, SCHEDULER, dense_greedy, make_engine, random_prompts
 
+from kvjax.cache.cost_model import CostModel
 from kvjax.serving.engine_events import FinishEvent
 from kvjax.serving.scheduler_config import SchedulerConfig
 
@@ -156,3 +157,24 @@ def test_a_prompt_seen_before_in_full_still_misses_its_last_page():
         assert sum(counters["hit_tokens"].values()) + sum(counters["miss_tokens"].values()) == 2 * len(prompt)
         assert sum(counters["hit_blocks"].values()) + sum(counters["miss_blocks"].values()) == 2 * 3
         assert rates["token_hit_rate"] == rates["block_hit_rate"] == 2 * PAGE / (2 * len(prompt))
+
+
+def test_host_pages_recomputed_instead_of_fetched_miss_as_recomputed():
+    """Pages the cache held on host but computed anyway (recomputing was cheaper, or their fetch
+    failed) missed as "evicted", or "never_seen" in a new process: no cause said the KV was there."""
+    rng = np.random.default_rng(1)
+    first, again = random_prompts(rng, 12 * PAGE, [3, 6])
+    never_fetch = CostModel(recompute_seconds_per_token=0.0)  # recomputing always costs less
+    with make_engine(host_bytes=64 * 8 * 1024, cost_model=never_fetch) as engine:
+        for request_id, prompt, namespace in [("first", first, "t")] + [
+                (f"fill{i}", rng.integers(0, 256, 12 * PAGE).astype(np.int32), "filler") for i in range(6)]:
+            engine.add_request(request_id, tokens=prompt, max_new_tokens=1, namespace=namespace)
+            list(engine.run(summary=False))
+        assert engine.cache.match(again, "t").num_hit_blocks == 12  # every prefix page is cached ...
+        engine.add_request("again", tokens=again, max_new_tokens=2, namespace="t")
+        finish = _finishes(engine.run(summary=False))["again"]
+        recomputed = engine.cache.stats.recompute_chosen_blocks
+    device = finish.hit_tokens_by_tier.get("device", 0)
+    assert recomputed == 12 - device // PAGE > 0 and "host" not in finish.hit_tokens_by_tier  # ... not fetched
+    assert finish.miss_tokens_by_cause == {"recomputed": len(again) - device}
+    assert finish.output_token_ids.tolist() == dense_greedy(again, 2)

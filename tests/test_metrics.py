@@ -59,6 +59,7 @@ def test_counters_hold_exactly_the_recorded_events():
     assert counters["hit_blocks"] == {"device": 6, "host": 1, "disk": 0}
     assert counters["miss_tokens"] == {
         "never_seen": 32, "evicted": 16, "other_namespace": 0, "different_template": 0, "lossy_refused": 0,
+        "recomputed": 0,
     }
     assert counters["miss_blocks"]["never_seen"] == 2 and counters["miss_blocks"]["evicted"] == 1
     assert counters["spilled_blocks"] == {"device_to_host": 5, "host_to_disk": 0}
@@ -125,7 +126,7 @@ BAD_CALLS = [
      r"unknown tier 'gpu' for hit_tokens; expected one of \['device', 'host', 'disk'\]"),
     (lambda m: m.record_miss("cold", 16, 1),
      r"unknown cause 'cold' for miss_tokens; expected one of \['never_seen', 'evicted', "
-     r"'other_namespace', 'different_template', 'lossy_refused'\]"),
+     r"'other_namespace', 'different_template', 'lossy_refused', 'recomputed'\]"),
     (lambda m: m.record_spill("disk_to_host", 1, 10),
      r"unknown link 'disk_to_host' for spilled_blocks; expected one of \['device_to_host', "),
     (lambda m: m.observe("fetch_seconds", 0.1, tier="device"),

@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 TIERS = ("device", "host", "disk")
-MISS_CAUSES = ("never_seen", "evicted", "other_namespace", "different_template", "lossy_refused")
+MISS_CAUSES = ("never_seen", "evicted", "other_namespace", "different_template", "lossy_refused", "recomputed")
 SPILL_LINKS = ("device_to_host", "host_to_disk")
 FETCH_TIERS = ("host", "disk")
 QUANTILES = (0.5, 0.9, 0.99)

@@ -15,8 +15,12 @@ plus the template fingerprints seen per namespace. A missed page is then:
   (``kvjax.text.canonicalize.template_fingerprint``) was: the template's variable parts (dates,
   ids, whitespace) broke the prefix;
 * ``never_seen``: none of these;
+* ``recomputed``: the cache held the page on host or disk and it was computed anyway: the
+  cost model found recomputing it cheaper than fetching it, or its fetch failed; the cache
+  reports how many (they follow the hits);
 * ``lossy_refused``: the cache held the page only as lossy (compressed on offload) KV and the
-  request refused lossy hits (``accept_lossy=False``); the cache reports how many.
+  request refused lossy hits (``accept_lossy=False``); the cache reports how many (they
+  follow the recomputed pages: the match stops at the first lossy one).
 
 The page holding the prompt's last token is never mapped (its logits are needed, so the cache
 always computes it): its tokens carry the cause of the first missed page before it, or
@@ -52,11 +56,14 @@ class MissAttributor:
 
     def attribute(self, tokens: np.ndarray, namespace: Namespace | str | None, num_hit_tokens: int,
                   fingerprint: str | None = None, refused_pages: int = 0,
-                  elsewhere: Callable[[int], np.ndarray] | None = None) -> dict[str, tuple[int, int]]:  # fmt: skip
+                  elsewhere: Callable[[int], np.ndarray] | None = None,
+                  recomputed_pages: int = 0) -> dict[str, tuple[int, int]]:  # fmt: skip
         """``{cause: (tokens, pages)}`` for the prompt ``tokens`` past ``num_hit_tokens`` (a
         multiple of ``page_size``); read-only. ``fingerprint`` is the prompt's template
         fingerprint (None: not a text prompt, never ``different_template``);
-        ``refused_pages``: how many pages right after the hits were lossy and refused;
+        ``recomputed_pages``: how many pages right after the hits were held on host or disk
+        and computed anyway; ``refused_pages``: how many pages after those were lossy and
+        refused;
         ``elsewhere(n)``: which of the first n pages a tier holds under another namespace
         (``KVCache.pages_in_other_namespaces``: blocks this process never saw), asked only when
         a page would otherwise count as never seen."""
@@ -69,7 +76,9 @@ class MissAttributor:
         template_seen = fingerprint is not None and (ns, fingerprint) in self._fingerprints
         causes, held_elsewhere = {}, None
         for index in range(num_hit_pages, num_mappable):
-            if index < num_hit_pages + refused_pages:
+            if index < num_hit_pages + recomputed_pages:
+                cause = "recomputed"
+            elif index < num_hit_pages + recomputed_pages + refused_pages:
                 cause = "lossy_refused"
             elif keys[index] in self._seen:
                 cause = "evicted"

@@ -87,7 +87,7 @@ class EngineObserver:
         elsewhere = None if self.cache is None else (
             lambda num_pages: self.cache.pages_in_other_namespaces(prompt, request.namespace, num_pages))
         causes = self.attributor.attribute(prompt, request.namespace, num_hit, record.fingerprint,
-                                           refused_lossy_pages, elsewhere)  # fmt: skip
+                                           refused_lossy_pages, elsewhere, report.recomputed_pages)  # fmt: skip
         for cause, (tokens, blocks) in causes.items():
             metrics.record_miss(cause, tokens=tokens, blocks=blocks)
         record.miss_tokens_by_cause = {cause: tokens for cause, (tokens, _) in causes.items()}
