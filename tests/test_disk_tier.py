@@ -196,6 +196,34 @@ def test_reopen_skips_unreadable_manifests_and_other_block_layouts(tmp_path):
     assert reopened.stats().skipped_segments == 1 and len(reopened) == 0
 
 
+def _repeat_a_key(manifest):
+    manifest["blocks"][1]["key"] = manifest["blocks"][0]["key"]
+
+
+@pytest.mark.parametrize("edit", [
+    _repeat_a_key,
+    lambda manifest: manifest.update(blocks=[]),
+    lambda manifest: manifest.update(bytes_on_disk=-(1 << 30)),
+], ids=["repeated_key", "no_blocks", "negative_bytes"])
+def test_a_well_formed_manifest_no_write_makes_is_skipped(tmp_path, edit):
+    # a repeated key made the opening fail with a KeyError (the segment dropped itself while
+    # being indexed); no blocks left a segment with no live rows; negative bytes made room
+    blocks = random_blocks(4)
+    with make_tier(tmp_path, blocks_per_segment=2) as tier:
+        tier.put(keys(4), blocks, NS)
+    path = sorted(glob.glob(str(tmp_path / "seg-*.json")))[0]
+    manifest = json.loads(open(path).read())
+    edit(manifest)
+    open(path, "w").write(json.dumps(manifest))
+    reopened = make_tier(tmp_path, blocks_per_segment=2)
+    stats = reopened.stats()
+    assert (stats.skipped_segments, stats.recovered_segments, stats.blocks) == (1, 1, 2)
+    read = reopened.get(keys(4), NS)
+    assert read.hits.tolist() == [False, False, True, True] and same_bits(read.blocks[2:], blocks[2:])
+    reopened.check_invariants()
+    assert reopened.bytes_used > 0
+
+
 def test_eviction_removes_the_least_recently_used_unpinned_segment(tmp_path):
     # OCDBT segments of equal content vary in size between runs (seen: 5,248 and 4,366
     # bytes), which made "three fit, four do not" flaky; the plain layout's size is exact.

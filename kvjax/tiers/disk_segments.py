@@ -186,6 +186,13 @@ def read_manifest(path: str) -> SegmentManifest:
         raise ValueError(f"segment manifest {path} is unreadable: {err}") from err
     if os.path.basename(path) != manifest.name + ".json":
         raise ValueError(f"segment manifest {path} names segment {manifest.name!r}")
+    # Well-formed JSON that no write makes (a damaged or edited manifest): indexed, a repeated
+    # block dropped its own segment mid-indexing and an empty one stayed with no live rows.
+    blocks = set(zip(manifest.namespaces, manifest.keys))
+    if not blocks or len(blocks) != len(manifest.keys) or manifest.bytes_on_disk < 0:
+        raise ValueError(f"segment manifest {path} lists {len(manifest.keys)} blocks, {len(blocks)} distinct, "
+                         f"bytes_on_disk={manifest.bytes_on_disk}; expected at least one block, each once, "
+                         "and bytes_on_disk >= 0")
     return manifest
 
 
