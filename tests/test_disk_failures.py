@@ -124,6 +124,32 @@ def test_orphans_and_segments_whose_files_stay_are_counted_apart(tmp_path, monke
     tier.close()
 
 
+def test_a_new_segment_never_takes_the_name_of_a_leftover_that_stayed(tmp_path, monkeypatch):
+    # the next segment was numbered after the committed ones only: its write met the leftover
+    # of its name, failed (FileExistsError), counted as a write error and started a back-off
+    with make_tier(tmp_path, blocks_per_segment=1) as tier:
+        tier.put(keys(1), random_blocks(1), NS)
+    stuck = [str(tmp_path / "seg-000000000001"), str(tmp_path / "seg-000000000002.orbax-checkpoint-tmp-7")]
+    for path in stuck:
+        shutil.copytree(segment_dirs(tmp_path)[0], path)
+    rmtree = shutil.rmtree
+
+    def refuse_stuck(path, *args, **kwargs):
+        if str(path) in stuck:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        rmtree(path, *args, **kwargs)
+    monkeypatch.setattr(disk_segments.shutil, "rmtree", refuse_stuck)
+    tier = make_tier(tmp_path, blocks_per_segment=1)
+    assert tier.stats().orphan_remove_errors == 2
+    assert tier.put(keys(2, start=1), random_blocks(2, seed=1), NS) == keys(2, start=1)
+    stats = tier.stats()
+    assert (stats.write_errors, stats.written_segments, stats.backoff_remaining_s) == (0, 2, 0)
+    assert all(os.path.isdir(path) for path in stuck)
+    read = tier.get(keys(3), NS)
+    assert read.hits.all() and same_bits(read.blocks[1:], random_blocks(2, seed=1))
+    tier.close()
+
+
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
 
 

@@ -46,12 +46,14 @@ __all__ = [
     "remove_segment",
     "scan_directory",
     "segment_name",
+    "segment_seq",
     "write_segment",
 ]
 
 MANIFEST_FORMAT = "kvjax-disk-segment-v1"  # checksums: block_checksum
 PAYLOAD = "payload"  # the checkpoint's single array
 _NAME_RE = re.compile(r"^seg-(\d{12})$")
+_SEQ_RE = re.compile(r"^seg-(\d{12})(?!\d)")
 _log = logging.getLogger(__name__)
 
 
@@ -74,6 +76,13 @@ class SegmentManifest:
 
 def segment_name(seq: int) -> str:
     return f"seg-{seq:012d}"
+
+
+def segment_seq(entry: str) -> int | None:
+    """The sequence number an entry of the directory is named after (a segment, its manifest
+    or their temporary files), or None."""
+    match = _SEQ_RE.match(entry)
+    return None if match is None else int(match.group(1))
 
 
 def block_checksum(namespace: bytes, key: bytes, payload_row: np.ndarray) -> str:

@@ -575,6 +575,9 @@ class DiskTier:
 
     def _open_directory(self) -> None:
         committed, orphans = seg.scan_directory(self.directory)
+        # A leftover that could not be deleted keeps its name: a new segment must not take it
+        # (its write would fail, counted as a write error, and start a back-off).
+        self._next_seq = max((seq + 1 for seq in map(seg.segment_seq, orphans) if seq is not None), default=0)
         if self.read_only and orphans:
             _log.info("disk tier %s (read-only): leaving %d uncommitted entries", self.directory, len(orphans))
         elif orphans:
