@@ -1,6 +1,7 @@
 """Disk directory ownership: one writing DiskTier per directory (in this process or another),
 read-only readers that share it, close, and a KVCache that closes the tier it opened."""
 
+import dataclasses
 import gc
 import os
 import re
@@ -266,3 +267,16 @@ def test_a_cache_closes_the_disk_tier_it_opened_and_leaves_a_given_one_open(tmp_
         pass
     assert not given.closed
     given.close()
+
+
+def test_a_cache_opens_its_disk_tier_for_its_model_and_refuses_a_given_one_of_another(tmp_path):
+    config = KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block, disk_dir=str(tmp_path / "own"),
+                           disk_bytes=1 << 24, model_id="weights-a")  # fmt: skip
+    with KVCache(config) as cache:
+        assert cache.disk_tier.model_id == "weights-a"
+    with pytest.raises(ValueError, match=r"model_id=3 must be a str naming the model"):
+        KVCacheConfig(pool=POOL, model_id=3)
+    with DiskTier(str(tmp_path / "given"), POOL.block_shape, POOL.dtype, 1 << 24, model_id="weights-b") as given:
+        with pytest.raises(ValueError, match=r"^disk_tier holds KV of model_id='weights-b'; this cache's is "
+                                             r"'weights-a'$"):  # fmt: skip
+            KVCache(dataclasses.replace(config, disk_dir=None, disk_bytes=0), disk_tier=given)

@@ -196,6 +196,25 @@ def test_reopen_skips_unreadable_manifests_and_other_block_layouts(tmp_path):
     assert reopened.stats().skipped_segments == 1 and len(reopened) == 0
 
 
+def test_segments_of_another_model_are_skipped(tmp_path):
+    blocks = random_blocks(2)
+    with make_tier(tmp_path, model_id="weights-a") as tier:
+        tier.put(keys(2), blocks, NS)
+    with make_tier(tmp_path, model_id="weights-b") as other:  # same shapes, another model's KV
+        assert other.stats().skipped_segments == 1 and not other.get(keys(2), NS).hits.any()
+    with make_tier(tmp_path, model_id="weights-a") as reopened:
+        read = reopened.get(keys(2), NS)
+        assert read.hits.all() and same_bits(read.blocks, blocks)
+    path = glob.glob(str(tmp_path / "seg-*.json"))[0]
+    manifest = json.loads(open(path).read())
+    del manifest["model_id"]  # written before manifests named the model: unnamed
+    open(path, "w").write(json.dumps(manifest))
+    with make_tier(tmp_path) as unnamed:
+        assert unnamed.stats().recovered_segments == 1
+    with pytest.raises(ValueError, match=r"model_id=None must be a str naming the model"):
+        make_tier(tmp_path, model_id=None)
+
+
 def _repeat_a_key(manifest):
     manifest["blocks"][1]["key"] = manifest["blocks"][0]["key"]
 

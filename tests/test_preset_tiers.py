@@ -38,3 +38,27 @@ def test_cache_options_for_tiers_that_cannot_be_built_are_refused(tmp_path, opti
     with pytest.raises(ValueError, match=message.replace("DIR", re.escape(directory))):
         build_engine_parts("tiny", tiers=tiers, cache_options=options)
     assert not os.path.exists(directory)  # refused before anything was created
+
+
+def test_a_disk_directory_written_with_other_weights_is_never_read(tmp_path):
+    # the manifests named shapes, dtype and codec only: an engine restarted with other weights
+    # of the same shapes fetched the last one's KV from disk and generated other tokens
+    from kvjax.serving.engine import Engine
+
+    options = {"disk_dir": str(tmp_path), "disk_bytes": 64 << 20, "write_policy": "write_through"}
+    prompt = list(range(1, 65))
+
+    def generate(seed, cache_options):
+        engine = Engine.from_preset("tiny", weights="random", seed=seed, cache_options=cache_options)
+        try:
+            engine.add_request("r", tokens=prompt, max_new_tokens=4)
+            finish = [event for event in engine.run() if hasattr(event, "output_token_ids")][-1]
+            assert engine.cache.flush(timeout=60)
+            return finish.output_token_ids.tolist(), finish.hit_tokens_by_tier.get("disk", 0)
+        finally:
+            engine.close()
+
+    assert generate(1, options)[1] == 0
+    assert generate(1, options)[1] > 0  # the same weights read what they wrote
+    uncached, _ = generate(2, None)
+    assert generate(2, options) == (uncached, 0)

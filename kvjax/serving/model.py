@@ -14,6 +14,7 @@ Two forward passes share every weight:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from flax import nnx
 import pallas_kernels
 from kvjax.config.from_mapping import config_from_dict
 
-__all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_weights", "save_weights"]
+__all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_weights", "save_weights", "weights_digest"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,6 +91,17 @@ def save_weights(model: "Transformer", path: str | Path, *, dtype: str | None = 
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, params)
         checkpointer.wait_until_finished()
+
+
+def weights_digest(model: "Transformer") -> str:
+    """SHA-256 (hex) of the model's parameters, names, dtypes and shapes: two models share it
+    only when they compute the same KV (a disk tier's ``model_id``)."""
+    digest = hashlib.sha256()
+    for name, leaf in _named_leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param))):
+        leaf = np.asarray(leaf)
+        digest.update(f"{name}:{leaf.dtype}:{leaf.shape};".encode())
+        digest.update(np.ascontiguousarray(leaf).view(np.uint8).data)
+    return digest.hexdigest()
 
 
 def load_weights(cfg: ModelConfig, path: str | Path) -> "Transformer":

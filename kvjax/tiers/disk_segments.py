@@ -4,8 +4,9 @@ Layout under the disk tier's directory:
 
     seg-000000000042/       orbax checkpoint {"payload": u8[num_blocks, block_nbytes]}, one
                             zarr3 chunk per block, uncompressed (KV does not compress)
-    seg-000000000042.json   manifest: block shape, dtype and codec, each block's namespace,
-                            key, parent key and checksum; its presence is the segment's commit record
+    seg-000000000042.json   manifest: block shape, dtype, codec and model id, each block's
+                            namespace, key, parent key and checksum; its presence is the
+                            segment's commit record
 
 Commit protocol: orbax writes into a temporary directory and renames it when complete
 (`AtomicRenameTemporaryPath`, checked in orbax 0.12.8); then the manifest is written to a
@@ -72,6 +73,7 @@ class SegmentManifest:
     bytes_on_disk: int  # checkpoint files plus manifest
     codec: str = "raw"  # how a block's bytes encode pool KV (kvjax.tiers.block_codec); "raw" if absent
     parents: tuple[bytes | None, ...] = ()  # each block's parent key (None: a first page); () if unknown
+    model_id: str = ""  # the model whose KV the blocks are ("" if unnamed, or absent)
 
 
 def segment_name(seq: int) -> str:
@@ -189,6 +191,7 @@ def read_manifest(path: str) -> SegmentManifest:
             keys=tuple(bytes.fromhex(b["key"]) for b in blocks),
             checksums=tuple(str(b["sha256_128"]) for b in blocks),
             bytes_on_disk=int(raw["bytes_on_disk"]), codec=str(raw.get("codec", "raw")),
+            model_id=str(raw.get("model_id", "")),
             parents=tuple(None if b.get("parent") is None else bytes.fromhex(b["parent"]) for b in blocks)
             if all("parent" in b for b in blocks) else ())  # fmt: skip
     except (OSError, KeyError, TypeError, ValueError) as err:  # JSONDecodeError is a ValueError
@@ -368,7 +371,7 @@ def _manifest_to_json(manifest: SegmentManifest, bytes_on_disk: int) -> bytes:
     return json.dumps({
         "format": MANIFEST_FORMAT, "name": manifest.name,
         "block_shape": list(manifest.block_shape), "dtype": manifest.dtype,
-        "block_nbytes": manifest.block_nbytes, "codec": manifest.codec,
+        "block_nbytes": manifest.block_nbytes, "codec": manifest.codec, "model_id": manifest.model_id,
         "use_ocdbt": manifest.use_ocdbt, "bytes_on_disk": bytes_on_disk, "blocks": blocks}).encode()
 
 

@@ -84,7 +84,7 @@ class DiskTierStats:
     recovered_segments: int = 0  # committed segments indexed when opening (some may be evicted at once)
     orphans_removed: int = 0  # crashed writes' leftover entries deleted when opening (writer only)
     orphan_remove_errors: int = 0  # leftover entries whose deletion failed (still on disk)
-    skipped_segments: int = 0  # unreadable manifest, another block shape/dtype or codec
+    skipped_segments: int = 0  # unreadable manifest, another block shape/dtype, codec or model id
     codec_mismatch_segments: int = 0  # of those: written with another codec (kvjax.tiers.block_codec)
     put_blocks: int = 0  # blocks in committed segments that `put` wrote (and indexed)
     duplicate_blocks: int = 0  # blocks `put` skipped: the tier held them already
@@ -131,14 +131,15 @@ class DiskTier:
 
     def __init__(self, directory: str | None, block_shape: Sequence[int], dtype, capacity_bytes: int,
                  *, segment_bytes: int = 64 << 20, use_ocdbt: bool = True,
-                 sync_data: bool = False, codec: str = "raw", events: EventLog | None = None,
+                 sync_data: bool = False, codec: str = "raw", model_id: str = "",
+                 events: EventLog | None = None,
                  read_only: bool = False, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
         """Locks `directory` (creating it if needed) and indexes the segments already in it
         (None: in memory, no bytes; see the module docstring). Raises DirectoryInUseError
         when another tier holds it.
 
-        Segments of another block shape, dtype or codec are skipped (left on disk, counted in
+        Segments of another block shape, dtype, codec or model id are skipped (left on disk, counted in
         `skipped_segments`): their bytes would not mean the same KV.
 
         segment_bytes: payload bytes per segment; a segment holds at least one block.
@@ -150,6 +151,9 @@ class DiskTier:
           wrong blocks).
         codec: name of the encoding of a block's bytes (`kvjax.tiers.block_codec`), recorded in
           every manifest; "raw" for blocks stored as the pool holds them.
+        model_id: names the model whose KV the blocks are (e.g. a digest of its weights),
+          recorded in every manifest: a directory reopened for another model of the same
+          shapes would otherwise serve that model's KV as this one's. "": unnamed.
         events: where block events go (a private log by default).
         read_only: serve an existing directory without writing or deleting anything there,
           under a shared lock (other readers may share it, no writer): `put` stores nothing
@@ -167,7 +171,10 @@ class DiskTier:
         self.dtype = jnp.dtype(dtype)
         if not isinstance(codec, str) or not codec:
             raise ValueError(f"{codec=} must be a non-empty codec name")
+        if not isinstance(model_id, str):
+            raise ValueError(f"{model_id=} must be a str naming the model whose KV the blocks are")
         self.codec = codec
+        self.model_id = model_id
         self.block_nbytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
         self.directory = None if directory is None else os.path.abspath(directory)
         self.events = events if events is not None else EventLog()
@@ -484,7 +491,7 @@ class DiskTier:
             name=name, block_shape=self.block_shape, dtype=self.dtype.name,
             block_nbytes=self.block_nbytes, use_ocdbt=self.use_ocdbt,
             namespaces=tuple(namespaces), keys=tuple(keys), checksums=(), bytes_on_disk=0,
-            codec=self.codec, parents=tuple(parents))
+            codec=self.codec, parents=tuple(parents), model_id=self.model_id)
         if self.directory is None:  # in memory: the payload's bytes, nothing written
             manifest = dataclasses.replace(manifest, bytes_on_disk=payload.nbytes)
         else:
@@ -603,6 +610,11 @@ class DiskTier:
                              path, manifest.codec, self.codec)
                 self._stats.skipped_segments += 1
                 self._stats.codec_mismatch_segments += 1
+                continue
+            if manifest.model_id != self.model_id:  # same shapes, another model's KV: never served
+                _log.warning("disk tier: skipping %s: KV of model %r, this tier holds model %r's",
+                             path, manifest.model_id, self.model_id)
+                self._stats.skipped_segments += 1
                 continue
             self._add_segment(manifest)
             self._stats.recovered_segments += 1

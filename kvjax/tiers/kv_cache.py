@@ -666,9 +666,13 @@ class KVCache:
         if self._owns_disk_tier:
             self.disk_tier = DiskTier(config.disk_dir, codec.block_shape, codec.dtype, config.disk_bytes,
                                       segment_bytes=config.disk_segment_bytes, codec=codec.name,
-                                      events=self.events)  # fmt: skip
+                                      model_id=config.model_id, events=self.events)  # fmt: skip
         elif self.disk_tier is not None:
             codec.check_stored_by(self.disk_tier, "disk_tier")
+            model_id = getattr(self.disk_tier, "model_id", config.model_id)
+            if model_id != config.model_id:
+                raise ValueError(f"disk_tier holds KV of model_id={model_id!r}; this cache's is "
+                                 f"{config.model_id!r}")
             self.disk_tier.events = self.events
         self.transfer = (transfer_factory or TransferEngine)(
             self.host_pool, self.disk_tier, gather_blocks=self._gather, buckets=config.transfer_buckets,

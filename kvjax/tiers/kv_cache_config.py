@@ -43,6 +43,10 @@ class KVCacheConfig:
     stop their match before the first lossy page (recomputing it) unless ``admit`` says
     otherwise. A quantized pool's blocks always travel bit-exact (``kvjax.tiers.block_codec``).
 
+    ``model_id``: names the model whose KV the cache holds (e.g. a digest of its weights); the
+    disk tier records it in every segment and skips segments of another id when it reopens a
+    directory, which it cannot tell apart otherwise when the shapes match ("": unnamed).
+
     ``transfer_buckets``: batch sizes (blocks) every move between device and host is padded
     to, so its device-side gather/scatter compiles once per bucket (``KVCache.warmup``);
     larger moves go in batches of the largest.
@@ -64,6 +68,7 @@ class KVCacheConfig:
     offload_scale: str = "token"
     accept_lossy: bool = True
     transfer_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    model_id: str = ""
 
     def __post_init__(self):
         if not isinstance(self.pool, PoolConfig):
@@ -108,6 +113,8 @@ class KVCacheConfig:
         if self.offload_quant is not None and not self.tiered:
             raise ValueError(f"offload_quant={self.offload_quant!r} compresses pages leaving the device "
                              f"and needs a host tier; got host_bytes={self.host_bytes}")  # fmt: skip
+        if not isinstance(self.model_id, str):
+            raise ValueError(f"model_id={self.model_id!r} must be a str naming the model (\"\": unnamed)")
         if not isinstance(self.accept_lossy, bool):
             raise ValueError(f"accept_lossy={self.accept_lossy!r} must be a bool")
         buckets = tuple(self.transfer_buckets) if isinstance(self.transfer_buckets, (list, tuple)) else None
