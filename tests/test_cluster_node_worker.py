@@ -132,9 +132,10 @@ def test_a_peer_asking_a_node_whose_engine_failed_is_answered_at_once(engine, mo
         codec = engine.cache.codec
         transport = RemoteTransport()
         try:
-            offers = OfferService(transport, worker.export, codec)
+            offers = OfferService(transport, worker.export, engine.cache.page_identity, codec.block_nbytes)
             with TestClient(create_node_app(worker, "tiny", "n1", offers)) as client:
-                body = dataclasses.replace(ask, codec=codec.identity, block_nbytes=codec.block_nbytes).to_json()
+                body = dataclasses.replace(ask, codec=engine.cache.page_identity,
+                                           block_nbytes=codec.block_nbytes).to_json()  # fmt: skip
                 response = client.post("/kv/offer", json=body)
         finally:
             transport.close()

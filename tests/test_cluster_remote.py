@@ -9,6 +9,7 @@ never offered to another.
 Tests run in file order on the module's two nodes; the last one kills ``f``.
 """
 
+import functools
 import json
 import os
 import signal
@@ -22,9 +23,19 @@ from cluster_fixtures import start_node, wait_until
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import Directory
 from kvjax.cluster.remote_offers import encode_tokens
+from kvjax.serving.preset import build_engine_parts
 
 PAGE_SIZE = 16  # the tiny preset's
-TINY_CODEC = "raw/float32/2x2x2x16x32"  # its pool's blocks as the tiers store them (BlockCodec.identity)
+
+
+@functools.cache
+def tiny_page_identity() -> str:
+    """The tiny preset's KVCache.page_identity, which an ask by hand must name (its nodes')."""
+    cache = build_engine_parts("tiny", tiers=False)["cache"]
+    try:
+        return cache.page_identity
+    finally:
+        cache.close()
 SUSPECT_S = 1.0
 SLACK_S = 0.25  # the engine loop notices a finished fetch between steps; a loaded 2-core box
 
@@ -138,7 +149,7 @@ def test_a_tenant_never_gets_another_tenants_blocks(pair):
     assert "kvjax_remote" not in other["usage"] and other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert other["choices"][0]["text"] == reference
     tokens = list(text.encode())[: 4 * PAGE_SIZE]
-    ask = {"tokens": encode_tokens(tokens), "first_page": 0, "num_pages": 4, "codec": TINY_CODEC,
+    ask = {"tokens": encode_tokens(tokens), "first_page": 0, "num_pages": 4, "codec": tiny_page_identity(),
            "block_nbytes": 16384, "wait_s": 5.0}  # fmt: skip
     for namespace, pages in (("tenant-b", 0), (None, 0), ("tenant-a", 4)):  # asked directly, by hand
         reply = httpx.post(f"{pair.owner.url}/kv/offer", json={**ask, "namespace": namespace}, timeout=10).json()
@@ -148,7 +159,7 @@ def test_a_tenant_never_gets_another_tenants_blocks(pair):
 
 
 def test_a_malformed_offer_request_gets_a_400(pair):
-    ask = {"tokens": encode_tokens(list(range(4 * PAGE_SIZE))), "first_page": 0, "num_pages": 4, "codec": TINY_CODEC,
+    ask = {"tokens": encode_tokens(list(range(4 * PAGE_SIZE))), "first_page": 0, "num_pages": 4, "codec": tiny_page_identity(),
            "block_nbytes": 16384, "namespace": None}  # fmt: skip
     for body, message in ((b"{not json", "Expecting property name"),  # both used to be 500s
                           (json.dumps({**ask, "wait_s": 1e10}).encode(), "wait_s=10000000000.0 must be a number"),

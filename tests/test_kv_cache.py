@@ -39,7 +39,8 @@ def prompt(n, start=0):
 
 
 def make(pool=POOL, *, host_blocks=8, disk_dir=None, cost=ALWAYS_FETCH, **kwargs):
-    config_keys = {"write_policy", "selective_min_hits", "vocab_size", "high_watermark", "low_watermark", "policy"}
+    config_keys = {"write_policy", "selective_min_hits", "vocab_size", "high_watermark", "low_watermark", "policy",
+                   "model_id"}
     config = KVCacheConfig(pool=pool, host_bytes=host_blocks * pool.bytes_per_block, cost_model=cost,
                            disk_dir=None if disk_dir is None else str(disk_dir),
                            disk_bytes=0 if disk_dir is None else 1 << 26,

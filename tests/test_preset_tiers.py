@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from kvjax.config.presets import preset_dir
 from kvjax.serving.preset import build_engine_parts
 from kvjax.tiers.disk_lock import LOCK_FILE
 
@@ -48,8 +49,14 @@ def test_a_disk_directory_written_with_other_weights_is_never_read(tmp_path):
     options = {"disk_dir": str(tmp_path), "disk_bytes": 64 << 20, "write_policy": "write_through"}
     prompt = list(range(1, 65))
 
-    def generate(seed, cache_options):
-        engine = Engine.from_preset("tiny", weights="random", seed=seed, cache_options=cache_options)
+    # the same weights with another RoPE base rotate K otherwise: another model's KV too
+    other_rope = tmp_path / "rope.toml"
+    other_rope.write_text(preset_dir().joinpath("tiny.toml").read_text().replace("rope_theta = 10000.0",
+                                                                             "rope_theta = 500000.0"))
+    options = {**options, "disk_dir": str(tmp_path / "disk")}
+
+    def generate(seed, cache_options, preset="tiny"):
+        engine = Engine.from_preset(preset, weights="random", seed=seed, cache_options=cache_options)
         try:
             engine.add_request("r", tokens=prompt, max_new_tokens=4)
             finish = [event for event in engine.run() if hasattr(event, "output_token_ids")][-1]
@@ -62,3 +69,5 @@ def test_a_disk_directory_written_with_other_weights_is_never_read(tmp_path):
     assert generate(1, options)[1] > 0  # the same weights read what they wrote
     uncached, _ = generate(2, None)
     assert generate(2, options) == (uncached, 0)
+    uncached, _ = generate(1, None, str(other_rope))
+    assert generate(1, options, str(other_rope)) == (uncached, 0)

@@ -40,12 +40,12 @@ def service(owner, transport):
     def export(request, deadline):
         return owner.export_pages(request.tokens, request.namespace, request.first_page, request.num_pages)
 
-    return OfferService(transport, export, owner.codec)
+    return OfferService(transport, export, owner.page_identity, owner.codec.block_nbytes)
 
 
-def ask(owner, tokens, namespace, num_pages, wait_s, codec=None):
-    codec = codec or owner.codec
-    return OfferRequest(namespace, tokens, 0, num_pages, codec.identity, codec.block_nbytes, wait_s).to_json()
+def ask(owner, tokens, namespace, num_pages, wait_s, identity=None):
+    identity = identity or owner.page_identity
+    return OfferRequest(namespace, tokens, 0, num_pages, identity, owner.codec.block_nbytes, wait_s).to_json()
 
 
 def pull_and_check(owner, transport, reply, tokens, namespace):
@@ -74,18 +74,21 @@ def test_an_offer_lasts_as_long_as_its_requester_waits(owner, transport, clock):
     assert offers.ack({"offer_id": reply.offer_id}) and transport.outstanding_offers == 0
 
 
-def test_a_peer_whose_blocks_have_the_same_bytes_but_another_dtype_or_layout_gets_none(owner, transport):
+def test_a_peer_whose_blocks_have_the_same_bytes_but_another_dtype_layout_or_model_gets_none(transport):
     # the handshake compared the codec's name and block bytes: a float pool's "raw" names no
     # dtype or layout, so a bfloat16 pool with twice the heads (the same bytes a block) took
-    # this float32 pool's blocks and read them as its own: wrong KV
-    tokens = prompt(13)
-    compute(owner, tokens, "t", random_blocks(4, POOL.block_shape))
-    offers = service(owner, transport)
-    layout = dataclasses.replace(POOL, dtype="bfloat16", num_kv_heads=2 * POOL.num_kv_heads)
-    for other in (dataclasses.replace(POOL, dtype="int32"), layout):
-        codec = make_codec(other)
-        assert codec.block_nbytes == owner.codec.block_nbytes and codec.name == owner.codec.name == "raw"
-        reply = offers.offer(ask(owner, tokens, "t", 3, WAIT_S, codec))
-        assert reply.num_pages == 0 and f"codec {codec.identity} / " in reply.reason
-        assert owner.codec.identity in reply.reason
-    assert offers.offer(ask(owner, tokens, "t", 3, WAIT_S)).num_pages == 3
+    # this float32 pool's blocks and read them as its own: wrong KV; so did a node of the
+    # same shapes with other weights
+    with make(model_id="weights-a") as owner:
+        tokens = prompt(13)
+        compute(owner, tokens, "t", random_blocks(4, POOL.block_shape))
+        offers = service(owner, transport)
+        layout = dataclasses.replace(POOL, dtype="bfloat16", num_kv_heads=2 * POOL.num_kv_heads)
+        others = [make_codec(other).identity + "/model=weights-a"
+                  for other in (dataclasses.replace(POOL, dtype="int32"), layout)]  # fmt: skip
+        for identity in others + [owner.codec.identity + "/model=weights-b", owner.codec.identity]:
+            assert identity != owner.page_identity
+            reply = offers.offer(ask(owner, tokens, "t", 3, WAIT_S, identity))
+            assert reply.num_pages == 0 and f"codec {identity} / " in reply.reason
+            assert owner.page_identity in reply.reason
+        assert offers.offer(ask(owner, tokens, "t", 3, WAIT_S)).num_pages == 3

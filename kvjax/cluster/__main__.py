@@ -195,7 +195,9 @@ def _run_node(args) -> int:
         raise SystemExit(f"node: {error}") from None
     offers = None
     if transport is not None:
-        offers = OfferService(transport, worker.export, engine.cache.codec, fault=args.remote_fault or "none")
+        cache = engine.cache
+        offers = OfferService(transport, worker.export, cache.page_identity, cache.codec.block_nbytes,
+                              fault=args.remote_fault or "none")  # fmt: skip
     try:
         app = create_node_app(worker, model, args.node_id, offers, fault_control=args.remote_fault is not None,
                               step_control=args.step_control, drain=drain)  # fmt: skip

@@ -304,7 +304,7 @@ class RemoteFetcher:
         and returns the verified blocks (None when none arrived)."""
         ns = Namespace(namespace) if namespace else Namespace()
         start = time.monotonic()
-        request = OfferRequest(namespace, prefix, plan.first_page, plan.num_pages, self.codec.identity,
+        request = OfferRequest(namespace, prefix, plan.first_page, plan.num_pages, self.cache.page_identity,
                                self.codec.block_nbytes, max(0.0, deadline - start))  # fmt: skip
         try:
             reply = self._ask(plan.peer.address, request, deadline)

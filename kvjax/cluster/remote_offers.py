@@ -4,8 +4,8 @@ The side channel is the node's HTTP API (``kvjax.cluster.node_server``):
 
 ``POST /kv/offer`` with ``OfferRequest`` (JSON): the requesting node's tenant (``namespace``,
 null for the default), the prompt's tokens up to the last page wanted (little-endian int32,
-base64), the pages wanted (``first_page``, ``num_pages``), the requester's codec identity (name,
-stored dtype and shape: ``BlockCodec.identity``) and block bytes, and the seconds it will wait (``wait_s``). The answer is an ``OfferReply``: how many
+base64), the pages wanted (``first_page``, ``num_pages``), the requester's page identity (codec
+name, stored dtype and shape, model: ``KVCache.page_identity``) and block bytes, and the seconds it will wait (``wait_s``). The answer is an ``OfferReply``: how many
 leading pages are offered (possibly 0), the one-time offer id, the transfer server's address,
 each page's key and checksum (``kvjax.tiers.remote_transport.block_checksums``) and the tier it
 came from. The requester pulls the payload (``u8[num_pages, block_nbytes]``) and then
@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from kvjax.tiers.block_codec import BlockCodec
 from kvjax.tiers.kv_cache_remote import ExportedPages
 from kvjax.tiers.remote_transport import RemoteTransport, block_checksums
 
@@ -135,16 +134,16 @@ class OfferService:
     """Answers ``/kv/offer`` and ``/kv/ack`` for one node (see the module docstring).
 
     ``export(request) -> ExportedPages``: runs the export on the engine thread and waits for
-    it (``EngineWorker.export``); ``codec``: this node's, whose identity (name, stored dtype
-    and shape: ``BlockCodec.identity``) and block bytes a request must match.
+    it (``EngineWorker.export``); ``codec`` / ``block_nbytes``: this node cache's
+    ``page_identity`` (codec name, stored dtype and shape, model) and block bytes, which a
+    request must match.
     """
 
     def __init__(self, transport: RemoteTransport, export: Callable[[OfferRequest, float], ExportedPages],
-                 codec: BlockCodec, *, fault: str = "none", slow_s: float = 5.0):  # fmt: skip
+                 codec: str, block_nbytes: int, *, fault: str = "none", slow_s: float = 5.0):  # fmt: skip
         if fault not in FAULTS:
             raise ValueError(f"fault={fault!r}; expected one of {FAULTS}")
-        self.transport, self.export = transport, export
-        self.codec, self.block_nbytes = codec.identity, codec.block_nbytes
+        self.transport, self.export, self.codec, self.block_nbytes = transport, export, codec, block_nbytes
         self.fault, self.slow_s = fault, slow_s
         self.counters = {"asks": 0, "offered_pages": 0, "empty": 0, "late": 0}
         self._lock = threading.Lock()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from flax import nnx
 import pallas_kernels
 from kvjax.config.from_mapping import config_from_dict
 
-__all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_weights", "save_weights", "weights_digest"]
+__all__ = ["ModelConfig", "Transformer", "BatchInputs", "load_weights", "model_digest", "save_weights"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,10 +94,11 @@ def save_weights(model: "Transformer", path: str | Path, *, dtype: str | None = 
         checkpointer.wait_until_finished()
 
 
-def weights_digest(model: "Transformer") -> str:
-    """SHA-256 (hex) of the model's parameters, names, dtypes and shapes: two models share it
-    only when they compute the same KV (a disk tier's ``model_id``)."""
-    digest = hashlib.sha256()
+def model_digest(model: "Transformer") -> str:
+    """SHA-256 (hex) of the model's config (RoPE's base and the dtype shape KV as much as the
+    weights do) and its parameters, names, dtypes and shapes: two models share it only when
+    they compute the same KV (a cache's ``model_id``). Reads every parameter once."""
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(model.cfg), sort_keys=True).encode())
     for name, leaf in _named_leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param))):
         leaf = np.asarray(leaf)
         digest.update(f"{name}:{leaf.dtype}:{leaf.shape};".encode())

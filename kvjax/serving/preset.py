@@ -23,7 +23,7 @@ from typing import Any
 from kvjax.config.presets import load_preset
 from kvjax.metrics.registry import Metrics
 from kvjax.serving.engine_config import EngineConfig
-from kvjax.serving.model import ModelConfig, Transformer, load_weights, weights_digest
+from kvjax.serving.model import ModelConfig, Transformer, load_weights, model_digest
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PoolConfig
@@ -78,8 +78,8 @@ def build_engine_parts(preset: str = "tiny", *, weights: str | None = None, seed
         raise ValueError(f"weights={weights!r} must be None (the preset's), {RANDOM_WEIGHTS!r} or a path")
     engine_kwargs.setdefault("metrics", Metrics(clock=engine_kwargs.get("clock", time.monotonic)))
     cache_config = build_cache_config(model_cfg, sections["cache"], sections.get("tiers", {}) if tiers else {})
-    if cache_config.disk_dir is not None:  # a directory another run's weights wrote is never read as these
-        cache_config = dataclasses.replace(cache_config, model_id=weights_digest(model))
+    # the KV's model: a disk directory or a peer whose blocks another model computed is never read as this one's
+    cache_config = dataclasses.replace(cache_config, model_id=model_digest(model))
     cache = KVCache(cache_config, impl=engine_cfg.impl, clock=engine_kwargs.get("clock", time.monotonic))
     parts = {"model": model, "cache": cache, "config": engine_cfg,
              "scheduler_config": SchedulerConfig.from_dict(sections.get("scheduler", {}))}

@@ -218,6 +218,14 @@ class KVCache:
         return self.index.cost_model
 
     @property
+    def page_identity(self) -> str:
+        """What another cache's pages must match for this one to read their bytes (a peer's
+        offer): the codec's identity (name, stored dtype and shape) and, when named, the
+        model's (``config.model_id``: the same shapes from other weights are other KV)."""
+        model_id = self.config.model_id
+        return f"{self.codec.identity}/model={model_id}" if model_id else self.codec.identity
+
+    @property
     def block_nbytes(self) -> int:
         """Bytes one block moves between tiers (the codec's)."""
         return self.codec.block_nbytes
