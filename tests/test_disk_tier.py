@@ -215,6 +215,28 @@ def test_segments_of_another_model_are_skipped(tmp_path):
         make_tier(tmp_path, model_id=None)
 
 
+def test_segments_another_model_left_count_against_capacity_and_go_first(tmp_path):
+    """Skipped segments stayed on disk uncounted: every change of weights added a tier's worth
+    to the directory, past its capacity, for good."""
+    blocks = random_blocks(8)
+    with make_tier(tmp_path, model_id="weights-a") as tier:
+        tier.put(keys(8), blocks, NS)  # two segments of four blocks
+        written = tier.bytes_used
+    capacity = 3 * written // 2  # room for about three
+    with make_tier(tmp_path, capacity=capacity, model_id="weights-b") as other:
+        stats = other.stats()
+        assert (stats.skipped_segments, stats.foreign_bytes, stats.foreign_removed) == (2, written, 0)
+        assert other.put(keys(4, start=100), blocks[:4], NS) == keys(4, start=100)  # room: the older one went
+        stats = other.stats()
+        assert stats.foreign_removed == 1 and stats.evicted_segments == 0
+        assert stats.bytes_used + stats.foreign_bytes <= capacity
+        assert len(segment_dirs(tmp_path)) == 2
+    with make_tier(tmp_path, capacity=capacity, model_id="weights-a", read_only=True) as reader:
+        read = reader.get(keys(8), NS)  # its newer segment is still there, and nothing else of it
+        assert read.hits.tolist() == [False] * 4 + [True] * 4 and same_bits(read.blocks[4:], blocks[4:])
+        assert reader.stats().foreign_bytes == 0  # a reader deletes nothing: it counts nothing
+
+
 def _repeat_a_key(manifest):
     manifest["blocks"][1]["key"] = manifest["blocks"][0]["key"]
 

@@ -85,6 +85,9 @@ class DiskTierStats:
     orphans_removed: int = 0  # crashed writes' leftover entries deleted when opening (writer only)
     orphan_remove_errors: int = 0  # leftover entries whose deletion failed (still on disk)
     skipped_segments: int = 0  # unreadable manifest, another block shape/dtype, codec or model id
+    foreign_bytes: int = 0  # on disk now in segments of another block shape/dtype, codec or model
+    #                         (writer only): they count against capacity_bytes and go first
+    foreign_removed: int = 0  # such segments deleted to make room (writer only)
     codec_mismatch_segments: int = 0  # of those: written with another codec (kvjax.tiers.block_codec)
     put_blocks: int = 0  # blocks in committed segments that `put` wrote (and indexed)
     duplicate_blocks: int = 0  # blocks `put` skipped: the tier held them already
@@ -139,8 +142,11 @@ class DiskTier:
         (None: in memory, no bytes; see the module docstring). Raises DirectoryInUseError
         when another tier holds it.
 
-        Segments of another block shape, dtype, codec or model id are skipped (left on disk, counted in
-        `skipped_segments`): their bytes would not mean the same KV.
+        Segments of another block shape, dtype, codec or model id are skipped (counted in
+        `skipped_segments`): their bytes would not mean the same KV. A writer counts their
+        bytes against `capacity_bytes` (`foreign_bytes`) and deletes them, oldest first,
+        before it evicts a segment of its own: they stay until their room is needed (a switch
+        back to the other model finds them), and a directory never outgrows its capacity.
 
         segment_bytes: payload bytes per segment; a segment holds at least one block.
         use_ocdbt: orbax's OCDBT layout (a few files per segment) rather than one file per
@@ -188,6 +194,8 @@ class DiskTier:
         self._order = VictimOrder()  # which segment eviction takes next
         self._dependents: collections.Counter[tuple[bytes, bytes]] = collections.Counter()  # add_dependents
         self._bytes_used = 0  # of the segments in the index, kept with them (summing them per write was O(segments))
+        self._foreign: dict[str, int] = {}  # segments this tier cannot read -> bytes on disk, oldest first (writer)
+        self._foreign_bytes = 0  # their sum
         self._dropped: list[tuple[bytes, bytes]] | None = []  # (namespace, key) dropped since take_dropped
         self._blocks: dict[tuple[bytes, bytes], tuple[str, int]] = {}
         self._per_namespace: collections.Counter[bytes] = collections.Counter()  # blocks held per digest
@@ -258,7 +266,8 @@ class DiskTier:
         with self._lock:
             return dataclasses.replace(self._stats, bytes_used=self.bytes_used,
                                        segments=len(self._segments), blocks=len(self._blocks),
-                                       backoff_remaining_s=self._backoff.remaining_s())
+                                       backoff_remaining_s=self._backoff.remaining_s(),
+                                       foreign_bytes=self._foreign_bytes)  # fmt: skip
 
     # ---- data path -----------------------------------------------------------------------
 
@@ -603,21 +612,21 @@ class DiskTier:
                 _log.warning("disk tier: skipping %s: blocks %s %s, this tier holds %s %s",
                              path, manifest.block_shape, manifest.dtype, self.block_shape,
                              self.dtype.name)
-                self._stats.skipped_segments += 1
-                continue
-            if manifest.codec != self.codec:
+            elif manifest.codec != self.codec:
                 _log.warning("disk tier: skipping %s: written with codec %r, this tier reads %r",
                              path, manifest.codec, self.codec)
-                self._stats.skipped_segments += 1
                 self._stats.codec_mismatch_segments += 1
-                continue
-            if manifest.model_id != self.model_id:  # same shapes, another model's KV: never served
+            elif manifest.model_id != self.model_id:  # same shapes, another model's KV: never served
                 _log.warning("disk tier: skipping %s: KV of model %r, this tier holds model %r's",
                              path, manifest.model_id, self.model_id)
-                self._stats.skipped_segments += 1
+            else:
+                self._add_segment(manifest)
+                self._stats.recovered_segments += 1
                 continue
-            self._add_segment(manifest)
-            self._stats.recovered_segments += 1
+            self._stats.skipped_segments += 1
+            if not self.read_only:  # its room counts: deleted before any segment of this tier's
+                self._foreign[manifest.name] = manifest.bytes_on_disk
+                self._foreign_bytes += manifest.bytes_on_disk
         self._evict_until_free(0)
 
     def _add_segment(self, manifest: seg.SegmentManifest) -> None:
@@ -659,6 +668,13 @@ class DiskTier:
     def _evict_until_free(self, nbytes: int) -> bool:
         """Evicts unpinned segments until `nbytes` more fit: those nothing outside them depends
         on first, least recently used first among equals (`VictimOrder`)."""
+        while self._foreign and self._bytes_used + self._foreign_bytes + nbytes > self.capacity_bytes:
+            name = next(iter(self._foreign))
+            self._foreign_bytes -= self._foreign.pop(name)
+            if self._owns_directory() and seg.remove_segment(self.directory, name):
+                self._stats.foreign_removed += 1
+            else:  # left on disk, no longer counted: trying again per write would fail the same way
+                self._stats.remove_errors += 1
         while self._bytes_used + nbytes > self.capacity_bytes:
             name = self._order.victim(lambda name: not self._segments[name].pins)
             if name is None:
