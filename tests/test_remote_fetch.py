@@ -78,6 +78,26 @@ def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline(headers_too):
             transport.close()
 
 
+def test_an_ask_after_the_fetcher_closed_fails_at_once_and_leaves_no_loop_open():
+    # it waited out its deadline on a stopped loop and came back a "timeout" (which marks a
+    # good peer suspect); the loop itself was never closed (a ResourceWarning per fetcher)
+    stop, sent, cut = threading.Event(), threading.Event(), threading.Event()
+    transport = RemoteTransport(reap=False)
+    with KVCache(KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block)) as cache:
+        fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
+        try:
+            fetcher.close()
+            assert fetcher._loop.is_closed()  # noqa: SLF001 - what close() owns
+            now = time.monotonic()
+            plan = FetchPlan(PeerHint("peer", dripping_peer(stop, True, sent, cut), 4, 0), 0, 4, 10.0, now,
+                             now + 60.0)  # fmt: skip
+            outcome = fetcher.finish(plan, fetcher.start(plan, np.arange(20, dtype=np.int32), None).result(30))
+            assert outcome.outcome == "failed" and "this fetcher is closed" in plan.detail
+        finally:
+            stop.set()
+            transport.close()
+
+
 def test_an_offer_reply_must_name_a_transfer_server():
     reply = {"num_pages": 1, "offer_id": 7, "block_nbytes": 4, "keys": ["00"], "checksums": ["00"], "tiers": ["host"]}
     assert OfferReply.from_json({**reply, "address": "10.0.0.2:4100"}).address == "10.0.0.2:4100"

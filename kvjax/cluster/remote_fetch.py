@@ -194,6 +194,7 @@ class RemoteFetcher:
         self._ask_http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="kvjax-offer-ask", daemon=True)
         self._loop_thread.start()
+        self._closed = False
         self._lock = threading.Lock()
         self.counters = collections.Counter({outcome: 0 for outcome in OUTCOMES})
         self.counters.update(fetched_blocks=0, asked_blocks=0, lookups=0, lookup_errors=0)
@@ -281,6 +282,11 @@ class RemoteFetcher:
             return link
 
     def close(self) -> None:
+        """Asks in flight end now (failed), as do any asked later: none waits out its deadline."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._acks.shutdown(wait=False)
         if self._loop.is_running():  # asks still open are cancelled with their connections
             closing = asyncio.run_coroutine_threadsafe(self._close_asks(), self._loop)
@@ -288,6 +294,8 @@ class RemoteFetcher:
                 closing.result(timeout=5.0)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=5.0)
+        if not self._loop_thread.is_alive():
+            self._loop.close()
         self._http.close()
 
     async def _close_asks(self) -> None:
@@ -348,14 +356,23 @@ class RemoteFetcher:
         if remaining <= 0:
             raise _AskFailed("timeout", "no time left to ask")
         late = _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s")
-        exchange = asyncio.run_coroutine_threadsafe(self._exchange(address, request, remaining, late), self._loop)
+        closed = _AskFailed("failed", f"the ask to {address} was cut: this fetcher is closed")
+        coroutine = self._exchange(address, request, remaining, late)
+        try:
+            with self._lock:  # not once close() began: its loop may stop before this ask would run
+                if self._closed:
+                    raise closed
+                exchange = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        except _AskFailed:
+            coroutine.close()
+            raise
         try:
             return exchange.result(timeout=remaining)
         except concurrent.futures.TimeoutError:
             exchange.cancel()  # on the loop: the read stops and the connection closes
             raise late from None
         except concurrent.futures.CancelledError:  # close() cancelled it
-            raise _AskFailed("failed", f"the ask to {address} was cancelled: this fetcher closed") from None
+            raise closed from None
 
     async def _exchange(self, address: str, request: OfferRequest, remaining: float, late: _AskFailed) -> OfferReply:
         try:
@@ -363,7 +380,7 @@ class RemoteFetcher:
                 response = await self._ask_http.post(f"{address}/kv/offer", json=request.to_json(), timeout=remaining)
         except (TimeoutError, httpx.TimeoutException):
             raise late from None
-        except httpx.HTTPError as error:
+        except (httpx.HTTPError, RuntimeError) as error:  # RuntimeError: a client close() shut meanwhile
             raise _AskFailed("failed", f"{address}: {type(error).__name__}: {error}") from None
         text = response.content[:200].decode(errors="replace")
         if response.status_code == 503:
