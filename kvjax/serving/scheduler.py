@@ -86,6 +86,7 @@ class Scheduler:
         self._in_refresh: set[str] = set()  # ids in _refresh (each at most once)
         self._prefetch = PrefetchPlanner(self.page_size)
         self._rejected: dict[str, str] = {}  # rejected by add(), reported by the next plan
+        self._waits_for_prefetch: str | None = None  # the lone decode this step left waiting for a prefetch
         self._in_flight: StepPlan | None = None
         self._step = 0
 
@@ -174,6 +175,7 @@ class Scheduler:
         if self._in_flight is not None:
             raise RuntimeError(f"step {self._in_flight.step} is still in flight; call on_step_done first")
         self._swap.flush()
+        self._waits_for_prefetch = None
         plan = StepPlan(self._step)
         plan.rejected, self._rejected = self._rejected, {}
         if self._fetching:
@@ -313,7 +315,8 @@ class Scheduler:
             victim = next(reversed(self._running.values()))
             if victim is request and len(self._running) == 1:
                 if self._prefetching_blocks():  # a prefetch lands soon and its blocks are cached then:
-                    return False  # this request waits a step (nothing else runs), it is not stopped
+                    self._waits_for_prefetch = request.request_id  # it waits a step (nothing else
+                    return False  # runs), it is not stopped
                 allocator = self.cache.allocator
                 own = len(request.handle.block_ids)
                 pinned = allocator.num_blocks - allocator.num_free - self.cache.num_reclaimable - own
@@ -589,7 +592,7 @@ def _check_running(scheduler: Scheduler, request: Request, seq: ScheduledSeq | N
                            f"{handle.num_tokens} in {len(handle.block_ids)} blocks")  # fmt: skip
     if seq is None:
         # a lone decode that needs a block a prefetch in flight holds waits a step (``_make_room``)
-        waits = len(scheduler.running) == 1 and scheduler._prefetching_blocks()  # noqa: SLF001 - this module's
+        waits = rid == scheduler._waits_for_prefetch  # noqa: SLF001 - this module's
         if scheduler.in_flight is not None and not request.is_prefill and rid not in scheduler.fetching \
                 and not waits:  # fmt: skip
             raise RuntimeError(f"running decode {rid!r} was skipped by step {scheduler.in_flight.step}")
