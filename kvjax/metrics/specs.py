@@ -67,7 +67,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "Tokens the model computed in prefill chunks (recomputation included)"),
     MetricSpec("decode_tokens", "counter", "Tokens the model computed in decode steps"),
     MetricSpec("fetch_failures", "counter",
-               "Fetches from host or disk (one per admission that fetches) that landed fewer blocks than asked"),
+               "Fetch jobs from host or disk to device (prefetches too) that landed fewer blocks than asked"),
     MetricSpec("disk_errors", "counter", "Disk tier read, write or checksum errors"),
     MetricSpec("pool_occupancy_ratio", "gauge", "Fraction of a tier's blocks in use", "tier",
                TIERS, ratio=True),
