@@ -45,8 +45,8 @@ from kvjax.cache.records import CacheStats, MatchResult, SeqHandle
 from kvjax.config.checks import int_arg
 from kvjax.text.tokens import TOKEN_DTYPE, token_bytes, validate_tokens
 
-__all__ = ["Admission", "CacheStats", "DeviceIndex", "Eviction", "MatchResult", "SeqHandle", "device_pages", "hit_pages",
-           "reclaimable_hit_pages"]
+__all__ = ["Admission", "CacheStats", "DeviceIndex", "Eviction", "MatchResult", "SeqHandle", "device_pages",
+           "hit_pages", "reclaimable_hit_pages"]
 
 TokensLike = Sequence[int] | np.ndarray
 NamespaceLike = Namespace | str | None

@@ -4,10 +4,11 @@ The side channel is the node's HTTP API (``kvjax.cluster.node_server``):
 
 ``POST /kv/offer`` with ``OfferRequest`` (JSON): the requesting node's tenant (``namespace``,
 null for the default), the prompt's tokens up to the last page wanted (little-endian int32,
-base64), the pages wanted (``first_page``, ``num_pages``), the requester's page identity (codec
-name, stored dtype and shape, model: ``KVCache.page_identity``) and block bytes, and the seconds it will wait (``wait_s``). The answer is an ``OfferReply``: how many
-leading pages are offered (possibly 0), the one-time offer id, the transfer server's address,
-each page's key and checksum (``kvjax.tiers.remote_transport.block_checksums``) and the tier it
+base64), the pages wanted (``first_page``, ``num_pages``), the requester's page identity
+(codec name, stored dtype and shape, model: ``KVCache.page_identity``) and block bytes, and
+the seconds it will wait (``wait_s``). The answer is an ``OfferReply``: how many leading
+pages are offered (possibly 0), the one-time offer id, the transfer server's address, each
+page's key and checksum (``kvjax.tiers.remote_transport.block_checksums``) and the tier it
 came from. The requester pulls the payload (``u8[num_pages, block_nbytes]``) and then
 ``POST /kv/ack {"offer_id": ...}`` so the offer is not reclaimed.
 
