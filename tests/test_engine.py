@@ -237,7 +237,8 @@ def test_after_warmup_serving_builds_nothing_not_even_tier_moves_or_swaps():
     rng = np.random.default_rng(3)
     with Engine(model(), cache, scheduler, config, metrics=metrics) as engine:
         built = engine.warmup()
-        assert built >= 1 + 2 * 2 and engine.runner.compilations == 1  # step; 2 buckets x (out, in)
+        # step (and the sampler, unless an earlier test built it); 2 buckets x (out, in)
+        assert built >= 1 + 2 * 2 and engine.runner.compilations in (1, 2)
         count = CompileCount()
         prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (3 * PAGE + 1, 9 * PAGE + 2)]
         for i, tokens in enumerate(prompts):

@@ -268,9 +268,9 @@ class Engine:
 
     def warmup(self) -> int:
         """Build every executable serving needs now: the model step for every token bucket,
-        tier moves and swaps for every transfer bucket. Returns how many were built (compiled,
-        or loaded from the persistent compilation cache); serving builds none after this
-        unless a batch outgrows the buckets (the ``compilations`` metric counts them)."""
+        the sampler, tier moves and swaps for every transfer bucket. Returns how many were
+        built (compiled, or loaded from the persistent compilation cache); serving builds none
+        after this unless a batch outgrows the buckets (the ``compilations`` metric counts them)."""
         before = compilations()
         self.cache.warmup()
         if self.swap_store is not None:

@@ -4,8 +4,9 @@ One jitted function serves every step (prefill chunks and decodes mixed): it run
 over the page pool (donated, so the pool is updated in place), takes the logits of each
 sequence's last computed token and picks the greedy token per sequence on the device; a step
 with a sampling (temperature > 0) request also runs a second jitted function, the sampler, on
-those logits (kept apart because it costs a compilation of its own that greedy runs never
-need). Only the tokens (``i32[max_num_seqs]``) come back to the host each step.
+those logits (kept apart so that greedy steps skip its work; ``warmup`` builds it all the
+same, since a sampled request may come at any step). Only the tokens (``i32[max_num_seqs]``)
+come back to the host each step.
 
 Shapes are bucketed so the step compiles a handful of times, not once per batch:
 
@@ -101,11 +102,14 @@ class ModelRunner:
         return host_tokens, (np.asarray(logits)[: len(seqs)] if return_logits else None)
 
     def warmup(self) -> int:
-        """Compile every token bucket now (an empty batch each); returns the compilations caused."""
+        """Compile every token bucket now (an empty batch each), and the sampler (its shapes
+        are the same for every bucket); returns the compilations caused."""
         before = self.compilations
+        params = sampling_batch([], self.max_num_seqs)  # a sampled request's first step built it otherwise
         for token_bucket in self.token_buckets:
-            tokens, _ = self._call(self._inputs([], token_bucket), None)
+            tokens, _ = self._call(self._inputs([], token_bucket), params)
             tokens.block_until_ready()
+            params = None
         return self.compilations - before
 
     # --- helpers ---------------------------------------------------------------------------
