@@ -72,6 +72,7 @@ def test_a_node_exports_only_to_the_namespace_that_computed_the_pages():
         compute(owner, tokens, "tenant-a", random_blocks(4, POOL.block_shape))
         assert owner.export_pages(tokens, "tenant-a", 0, 3).num_pages == 3
         assert owner.export_pages(tokens, "tenant-b", 0, 3).num_pages == 0
+        assert owner.export_pages(tokens, "tenant-b", 0, 3).payload().shape == (0, owner.codec.block_nbytes)
         assert owner.export_pages(tokens, None, 0, 3).num_pages == 0
         assert owner.export_pages(prompt(13, start=1), "tenant-a", 0, 3).num_pages == 0  # other tokens
         assert owner.export_pages(tokens, "tenant-a", 3, 5).num_pages == 0  # past what it holds

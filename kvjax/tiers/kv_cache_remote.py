@@ -71,7 +71,7 @@ class ExportedPages:
             blocks[self.device_rows] = np.concatenate([np.asarray(batch)[:used] for batch, used in self.device_blocks])
         if self.lower_rows:
             blocks[self.lower_rows] = self.lower_blocks
-        return blocks.reshape(self.num_pages, -1).view(np.uint8)
+        return blocks.view(np.uint8).reshape(self.num_pages, self.block_nbytes)  # -1 is no size for 0 pages
 
 
 def export_pages(cache, tokens, namespace, first_page: int, num_pages: int) -> ExportedPages:
