@@ -75,18 +75,27 @@ def _evict_all(engine: Engine, *, to_disk: bool) -> None:
     engine.cache.poll()
 
 
+def _export_all(engine: Engine, prompts) -> None:
+    """Every prompt's cached pages offered to another node, from whichever tier holds them."""
+    for tokens in prompts:
+        engine.cache.export_pages(tokens, None, 0, len(tokens) // PAGE).payload()
+
+
 def _workload(engine: Engine, name: str, rng: np.random.Generator) -> None:
     prompts = [rng.integers(0, MODEL.vocab_size, n).astype(np.int32) for n in LENGTHS]
     for n in (1, 2, 3, 5):  # batches of 1 to 5 misses, greedy and sampled
         _serve(engine, f"miss{n}_", prompts[:n], max_new_tokens=n, sampled={n - 1})
     _serve(engine, "device_hits", prompts[3:8], cancel=(1,), sampled={0})
     _serve(engine, "long", prompts[8:])
+    _export_all(engine, prompts)
     if name == "swap":  # 5 sequences of 6 pages and 5 more each: 55+ blocks of 36
         long_prompts = [rng.integers(0, MODEL.vocab_size, 6 * PAGE + i).astype(np.int32) for i in range(5)]
         _serve(engine, "swap", long_prompts, max_new_tokens=5 * PAGE)
     if not engine.cache.config.tiered:
         return
     for to_disk in (False, True) if engine.cache.disk_tier is not None else (False,):
+        _evict_all(engine, to_disk=to_disk)
+        _export_all(engine, prompts)
         for i, tokens in enumerate(prompts):  # fetches of 0 to 17 blocks, one at a time
             _evict_all(engine, to_disk=to_disk)
             _serve(engine, f"lower{to_disk}_{i}_", [tokens], sampled={0} if i % 2 else ())

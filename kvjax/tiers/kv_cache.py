@@ -543,15 +543,18 @@ class KVCache:
 
     def warmup(self) -> None:
         """Build the device side of every tier move now, once per transfer bucket: an
-        offload's gather (and encode), a fetch's copy up, decode and scatter, each run on no
-        block. Moves of any number of blocks then compile nothing while serving."""
-        if not self.config.tiered or not self.move_bytes:
+        offload's or an export's gather (and encode), a fetch's copy up, decode and scatter,
+        each run on no block. Moves of any number of blocks then compile nothing while
+        serving. A cache without lower tiers builds the gather alone: it still exports its
+        device pages to other nodes (``export_pages``)."""
+        if not self.move_bytes:
             return
         no_slots = np.zeros(0, np.intp)
         for rows in self.config.transfer_buckets:
             no_blocks = np.full(rows, -1, np.int32)
             jax.block_until_ready(self._gather(self.pool.kv_pages, jnp.asarray(no_blocks)))
-            self.pool.scatter(no_blocks, self.codec.decode(self.host_pool.to_device(no_slots, rows)))
+            if self.config.tiered:
+                self.pool.scatter(no_blocks, self.codec.decode(self.host_pool.to_device(no_slots, rows)))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Finish every copy in flight, then copy every host page without a disk copy to
