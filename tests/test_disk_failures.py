@@ -97,20 +97,24 @@ def test_a_read_only_directory_fails_one_write_per_period_and_keeps_serving(tmp_
     assert len(warnings_of(caplog)) == 1 and len(segment_dirs(tmp_path)) == 1
 
 
+def refuse_to_remove(monkeypatch, stuck: set[str]) -> None:
+    """``shutil.rmtree`` of the disk segments refuses the paths in ``stuck`` (permissions)."""
+    rmtree = shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        if str(path) in stuck:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        rmtree(path, *args, **kwargs)
+    monkeypatch.setattr(disk_segments.shutil, "rmtree", refuse)
+
+
 def test_orphans_and_segments_whose_files_stay_are_counted_apart(tmp_path, monkeypatch):
     with make_tier(tmp_path, blocks_per_segment=1, use_ocdbt=False) as tier:
         tier.put(keys(3), random_blocks(3), NS)
         segment_size = tier.bytes_used // 3
     for name in ("seg-000000000007", "seg-000000000008"):  # written, never committed
         shutil.copytree(segment_dirs(tmp_path)[0], tmp_path / name)
-    stuck = {str(tmp_path / "seg-000000000008"), segment_dirs(tmp_path)[0]}  # an orphan, then segment 0
-    rmtree = shutil.rmtree
-
-    def refuse_some(path, *args, **kwargs):
-        if str(path) in stuck:
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        rmtree(path, *args, **kwargs)
-    monkeypatch.setattr(disk_segments.shutil, "rmtree", refuse_some)
+    refuse_to_remove(monkeypatch, {str(tmp_path / "seg-000000000008"), segment_dirs(tmp_path)[0]})  # orphan, seg 0
     tier = make_tier(tmp_path, capacity=3 * segment_size, blocks_per_segment=1, use_ocdbt=False)
     stats = tier.stats()
     assert (stats.orphans_removed, stats.orphan_remove_errors) == (1, 1)
@@ -132,13 +136,7 @@ def test_a_new_segment_never_takes_the_name_of_a_leftover_that_stayed(tmp_path, 
     stuck = [str(tmp_path / "seg-000000000001"), str(tmp_path / "seg-000000000002.orbax-checkpoint-tmp-7")]
     for path in stuck:
         shutil.copytree(segment_dirs(tmp_path)[0], path)
-    rmtree = shutil.rmtree
-
-    def refuse_stuck(path, *args, **kwargs):
-        if str(path) in stuck:
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        rmtree(path, *args, **kwargs)
-    monkeypatch.setattr(disk_segments.shutil, "rmtree", refuse_stuck)
+    refuse_to_remove(monkeypatch, set(stuck))
     tier = make_tier(tmp_path, blocks_per_segment=1)
     assert tier.stats().orphan_remove_errors == 2
     assert tier.put(keys(2, start=1), random_blocks(2, seed=1), NS) == keys(2, start=1)
