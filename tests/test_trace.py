@@ -76,6 +76,15 @@ def test_bad_lines_name_the_line_and_the_field(line, message):
         parse_trace_lines([line], source="t.jsonl")
 
 
+def test_the_id_count_is_exact_for_lengths_past_a_floats_precision():
+    # 2**53 + 1 tokens in blocks of 2**52 need 3 ids; a float quotient said 2.
+    length, block = 2**53 + 1, 2**52
+    with pytest.raises(ValueError, match=r"has 2 ids but input_length=9007199254740993 needs .*=3"):
+        parse_trace_lines([_line(input_length=length, hash_ids=[1, 2])], block_tokens=block)
+    (request,) = parse_trace_lines([_line(input_length=length, hash_ids=[1, 2, 3])], block_tokens=block)
+    assert request.block_tokens(block) == [block, block, 1]
+
+
 def test_errors_count_lines_from_one_including_blank_ones(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(_line() + "\n\n" + _line(hash_ids=[1]) + "\n")

@@ -101,13 +101,19 @@ def parse_trace_line(line: str, where: str, block_tokens: int) -> TraceRequest:
             raise ValueError(
                 f"{where}: field 'hash_ids'[{index}]={hash_id!r} must be a non-negative int"
             )
-    expected_blocks = math.ceil(input_length / block_tokens)
+    expected_blocks = _blocks_for(input_length, block_tokens)
     if len(hash_ids) != expected_blocks:
         raise ValueError(
             f"{where}: field 'hash_ids' has {len(hash_ids)} ids but input_length={input_length} "
             f"needs ceil({input_length}/{block_tokens})={expected_blocks}"
         )
     return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids))
+
+
+def _blocks_for(input_length: int, block_tokens: int) -> int:
+    """``ceil(input_length / block_tokens)`` in integers: a float quotient rounds lengths past
+    2**53, which let a last block hold more than ``block_tokens`` tokens."""
+    return -(-input_length // block_tokens)
 
 
 def _decode(raw: bytes, where: str) -> str:
