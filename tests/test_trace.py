@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from kvjax.tools.replay import replay_report
 from kvjax.tools.trace import TraceRequest, load_trace, parse_trace_lines
 
 _MISSING = object()  # a field value meaning "leave the field out"
@@ -26,6 +27,24 @@ def test_blocks_hold_block_tokens_except_a_partial_last_one():
     assert TraceRequest(0.0, 1024, 1, (1, 2)).block_tokens() == [512, 512]
     assert TraceRequest(0.0, 9, 1, (1, 2, 3)).block_tokens(4) == [4, 4, 1]
     assert TraceRequest(0.0, 0, 1, ()).block_tokens() == []
+
+
+@pytest.mark.parametrize("request_, block", [(TraceRequest(0.0, 1500, 1, (1, 2, 3)), 1024),  # a last block of -548
+                                              (TraceRequest(0.0, 1500, 1, (1, 2, 3)), 256),  # one of 988
+                                              (TraceRequest(0.0, 1500, 1, ()), 512),  # 1500 tokens in no block
+                                              (TraceRequest(0.0, -5, 1, ()), 512)])  # fmt: skip
+def test_block_tokens_refuses_an_id_count_the_block_size_does_not_give(request_, block):
+    with pytest.raises(ValueError, match=rf"has {len(request_.hash_ids)} hash ids but "
+                                         rf"input_length={request_.input_length} at block_tokens={block} needs"):
+        request_.block_tokens(block)
+
+
+def test_a_replay_at_another_block_size_than_the_trace_raises_instead_of_skewing_token_hits():
+    # Loaded at 512 tokens a block, replayed at 1024: the last blocks would hold -548 tokens,
+    # and the two shared blocks 2048 hit tokens of a 1500-token prompt.
+    requests = [TraceRequest(0.0, 1500, 1, (1, 2, 3)), TraceRequest(1.0, 1500, 1, (1, 2, 4))]
+    with pytest.raises(ValueError, match=r"has 3 hash ids but input_length=1500 at block_tokens=1024"):
+        replay_report(requests, 8, block_tokens=1024)
 
 
 def test_load_sorts_by_timestamp_keeping_file_order_for_ties(tmp_path):

@@ -43,8 +43,16 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
     def block_tokens(self, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
-        """Tokens held by each block of the prompt: ``block_tokens`` except a partial last one."""
+        """Tokens held by each block of the prompt: ``block_tokens`` except a partial last one.
+
+        ValueError naming the counts if the request does not have ``ceil(input_length /
+        block_tokens)`` ids (made by hand, or loaded at another block size): its blocks would
+        hold a negative or too large count, and a replay's token hits would not add up."""
         num_blocks = len(self.hash_ids)
+        if block_tokens < 1 or self.input_length < 0 or num_blocks != _blocks_for(self.input_length, block_tokens):
+            raise ValueError(f"request at {self.timestamp_ms} ms has {num_blocks} hash ids but input_length="
+                             f"{self.input_length} at {block_tokens=} needs ceil(input_length/block_tokens) ids "
+                             "(loaded at another block size?)")  # fmt: skip
         if num_blocks == 0:
             return []
         last = self.input_length - block_tokens * (num_blocks - 1)
