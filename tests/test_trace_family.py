@@ -160,6 +160,17 @@ def test_unknown_shape_and_negative_size_raise():
         PromptHasher(block_tokens=0)
 
 
+@pytest.mark.parametrize("shape", ["chat", "fewshot", "mixed"])
+def test_a_negative_or_fractional_seed_or_size_raises_naming_it(shape, tmp_path, capsys):
+    # numpy's "expected non-negative integer" named no parameter; 2.5 requests was a TypeError
+    for kwargs, name in (({"seed": -1}, r"seed=-1"), ({"num_requests": 2.5}, r"num_requests=2\.5"),
+                         ({"seed": 1.5}, r"seed=1\.5")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"{name} must be >= 0 \(an int\)"):
+            generate(shape, **{"num_requests": 5, **kwargs})
+    assert main([shape, str(tmp_path / "x.jsonl"), "--seed", "-1"]) == 2
+    assert capsys.readouterr().err == "python -m kvjax.tools.trace_family: error: seed=-1 must be >= 0 (an int)\n"
+
+
 def test_command_line_writes_a_trace_file(tmp_path, capsys):
     path = tmp_path / "rag.jsonl"
     assert main(["rag", str(path), "--num-requests", "50", "--seed", "7"]) == 0
@@ -171,7 +182,7 @@ def test_command_line_writes_a_trace_file(tmp_path, capsys):
 def test_command_line_errors_are_one_line(tmp_path, capsys):
     # they were tracebacks
     assert main(["chat", str(tmp_path / "x.jsonl"), "--num-requests", "-1"]) == 2
-    assert capsys.readouterr().err == ("python -m kvjax.tools.trace_family: error: num_requests=-1 must be >= 0\n")
+    assert capsys.readouterr().err == ("python -m kvjax.tools.trace_family: error: num_requests=-1 must be >= 0 (an int)\n")
     assert main(["chat", str(tmp_path / "missing" / "x.jsonl"), "--num-requests", "1"]) == 1
     assert "error: No such file or directory: " in capsys.readouterr().err
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -302,8 +303,9 @@ def generate(shape: str, *, num_requests: int = 4000, seed: int = 0, **kwargs) -
     """The trace of ``shape`` (a key of ``SHAPES``), sorted by arrival time."""
     if shape not in SHAPES:
         raise ValueError(f"unknown trace shape {shape!r}; valid shapes: {sorted(SHAPES)}")
-    if num_requests < 0:
-        raise ValueError(f"{num_requests=} must be >= 0")
+    for name, value in (("num_requests", num_requests), ("seed", seed)):  # numpy's own error named neither
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name}={value!r} must be >= 0 (an int)")
     return SHAPES[shape](num_requests=num_requests, seed=seed, **kwargs)
 
 
