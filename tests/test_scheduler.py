@@ -401,6 +401,28 @@ def test_prefetch_intent_for_host_only_pages_is_emitted_once():
     assert plan.prefetch == []
 
 
+def test_a_prefetch_intent_stops_at_the_pages_admission_maps():
+    # a page-aligned prompt cached on host: admission maps all but its last page (the last
+    # token is computed), so fetching that page up only held a device block for nothing
+    scheduler, engine, _ = make(num_blocks=8, page_size=4, max_num_seqs=1, host_blocks=8)
+    prompt = list(range(1, 13))  # exactly three pages
+    scheduler.add(request("warm", prompt, max_new_tokens=2))
+    drain(engine)
+    cache = scheduler.cache
+    assert cache.flush(timeout=30) and len(cache.evict(8)) == 3  # its pages: on host only
+    scheduler.add(request("busy", [40] * 9, max_new_tokens=3))
+    engine.step()
+    scheduler.add(request("wants", prompt))
+    plan, _ = engine.step()
+    (intent,) = plan.prefetch
+    assert (intent.request_id, intent.first_page, intent.num_pages) == ("wants", 0, 2)
+    assert intent.token_ids.tolist() == prompt[:8] and len(intent.tiers) == 2
+    scheduler.add(request("one-page", prompt[:4]))  # its only page is its last: nothing to fetch
+    plan, _ = engine.step()
+    assert plan.prefetch == []
+    scheduler.check_invariants()
+
+
 def test_evict_target_above_the_high_watermark():
     scheduler, engine, _ = make(num_blocks=10, high=0.5, low=0.2, evict_to_low_watermark=True)
     scheduler.add(request("a", list(range(1, 25)), max_new_tokens=1))  # 6 blocks, then cached

@@ -34,13 +34,15 @@ class PrefetchPlanner:
         """Whether any waiting request has host/disk hits (the common no-tier case is False)."""
         return bool(self._pending)
 
-    def note(self, request_id: str, match: Lookup | MatchResult) -> None:
-        """Record the host/disk-only pages after the device prefix of a fresh match (its
-        ``tiers`` are read only when there are such pages)."""
-        num_lower = match.num_hit_blocks - match.num_device_blocks
+    def note(self, request_id: str, match: Lookup | MatchResult, num_tokens: int) -> None:
+        """Record the host/disk-only pages after the device prefix of a fresh match of a
+        request of ``num_tokens`` tokens (its ``tiers`` are read only when there are such
+        pages). Admission maps at most ``(num_tokens - 1) // page_size`` pages (the last token
+        is always computed), so a page past those is not worth a fetch."""
+        first = match.num_device_blocks
+        num_lower = min(match.num_hit_blocks, (num_tokens - 1) // self.page_size) - first
         if num_lower > 0:
-            first = match.num_device_blocks
-            self._pending[request_id] = (first, num_lower, match.tiers[first:])
+            self._pending[request_id] = (first, num_lower, match.tiers[first : first + num_lower])
         else:
             self._pending.pop(request_id, None)
 

@@ -497,7 +497,7 @@ class Scheduler:
             request.hit_rank = rank
             if request.request_id in self._waiting:
                 self._waiting.push(request, urgent=urgent)
-        self._prefetch.note(request.request_id, lookup)
+        self._prefetch.note(request.request_id, lookup, request.num_tokens)
 
     def _queue_refresh(self, request_id: str) -> None:
         if self.config.rank_refresh_per_step and request_id not in self._in_refresh:
