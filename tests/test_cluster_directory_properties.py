@@ -200,15 +200,26 @@ class Record:
     load: NodeLoad
 
 
-class DirectoryMachine(RuleBasedStateMachine):
-    """``Directory`` against a model of its records and block fields (module docstring)."""
+class _OnRedis(RuleBasedStateMachine):
+    """A machine over its own ``Directory`` (``prefix``, ``node_ttl_s``) on a flushed Redis."""
 
     server: RedisProcess
+    prefix: str
+    node_ttl_s: float
 
     def __init__(self):
         super().__init__()
-        self.directory = Directory.connect(self.server.url, prefix="p", node_ttl_s=60.0)
+        self.directory = Directory.connect(self.server.url, prefix=self.prefix, node_ttl_s=self.node_ttl_s)
         self.directory.client.flushall()
+
+
+class DirectoryMachine(_OnRedis):
+    """``Directory`` against a model of its records and block fields (module docstring)."""
+
+    prefix, node_ttl_s = "p", 60.0
+
+    def __init__(self):
+        super().__init__()
         self.records: dict[str, Record] = {}  # live node records
         self.counters: dict[str, int] = {}  # node id -> last epoch handed out (INCR), lost with Redis
         self.epochs_seen: dict[str, list[int]] = {}  # what the client registered, kept by it across losses
@@ -376,15 +387,13 @@ def test_directory_lookups_walk_the_live_epochs(redis_module):
 # --- a node's publisher: events in, the cache's runs out -----------------------------------
 
 
-class PublisherMachine(RuleBasedStateMachine):
+class PublisherMachine(_OnRedis):
     """``DirectoryPublisher`` threads fed by modelled caches (module docstring)."""
 
-    server: RedisProcess
+    prefix, node_ttl_s = "q", 3.0
 
     def __init__(self):
         super().__init__()
-        self.directory = Directory.connect(self.server.url, prefix="q", node_ttl_s=3.0)
-        self.directory.client.flushall()
         self.caches = {node: CacheModel() for node in NODES[:2]}
         self.publishers: dict[str, DirectoryPublisher] = {}
         self.first_blocks = {node: set() for node in self.caches}  # stored with no parent, as the publisher knows
