@@ -6,6 +6,7 @@ import re
 import pytest
 
 from kvjax.config.presets import preset_dir
+from kvjax.serving.engine import Engine
 from kvjax.serving.preset import build_engine_parts
 from kvjax.tiers.disk_lock import LOCK_FILE
 
@@ -44,16 +45,13 @@ def test_cache_options_for_tiers_that_cannot_be_built_are_refused(tmp_path, opti
 def test_a_disk_directory_written_with_other_weights_is_never_read(tmp_path):
     # the manifests named shapes, dtype and codec only: an engine restarted with other weights
     # of the same shapes fetched the last one's KV from disk and generated other tokens
-    from kvjax.serving.engine import Engine
-
-    options = {"disk_dir": str(tmp_path), "disk_bytes": 64 << 20, "write_policy": "write_through"}
+    options = {"disk_dir": str(tmp_path / "disk"), "disk_bytes": 64 << 20, "write_policy": "write_through"}
     prompt = list(range(1, 65))
 
     # the same weights with another RoPE base rotate K otherwise: another model's KV too
     other_rope = tmp_path / "rope.toml"
     other_rope.write_text(preset_dir().joinpath("tiny.toml").read_text().replace("rope_theta = 10000.0",
                                                                              "rope_theta = 500000.0"))
-    options = {**options, "disk_dir": str(tmp_path / "disk")}
 
     def generate(seed, cache_options, preset="tiny"):
         engine = Engine.from_preset(preset, weights="random", seed=seed, cache_options=cache_options)
