@@ -1,5 +1,7 @@
 """The tiny Flax model: the paged forward must match the dense, uncached forward."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,3 +95,42 @@ def test_config_errors():
             ModelConfig(rope_theta=theta)
     with pytest.raises(ValueError, match=r"vocab_size=True must be a positive int"):
         ModelConfig(vocab_size=True)
+
+
+def _edited(cfg, seed, edit):
+    """A model of ``cfg`` and ``seed`` whose first MLP up kernel went through ``edit`` (in numpy)."""
+    model = Transformer(cfg, seed=seed)
+    state = nnx.state(model, nnx.Param)
+    params = nnx.to_pure_dict(state)
+    kernel = params["layers"][0]["up"]["kernel"]
+    values = np.array(kernel)
+    edit(values)
+    params["layers"][0]["up"]["kernel"] = jnp.asarray(values, kernel.dtype)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_digest_names_the_weights_down_to_one_bit(dtype):
+    # the digest is computed on device (fingerprints per parameter); it must still tell apart
+    # weights that differ in one bit of one element, or in where two elements sit
+    from kvjax.serving.model import model_digest
+
+    cfg = ModelConfig(num_layers=2, d_model=32, num_q_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, dtype=dtype)
+    base = model_digest(_edited(cfg, 0, lambda v: None))
+    assert base == model_digest(_edited(cfg, 0, lambda v: None))  # the same weights, another object
+
+    def flip_low_bit(values):
+        bits = values.reshape(-1).view(np.uint16 if values.dtype.itemsize == 2 else np.uint32)
+        bits[values.size // 2] ^= 1
+
+    def swap_two(values):
+        flat = values.reshape(-1)
+        flat[[0, 1]] = flat[[1, 0]]
+
+    edits = {"flip": flip_low_bit, "swap": swap_two, "negate": lambda v: np.negative(v, out=v)}
+    digests = {name: model_digest(_edited(cfg, 0, edit)) for name, edit in edits.items()}
+    digests["seed"] = model_digest(_edited(cfg, 1, lambda v: None))
+    digests["rope"] = model_digest(_edited(dataclasses.replace(cfg, rope_theta=500.0), 0, lambda v: None))
+    assert len(set(digests.values()) | {base}) == len(digests) + 1, digests
