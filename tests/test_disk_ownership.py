@@ -280,3 +280,18 @@ def test_a_cache_opens_its_disk_tier_for_its_model_and_refuses_a_given_one_of_an
         with pytest.raises(ValueError, match=r"^disk_tier holds KV of model_id='weights-b'; this cache's is "
                                              r"'weights-a'$"):  # fmt: skip
             KVCache(dataclasses.replace(config, disk_dir=None, disk_bytes=0), disk_tier=given)
+
+
+def test_a_disk_tier_keyed_by_no_model_says_what_it_risks(tmp_path, caplog):
+    # a hand-built cache names no model unless told: a restart with other weights of the same
+    # shapes would read this directory's KV as its own, so opening one says so, once
+    config = KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block, disk_dir=str(tmp_path / "d"),
+                           disk_bytes=1 << 24)  # fmt: skip
+    with caplog.at_level("WARNING", logger="kvjax.tiers.kv_cache"):
+        KVCache(config).close()
+        unnamed = [r.getMessage() for r in caplog.records if "keyed by no model_id" in r.getMessage()]
+        assert len(unnamed) == 1 and str(tmp_path / "d") in unnamed[0] and "model_digest" in unnamed[0]
+        caplog.clear()
+        KVCache(dataclasses.replace(config, model_id="weights-a")).close()
+        KVCache(dataclasses.replace(config, disk_dir=None, disk_bytes=0)).close()  # host only: nothing kept
+    assert not [r for r in caplog.records if "keyed by no model_id" in r.getMessage()]

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable
 
@@ -91,6 +92,8 @@ from kvjax.tiers.page_pool import PagePool
 from kvjax.tiers.shadow_cache import ShadowCache
 from kvjax.tiers.tier_index import TierIndex
 from kvjax.tiers.transfer import Priority, TransferEngine
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["AdmissionReport", "ExportedPages", "KVCache", "KVCacheConfig", "KVCacheStats", "Lookup", "TierReport"]
 
@@ -685,6 +688,11 @@ class KVCache:
                 raise ValueError(f"disk_tier holds KV of model_id={model_id!r}; this cache's is "
                                  f"{config.model_id!r}")
             self.disk_tier.events = self.events
+        directory = getattr(self.disk_tier, "directory", None)  # one a restart reopens (not an in-memory stand-in)
+        if directory is not None and not config.model_id:  # a restart with other weights would read this KV
+            _log.warning("disk tier %s keyed by no model_id: KV that other weights of the same shapes wrote there "
+                         "would be served as this model's; set KVCacheConfig(model_id=...) to name the weights "
+                         "(kvjax.serving.model.model_digest(model) does; Engine.from_preset sets it)", directory)
         self.transfer = (transfer_factory or TransferEngine)(
             self.host_pool, self.disk_tier, gather_blocks=self._gather, buckets=config.transfer_buckets,
             synchronous=not self.move_bytes, direct_cpu_reads=codec.stores_as_is and impl is None)  # fmt: skip
