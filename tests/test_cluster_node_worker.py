@@ -91,6 +91,23 @@ def test_a_request_the_engine_refuses_is_answered_and_the_engine_serves_on(engin
         worker.stop()
 
 
+def test_a_request_the_engine_refuses_leaves_no_load_behind_in_the_directory(engine, directory):
+    """submit hands the publisher the load with the request counted; the engine thread, which
+    published only when its own load changed, refused it and published nothing: the directory
+    (each heartbeat too) said one request in flight on an idle node until another came."""
+    publisher = DirectoryPublisher(directory, "n1", "http://n1", cluster_info_of(engine, "tiny"), heartbeat_s=0.1)
+    publisher.start()
+    worker = EngineWorker(engine, publisher, EventLog().subscribe())
+    worker.start()
+    try:
+        answers = []
+        worker.submit("r1", CompletionRequest("tiny", "x", None, max_tokens=100_000), answers.append)  # too long
+        assert wait_until(lambda: answers) and isinstance(answers[0], RequestError)
+        assert wait_until(lambda: directory.live_nodes()[0].load == NodeLoad(0, 0), timeout=3)
+    finally:
+        worker.stop()
+
+
 def test_an_engine_that_breaks_answers_the_request_in_hand_and_leaves_the_directory(engine, directory, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("broken on purpose")

@@ -94,6 +94,9 @@ class EngineWorker:
         # load at once, so that a node whose engine is slow or stuck does not look idle
         self._not_taken = 0
         self._not_taken_lock = threading.Lock()
+        # the load last handed to the publisher (by submit or the engine thread; under the lock,
+        # so that it is the publisher's too): what the engine thread compares its load with
+        self._published_load: NodeLoad | None = None
         self._stop = threading.Event()
         self._next_share = 0.0  # monotonic s: next exchange of the policy's statistics
         self._steps_left: int | None = None  # engine steps it may run before it holds (hold_steps); None: no limit
@@ -137,7 +140,9 @@ class EngineWorker:
             self._not_taken += 1
         self._commands.put(("add", request_id, request, sink, hint))
         if self.publisher is not None:  # now, not after the engine's next step (which may never come)
-            self.publisher.submit([], self.load)
+            with self._not_taken_lock:
+                self._published_load = self.load
+                self.publisher.submit([], self._published_load)
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
@@ -353,9 +358,7 @@ class EngineWorker:
             self._rate_mark = (now, generated)
 
     def _publish(self) -> None:
-        last = self.load
         self._load = NodeLoad(len(self._sinks), sum(self._prefill_tokens.values()))
-        load = self.load
         if self.publisher is None:
             return
         self._share_learned()
@@ -365,8 +368,15 @@ class EngineWorker:
             self._events = self.engine.cache.subscribe()
             self.publisher.reset(self._events.initial.entries())
             batches = []
-        if batches or load != last:
-            self.publisher.submit(batches, load)
+        # compared with what the publisher was last handed, not with this thread's last load:
+        # submit hands it the load with a request not taken yet, and a request refused when
+        # taken leaves this thread's load as it was, while the publisher (and each heartbeat)
+        # went on writing the one more
+        with self._not_taken_lock:
+            load = self.load
+            if batches or load != self._published_load:
+                self.publisher.submit(batches, load)
+                self._published_load = load
 
 
 def share_learned(policy: object, publisher: DirectoryPublisher) -> bool:
