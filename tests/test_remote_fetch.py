@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvjax.cluster.__main__ import _reachable_host, main
+from kvjax.cluster.__main__ import _http_address, _reachable_host, main
 from kvjax.cluster.remote_fetch import FetchPlan, PeerHint, RemoteFetcher
 from kvjax.cluster.remote_offers import OfferReply
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
@@ -108,8 +108,18 @@ def test_an_offer_reply_must_name_a_transfer_server():
 
 
 def test_a_node_on_every_interface_needs_an_address_its_peers_can_reach():
-    with pytest.raises(SystemExit, match=r"node: --host 0.0.0.0 listens on every interface; give --transfer-address"):
-        main(["node", "--node-id", "n1", "--host", "0.0.0.0", "--redis", "redis://127.0.0.1:1/0"])
+    # with --transfer-address alone, routers were told http://0.0.0.0:PORT as the node's address
+    for extra in ([], ["--transfer-address", "10.0.0.5:0"]):
+        with pytest.raises(SystemExit, match=r"node: --host 0.0.0.0 listens on every interface; give --advertise URL"):
+            main(["node", "--node-id", "n1", "--host", "0.0.0.0", "--redis", "redis://127.0.0.1:1/0", *extra])
+
+
+@pytest.mark.parametrize("host, expected", [("127.0.0.1", "http://127.0.0.1:8001"), ("::1", "http://[::1]:8001"),
+                                            ("fd00::5", "http://[fd00::5]:8001"), ("node-1", "http://node-1:8001")])
+def test_a_node_or_router_on_an_ipv6_host_advertises_a_url(host, expected):
+    """It was "http://::1:8001": httpx refuses it as a URL, and the router failed every request
+    routed to such a node with a 500."""
+    assert _http_address(host, 8001) == expected
 
 
 @pytest.mark.parametrize("host, advertise, expected", [

@@ -138,6 +138,12 @@ def _reachable_host(args) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _http_address(host: str, port: int) -> str:
+    """The URL of a server on ``host:port`` (an IPv6 host bracketed: "http://::1:8001" is no URL,
+    and a router given it as a node's address failed every request it sent there)."""
+    return f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
+
+
 def _run_redis(args) -> int:
     stop = threading.Event()
     for stop_signal in (signal.SIGINT, signal.SIGTERM):  # from before the start: one during it stops too
@@ -165,6 +171,11 @@ def _run_node(args) -> int:
         drain = NodeDrain(args.node_id, args.drain_s)
     except ValueError as error:
         raise SystemExit(f"node: --drain-s: {error}") from None
+    if args.redis and not args.advertise and is_wildcard_host(args.host):
+        # routers would be told http://0.0.0.0:PORT, which names no machine of theirs (its
+        # host is the transfer server's default too)
+        raise SystemExit(f"node: --host {args.host} listens on every interface; give --advertise URL with an "
+                         "address routers and peers can reach")  # fmt: skip
     transfer_address = (args.transfer_address or f"{_reachable_host(args)}:0") if args.redis else None
     directory = _directory(args, "node")
     sock = _listen(args.host, args.port, "node")
@@ -173,7 +184,7 @@ def _run_node(args) -> int:
     except ValueError as error:  # a bad preset or weights path: one line, not a traceback
         raise SystemExit(f"node: {error}") from None
     engine.warmup()  # compile before registering: a router must not send work to a compiling node
-    address = args.advertise or f"http://{args.host}:{sock.getsockname()[1]}"
+    address = args.advertise or _http_address(args.host, sock.getsockname()[1])
     model = args.model_name or args.preset
     transport = remote = None
     if directory is not None:  # peers find each other through the directory
@@ -239,7 +250,7 @@ def _run_router(args) -> int:
     except ValueError as error:
         raise SystemExit(f"router: {error}") from None
     sock = _listen(args.host, args.port, "router")
-    address = f"http://{args.host}:{sock.getsockname()[1]}"
+    address = _http_address(args.host, sock.getsockname()[1])
 
     async def directory_answers() -> None:
         """Return once the directory's Redis answers. Till then the router serves (``/health``
