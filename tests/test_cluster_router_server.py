@@ -344,6 +344,20 @@ def test_a_namespace_header_outside_ascii_is_a_400_not_a_500(directory, answerin
     assert error["param"] == "namespace" and "send such a namespace in the body's namespace field" in error["message"]
 
 
+def test_a_node_whose_address_is_no_url_is_skipped(directory, answering_node):
+    """A record whose address httpx refuses as a URL ("http://::1:8001", as a node on an IPv6
+    host advertised itself) failed every request routed there with a 500."""
+    prompt = f"A prompt {uuid.uuid4().hex} whose blocks a node with a bad address seems to hold.\nQ: hi\nA:"
+    directory.register("bad", "http://::1:8001", ClusterInfo("tiny", 16))
+    pretend_node_holds(directory, "bad", prompt)
+    directory.register("good", answering_node(200, {"served": True}), ClusterInfo("tiny", 16))
+    service = RouterService(directory)
+    with TestClient(create_router_app(service), raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+    assert (response.status_code, response.json(), response.headers["x-kvjax-node"]) == (200, {"served": True}, "good")
+    assert service.forward_errors.labels("bad")._value.get() == 1
+
+
 def test_when_every_node_refuses_the_client_gets_their_reasons(directory, answering_node):
     """With two nodes and three attempts, the third decision found no node left and its "no
     live node to route to" replaced the reasons the nodes gave."""

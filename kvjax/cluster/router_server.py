@@ -313,6 +313,8 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
         raise _silent(decision, client) from None
     except httpx.TransportError as error:
         raise _NodeFailed(type(error).__name__, unreachable=True) from None
+    except httpx.InvalidURL as error:  # a node's record (its --advertise) that is no URL: it cannot be reached
+        raise _NodeFailed(f"its address {decision.node.address!r} is no URL: {error}", unreachable=True) from None
     reply_headers = {"x-kvjax-node": decision.node_id,
                      "x-kvjax-route": f"{decision.reason}; prefix_blocks={decision.prefix_blocks}"}  # fmt: skip
     media_type = upstream.headers.get("content-type")
