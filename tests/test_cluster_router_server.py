@@ -2,6 +2,7 @@
 through it gives a single node's text; routing follows the directory, per namespace; a node
 that cannot be reached is skipped; a second router process sees the same state."""
 
+import asyncio
 import http.server
 import json
 import re
@@ -415,6 +416,28 @@ def test_every_error_of_the_router_is_an_openai_error_body(directory):
             assert response.status_code == status, (method, path)
             assert response.json() == {"error": {"message": message, "type": "invalid_request_error",
                                                  "param": "model" if code else None, "code": code}}  # fmt: skip
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(directory):
+    """Starlette's ClientDisconnect reached the catch-all handler: a 500 and an "Exception in
+    ASGI application" traceback in the log for each client that hung up mid-upload."""
+    directory.register("n1", "http://127.0.0.1:1", ClusterInfo("tiny", 16))
+    app = create_router_app(RouterService(directory))
+    messages = iter([{"type": "http.request", "body": b'{"model": "ti', "more_body": True}, {"type": "http.disconnect"}])
+    sent = []
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}  # fmt: skip
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect, after a 500
+    assert sent[0]["status"] == 499
 
 
 def test_a_huge_token_id_is_named_as_the_integer_sent(directory):

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from kvjax.cluster.openai_api import RequestError, error_body
 
@@ -71,14 +72,16 @@ async def _disconnect(receive: Receive) -> None:
 def answer_errors_as_openai(app: FastAPI, routes: str) -> None:
     """Make every error answer of ``app`` an OpenAI error body (see the module docstring);
     ``routes``: what the app serves, for the 404 of a route it does not (e.g. "POST
-    /v1/completions, GET /v1/models"). A ``ClientGone`` is answered with an empty 499."""
+    /v1/completions, GET /v1/models"). A ``ClientGone``, or a client that left while sending its
+    body (Starlette's ``ClientDisconnect``), is answered with an empty 499."""
 
     @app.exception_handler(RequestError)
     async def request_error(_, error: RequestError):
         return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(ClientGone)
-    async def client_gone(_, error: ClientGone):
+    @app.exception_handler(ClientDisconnect)  # it left while sending its body: not a server error to log
+    async def client_gone(_, error: Exception):
         return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it
 
     @app.exception_handler(HTTPException)
