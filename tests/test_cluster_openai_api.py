@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from starlette.datastructures import Headers
 
 from kvjax.cluster.http_front import ClientGone, unless_client_leaves
 from kvjax.cluster.openai_api import (
@@ -117,6 +118,15 @@ def test_the_namespace_may_come_in_a_header_and_must_agree_with_the_body():
     with pytest.raises(RequestError, match=r"namespace='\\ud800' must be valid Unicode text") as error:
         parse_completion_request(b'{"model": "tiny", "prompt": "x", "namespace": "\\ud800"}')  # blamed the prompt
     assert error.value.body()["error"]["param"] == "namespace"
+
+
+def test_a_namespace_header_sent_twice_is_refused():
+    """The first of them was read: a gateway that appends the tenant it authenticated to a
+    header the client sent let the client choose the tenant."""
+    headers = Headers(raw=[(b"x-kvjax-namespace", b"victim"), (b"x-kvjax-namespace", b"tenant-a")])
+    with pytest.raises(RequestError, match=r"the x-kvjax-namespace header comes 2 times \(\['victim', 'tenant-a'\]\)"):
+        parse({"model": "tiny", "prompt": "x"}, headers)
+    assert parse({"model": "tiny", "prompt": "x"}, Headers(raw=[(b"x-kvjax-namespace", b"a")])).namespace == "a"
 
 
 def test_a_namespace_header_outside_ascii_is_refused_naming_the_body_field():

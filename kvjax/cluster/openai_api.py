@@ -17,8 +17,8 @@ Accepted request fields (anything else is refused with the list of these):
 * ``namespace`` (kvjax's extension): the tenant whose cached blocks the request may share,
   a string (default: the default namespace). The same can come in the ``X-KVJax-Namespace``
   header, which is where a gateway that authenticates tenants sets it (ASCII only, as HTTP
-  header values are: a namespace outside ASCII goes in the body); body and header must agree
-  when both are given. The namespace is trusted input: whoever can choose it can
+  header values are: a namespace outside ASCII goes in the body; the header at most once); body
+  and header must agree when both are given. The namespace is trusted input: whoever can choose it can
   hit that tenant's cache, so expose the router to tenants only behind such a gateway;
 * ``remote_fetch`` (kvjax's extension, default true): whether the serving node may fetch
   the prompt's cached prefix from another node (``kvjax.cluster.remote_fetch``) instead of
@@ -261,6 +261,12 @@ def _prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:
 
 def _namespace(body: Mapping, headers: Mapping[str, str]) -> str | None:
     in_body, in_header = body.get("namespace"), headers.get(NAMESPACE_HEADER)
+    sent = headers.getlist(NAMESPACE_HEADER) if hasattr(headers, "getlist") else [in_header]  # Starlette's Headers
+    if len(sent) > 1:
+        # .get reads the first: a gateway that appends its tenant to one the client sent would
+        # have let the client's choice win
+        raise RequestError(f"the {NAMESPACE_HEADER} header comes {len(sent)} times ({_short(sent)}); send it once",
+                           param="namespace")  # fmt: skip
     if in_header is not None and not in_header.isascii():
         # HTTP servers hand header bytes over as Latin-1: UTF-8 sent there would name another
         # tenant than the body's field, and a router could not forward it (header values are ASCII)
