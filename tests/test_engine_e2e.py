@@ -234,3 +234,46 @@ def test_a_prefetch_in_flight_holds_blocks_back_but_rejects_no_request():
     assert {rid: finish.status for rid, finish in finishes.items()} == {"running": "finished", "waiting": "finished"}
     assert finishes["running"].output_token_ids.tolist() == dense_greedy(running, 39)
     assert finishes["waiting"].output_token_ids.tolist() == dense_greedy(waiting, 2)
+
+
+def test_a_prefetch_leaves_the_running_decodes_their_headroom():
+    """Two requests run, holding 6 of the 8 blocks (the high watermark is 7); one that arrives
+    behind them has 2 pages on host. Its prefetch took both free blocks and held them while the
+    fetch was in flight, so the first decode that needed a new block preempted the other
+    running request. A prefetch takes only the room the watermark leaves (one page now, the
+    rest later): nobody is preempted, and every request generates what the dense forward does."""
+    rng = np.random.default_rng(7)
+    scheduler = SchedulerConfig(max_num_seqs=2, token_budget=64, max_prefill_chunk=32)
+    engine = make_engine(host_bytes=32 * 8 * 1024, transfer_factory=GatedFetches, num_blocks=8, scheduler=scheduler,
+                         config=EngineConfig(max_model_len=8 * PAGE, token_buckets=BUCKETS))  # fmt: skip
+    with engine:
+        transfer = engine.cache.transfer
+        cached = rng.integers(0, 256, 2 * PAGE + 1).astype(np.int32)
+        transfer.gate.set()
+        _run(engine, [("seed", cached, 1, None)])
+        engine.cache.evict(8)  # its 2 pages now on host only
+        while engine.cache.wait_any(5):  # their host copies are in
+            pass
+        transfer.gate.clear()  # fetches stay in flight, holding their device blocks
+        grows = rng.integers(0, 256, 3 * PAGE - 3).astype(np.int32)  # 3 blocks, a 4th after 4 tokens
+        stays = rng.integers(0, 256, 2 * PAGE + 1).astype(np.int32)  # 3 blocks throughout
+        engine.add_request("grows", tokens=grows, max_new_tokens=PAGE)
+        engine.add_request("stays", tokens=stays, max_new_tokens=PAGE - 1)
+        events = engine.step()  # both admitted: 6 blocks held
+        waiting = np.concatenate([cached, [7]]).astype(np.int32)
+        engine.add_request("waiting", tokens=waiting, max_new_tokens=2)  # waits: two sequences at a time
+        for _ in range(60):
+            events += engine.step()
+            if {"grows", "stays"} <= {e.request_id for e in events if isinstance(e, FinishEvent)}:
+                break
+        transfer.gate.set()
+        events += list(engine.run(summary=False))
+        engine.check_invariants()
+    finishes = {event.request_id: event for event in events if isinstance(event, FinishEvent)}
+    assert {rid: finish.status for rid, finish in finishes.items()} == dict.fromkeys(
+        ["grows", "stays", "waiting"], "finished")
+    assert engine.metrics.to_json()["counters"].get("preemptions", 0) == 0
+    assert sum(finish.num_preemptions for finish in finishes.values()) == 0
+    assert finishes["grows"].output_token_ids.tolist() == dense_greedy(grows, PAGE)
+    assert finishes["stays"].output_token_ids.tolist() == dense_greedy(stays, PAGE - 1)
+    assert finishes["waiting"].output_token_ids.tolist() == dense_greedy(waiting, 2)

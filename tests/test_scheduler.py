@@ -423,6 +423,48 @@ def test_a_prefetch_intent_stops_at_the_pages_admission_maps():
     scheduler.check_invariants()
 
 
+def _run_prefetches(cache, plan):
+    """What the engine does with a plan's prefetch intents."""
+    for intent in plan.prefetch:
+        cache.prefetch(intent.token_ids, intent.namespace)
+
+
+def test_a_prefetch_takes_the_room_the_high_watermark_leaves_and_the_rest_later():
+    # two running requests hold 6 blocks of 8 (high watermark: 7); the waiting one has 2 pages
+    # on host. Both pages were announced at once and took the free blocks past the watermark,
+    # the headroom the running decodes grow into
+    clock = Clock()
+    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=clock, high=0.875, low=0.5, host_blocks=16,
+                     cost_model=CostModel(recompute_seconds_per_token=1.0))  # host hits are fetched  # fmt: skip
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=2, token_budget=32, max_prefill_chunk=32))
+    engine = FakeEngine(scheduler, VOCAB)
+    cached = list(range(1, 10))
+    scheduler.add(request("cached", cached, max_new_tokens=1))
+    drain(engine)
+    assert cache.flush(timeout=30) and len(cache.evict(8)) == 2  # its 2 full pages: on host only
+    scheduler.add(request("busy", [40] * 17, max_new_tokens=4))  # 5 blocks hold all 21 tokens
+    scheduler.add(request("short", [41, 42], max_new_tokens=2))  # 1 block, gone after the next step
+    engine.step()
+    scheduler.add(request("wants", cached[:8] + [30], max_new_tokens=1))
+    plan = scheduler.schedule()
+    assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 0, 1)]
+    assert plan.prefetch[0].token_ids.tolist() == cached[:4]
+    _run_prefetches(cache, plan)
+    assert scheduler.on_step_done(plan, engine.run(plan)) == {"short": "length"}
+    assert cache.num_prefetching_blocks == 1
+    plan, _ = engine.step()
+    assert plan.prefetch == [] and not plan.preempted  # page 0 in flight, no room for page 1 yet
+    while cache.num_prefetching_blocks:
+        assert cache.wait_any(30)
+    cache.poll()  # page 0 landed (cached); "short" left: room for page 1 and the hold on page 0
+    plan = scheduler.schedule()
+    assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 1, 1)]
+    assert scheduler.waiting.peek().request_id == "wants"  # admission waits for the same room
+    scheduler.on_step_done(plan, engine.run(plan))
+    assert scheduler.cancel("wants")
+    scheduler.check_invariants()
+
+
 def test_evict_target_above_the_high_watermark():
     scheduler, engine, _ = make(num_blocks=10, high=0.5, low=0.2, evict_to_low_watermark=True)
     scheduler.add(request("a", list(range(1, 25)), max_new_tokens=1))  # 6 blocks, then cached

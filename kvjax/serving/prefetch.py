@@ -4,8 +4,10 @@ A waiting request whose longest cached prefix continues past its device pages on
 held only on host or disk is worth warming: the transfer engine can copy those pages up
 while the request waits, so its admission maps them instead of recomputing. Only the best
 ``window`` waiting requests are announced (prefetching for a request far back in the queue
-would spend the link and the device pages on KV that may be evicted again before it runs),
-and each extent is announced once.
+would spend the link and the device pages on KV that may be evicted again before it runs).
+
+Each extent is announced once. An intent may cover only the leading pages of its extent
+(the device room the scheduler grants it); the rest is announced once those have landed.
 """
 
 from __future__ import annotations
@@ -51,25 +53,29 @@ class PrefetchPlanner:
         self._pending.pop(request_id, None)
         self._announced.pop(request_id, None)
 
-    def due(self, best_waiting: Iterable[Request]) -> list[Request]:
-        """Those of the given (best) waiting requests whose noted extent is not yet announced."""
-        return [request for request in best_waiting if self._unannounced(request.request_id)]
+    def noted(self, best_waiting: Iterable[Request]) -> list[Request]:
+        """Those of the given (best) waiting requests with a noted extent, in the same order."""
+        return [request for request in best_waiting if request.request_id in self._pending]
 
-    def intents(self, best_waiting: Iterable[Request]) -> list[PrefetchIntent]:
-        """Intents for the given (best) waiting requests whose current extent is not yet announced."""
-        intents = []
-        for request in best_waiting:
-            if not self._unannounced(request.request_id):
-                continue
-            first, count, tiers = self._pending[request.request_id]
-            self._announced[request.request_id] = (first, count)
-            prefix = request.token_ids[: (first + count) * self.page_size]
-            intents.append(PrefetchIntent(request.request_id, request.namespace, prefix, first, count, tiers))
-        return intents
-
-    def _unannounced(self, request_id: str) -> bool:
+    def extent(self, request_id: str) -> tuple[int, int] | None:
+        """(first page, pages) of the request's noted extent, or None."""
         pending = self._pending.get(request_id)
-        return pending is not None and self._announced.get(request_id) != pending[:2]
+        return None if pending is None else pending[:2]
+
+    def announced(self, request_id: str) -> bool:
+        """Whether the request's current extent was announced."""
+        pending = self._pending.get(request_id)
+        return pending is not None and self._announced.get(request_id) == pending[:2]
+
+    def intent(self, request: Request, num_pages: int) -> PrefetchIntent:
+        """The intent for the first ``num_pages`` (>= 1) pages of the request's noted extent;
+        the whole extent counts as announced."""
+        first, count, tiers = self._pending[request.request_id]
+        if not 1 <= num_pages <= count:
+            raise ValueError(f"{num_pages=} must be in [1, {count}] for request {request.request_id!r}")
+        self._announced[request.request_id] = (first, count)
+        prefix = request.token_ids[: (first + num_pages) * self.page_size]
+        return PrefetchIntent(request.request_id, request.namespace, prefix, first, num_pages, tiers[:num_pages])
 
     def check_invariants(self, waiting_ids: set[str]) -> None:
         """Raise RuntimeError if a request that is not waiting still has prefetch state."""

@@ -523,15 +523,44 @@ class Scheduler:
             quota -= 1
 
     def _emit_prefetch(self, plan: StepPlan) -> None:
+        """Intents for the best waiting requests' host/disk pages, within the device room the
+        high watermark leaves while requests run (as admission does: a prefetch in flight
+        holds its blocks, and it must not take the headroom running decodes grow into). What
+        does not fit waits for a later step; an extent is announced once."""
         if not (self._prefetch and self.config.prefetch_window):
             return
-        # An extent is announced once, so it is matched afresh just before: pages noted when
-        # the request arrived may have reached the device (or left every tier) since.
-        due = self._prefetch.due(self._waiting.best(self.config.prefetch_window))
-        for request in due:
-            self._note_match(request, self.cache.lookup(request.token_ids, request.namespace),
-                             self._waiting.is_urgent(request.request_id))  # fmt: skip
-        plan.prefetch = self._prefetch.intents(due)
+        planner, cache, waiting = self._prefetch, self.cache, self._waiting
+        room = self._prefetch_room()
+        for request in planner.noted(waiting.best(self.config.prefetch_window)):
+            if room is not None and room <= 0:
+                break
+            # matched afresh: pages noted earlier may have reached the device (or left every tier) since
+            request_id = request.request_id
+            lookup = cache.lookup(request.token_ids, request.namespace)
+            self._note_match(request, lookup, waiting.is_urgent(request_id))
+            extent = planner.extent(request_id)
+            if extent is None:
+                continue
+            first, count = extent
+            if planner.announced(request_id):
+                continue
+            if room is not None:
+                held_hits = lookup.num_reclaimable_hits(first)  # the prefetch's hold maps its device pages
+                count = min(count, room - held_hits)
+                if count <= 0:
+                    continue
+                room -= count + held_hits
+            plan.prefetch.append(planner.intent(request, count))
+
+    def _prefetch_room(self) -> int | None:
+        """Device blocks prefetches may take now: what admission's high watermark leaves while
+        requests run (blocks held by prefetches in flight count as held); None: nothing runs."""
+        if not self._running:
+            return None
+        cache = self.cache
+        allocator = cache.allocator
+        held = allocator.num_blocks - allocator.num_free - cache.num_reclaimable
+        return int(allocator.high_watermark * allocator.num_blocks) - held
 
     def _check_watermark(self, plan: StepPlan) -> None:
         allocator = self.cache.allocator
