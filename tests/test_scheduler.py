@@ -1,5 +1,6 @@
 """Scheduler decisions on small scenarios: exact plans, victims, orders and reasons."""
 
+import concurrent.futures
 import re
 
 import numpy as np
@@ -12,6 +13,7 @@ from kvjax.serving.preemption import SwapSpace, choose_preemption
 from kvjax.serving.request import Request, RequestStatus
 from kvjax.serving.scheduler import Scheduler, SchedulerConfig
 from kvjax.serving.wait_queue import WaitQueue, hit_rank
+from kvjax.tiers.transfer import Priority, TransferEngine, TransferResult
 
 VOCAB = 50
 
@@ -462,6 +464,98 @@ def test_a_prefetch_takes_the_room_the_high_watermark_leaves_and_the_rest_later(
     assert scheduler.waiting.peek().request_id == "wants"  # admission waits for the same room
     scheduler.on_step_done(plan, engine.run(plan))
     assert scheduler.cancel("wants")
+    scheduler.check_invariants()
+
+
+def test_a_prefetch_that_did_not_start_is_announced_again_and_one_in_flight_is_not():
+    # the pool's free blocks were short when the intent was announced, so nothing moved; the
+    # intent was never announced again, and the request lost its prefetch for good
+    clock = Clock()
+    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=clock, high=1.0, low=0.5, host_blocks=16,
+                     cost_model=CostModel(recompute_seconds_per_token=1.0))  # host hits are fetched  # fmt: skip
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=1, token_budget=32, max_prefill_chunk=32))
+    engine = FakeEngine(scheduler, VOCAB)
+    cached = list(range(1, 10))
+    scheduler.add(request("cached", cached, max_new_tokens=1))
+    drain(engine)
+    assert cache.flush(timeout=30) and len(cache.evict(8)) == 2  # its 2 full pages: on host only
+    scheduler.add(request("filler", list(range(10, 39)), max_new_tokens=1))  # 29 tokens: 7 pages stay cached
+    drain(engine)
+    scheduler.add(request("busy", [40] * 5, max_new_tokens=12))  # runs throughout: "wants" waits
+    engine.step()
+    assert cache.allocator.num_free == 0 and cache.num_reclaimable == 6  # cached pages fill the rest
+    scheduler.add(request("wants", cached[:8] + [30], max_new_tokens=1))
+    plan = scheduler.schedule()
+    assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 0, 2)]
+    _run_prefetches(cache, plan)  # no free block for it: no eviction for a guess, nothing starts
+    assert cache.num_prefetching_blocks == 0
+    scheduler.on_step_done(plan, engine.run(plan))
+    assert len(cache.evict(4)) == 4  # free blocks now
+    plan = scheduler.schedule()
+    assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 0, 2)]
+    _run_prefetches(cache, plan)
+    assert cache.num_prefetching_blocks == 2  # started this time
+    scheduler.on_step_done(plan, engine.run(plan))
+    plan, _ = engine.step()
+    assert plan.prefetch == []  # in flight: not duplicated
+    while cache.num_prefetching_blocks:
+        assert cache.wait_any(30)
+    cache.poll()
+    plan, _ = engine.step()
+    assert plan.prefetch == []  # landed: on the device now
+    assert cache.match(cached[:8]).num_device_blocks == 2
+    scheduler.check_invariants()
+
+
+class FailingFetches(TransferEngine):
+    """The real transfer engine, except that host -> device fetches land nothing while ``fail``."""
+
+    fail = True
+
+    def fetch(self, slots, *, priority=Priority.DEMAND):
+        inner = super().fetch(slots, priority=priority)
+        if not self.fail:
+            return inner
+        failed = concurrent.futures.Future()
+        inner.add_done_callback(lambda done: failed.set_result(
+            TransferResult(done.result().link, 0, ok=False, error="injected")))  # fmt: skip
+        return failed
+
+
+def test_a_prefetch_whose_fetch_failed_is_announced_again():
+    # the prefetch started and its fetch failed: the pages are still on host only, nothing
+    # moves them, and the extent was never announced again
+    clock = Clock()
+    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=clock, high=1.0, low=0.5, host_blocks=16,
+                     cost_model=CostModel(recompute_seconds_per_token=1.0),
+                     transfer_factory=FailingFetches)  # fmt: skip
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=1, token_budget=32, max_prefill_chunk=32))
+    engine = FakeEngine(scheduler, VOCAB)
+    cached = list(range(1, 10))
+    scheduler.add(request("cached", cached, max_new_tokens=1))
+    drain(engine)
+    assert cache.flush(timeout=30) and len(cache.evict(8)) == 2  # its 2 full pages: on host only
+    scheduler.add(request("busy", [40] * 5, max_new_tokens=8))  # runs throughout: "wants" waits
+    engine.step()
+    scheduler.add(request("wants", cached[:8] + [30], max_new_tokens=1))
+    plan = scheduler.schedule()
+    assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 0, 2)]
+    _run_prefetches(cache, plan)
+    scheduler.on_step_done(plan, engine.run(plan))
+    while cache.num_prefetching_blocks:
+        assert cache.wait_any(30)
+    assert cache.poll().fetch_failures == 1 and cache.match(cached[:8]).num_device_blocks == 0
+    cache.transfer.fail = False
+    plan = scheduler.schedule()
+    assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 0, 2)]
+    _run_prefetches(cache, plan)
+    scheduler.on_step_done(plan, engine.run(plan))
+    while cache.num_prefetching_blocks:
+        assert cache.wait_any(30)
+    cache.poll()
+    assert cache.match(cached[:8]).num_device_blocks == 2
+    plan, _ = engine.step()
+    assert plan.prefetch == []
     scheduler.check_invariants()
 
 

@@ -6,8 +6,11 @@ while the request waits, so its admission maps them instead of recomputing. Only
 ``window`` waiting requests are announced (prefetching for a request far back in the queue
 would spend the link and the device pages on KV that may be evicted again before it runs).
 
-Each extent is announced once. An intent may cover only the leading pages of its extent
-(the device room the scheduler grants it); the rest is announced once those have landed.
+An extent is announced once while its prefetch is on its way or done; the scheduler
+announces it again when the cache says a prefetch of it would start something now (it did
+not start: no free blocks, the step failed before its moves; or it was dropped: its fetch
+failed). An intent may cover only the leading pages of its extent (the device room the
+scheduler grants it); the rest is announced once those have landed.
 """
 
 from __future__ import annotations

@@ -526,7 +526,8 @@ class Scheduler:
         """Intents for the best waiting requests' host/disk pages, within the device room the
         high watermark leaves while requests run (as admission does: a prefetch in flight
         holds its blocks, and it must not take the headroom running decodes grow into). What
-        does not fit waits for a later step; an extent is announced once."""
+        does not fit waits for a later step. An extent already announced is announced again
+        only when a prefetch of it would start something now (see ``prefetch``)."""
         if not (self._prefetch and self.config.prefetch_window):
             return
         planner, cache, waiting = self._prefetch, self.cache, self._waiting
@@ -542,8 +543,8 @@ class Scheduler:
             if extent is None:
                 continue
             first, count = extent
-            if planner.announced(request_id):
-                continue
+            if planner.announced(request_id) and not cache.num_prefetch_pages(lookup, num_pages=first + count):
+                continue  # on its way, landed, or nothing a prefetch would start now
             if room is not None:
                 held_hits = lookup.num_reclaimable_hits(first)  # the prefetch's hold maps its device pages
                 count = min(count, room - held_hits)

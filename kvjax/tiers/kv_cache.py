@@ -500,14 +500,8 @@ class KVCache:
             return
         lookup = self.lookup(tokens, namespace)
         ns, buf, page_bytes = lookup.namespace, lookup.buf, self.trie.page_bytes
-        plan = self._plan(lookup.matched, accept_lossy)
+        plan, pages = self._prefetch_plan(lookup.matched, accept_lossy)
         first, on_disk = plan.first, plan.on_disk
-        pages = []
-        for node, i in plan.lower[: plan.num_fetch]:  # up to the first page already on its way
-            key = self.trie.page_keys(node)[i]
-            if self._mover.device_job(key) is not None:
-                break
-            pages.append(key)
         if not pages:
             return
         self._version += 1
@@ -530,6 +524,25 @@ class KVCache:
                 # else the fetch's commit releases it (``_commit_fetched``), however soon it ends
         finally:
             self._mover.unhold(held)
+
+    def num_prefetch_pages(self, tokens: TokensLike | Lookup, namespace: NamespaceLike = None, *,
+                           num_pages: int | None = None, accept_lossy: bool | None = None) -> int:  # fmt: skip
+        """How many pages ``prefetch`` of ``tokens`` (cut to its first ``num_pages`` pages,
+        when given) would start moving now: its host/disk pages worth fetching, up to the first
+        one already on its way to the device, when free blocks take them all; else the disk
+        pages among them that no transfer restores to host yet. 0: a prefetch would start
+        nothing (its pages are on the device or on their way, not worth fetching, or host
+        pages waiting for free blocks). Changes nothing but what a lookup may (``lookup``)."""
+        _check_accept_lossy(accept_lossy)
+        if not self.config.tiered:
+            return 0
+        matched = self._fresh_lookup(tokens, namespace).matched
+        if num_pages is not None:
+            matched = _truncate(matched, int_arg(num_pages, "num_pages"))
+        plan, pages = self._prefetch_plan(matched, accept_lossy)
+        if self.allocator.num_free >= len(pages):
+            return len(pages)
+        return sum(1 for key, disk in zip(pages, plan.on_disk) if disk and key not in self._mover.jobs)
 
     # --- pages between nodes ----------------------------------------------------------------
 
@@ -721,6 +734,19 @@ class KVCache:
         return plan_fetch(matched, cost_model=self.config.cost_model, page_size=self.page_size,
                           block_nbytes=self.codec.block_nbytes, lossy_codec=self.codec.lossy,
                           accept_lossy=accept)  # fmt: skip
+
+    def _prefetch_plan(self, matched: list[tuple[Node, int]],
+                       accept_lossy: bool | None) -> tuple[FetchPlan, list[bytes]]:  # fmt: skip
+        """The fetch plan of ``matched`` and the keys of the pages a prefetch moves: the lower
+        pages worth fetching, up to the first one already on its way to the device."""
+        plan = self._plan(matched, accept_lossy)
+        pages = []
+        for node, i in plan.lower[: plan.num_fetch]:
+            key = self.trie.page_keys(node)[i]
+            if self._mover.device_job(key) is not None:
+                break
+            pages.append(key)
+        return plan, pages
 
     def _make_device_room(self, num_blocks: int, host_reserve: int = 0) -> np.ndarray:
         """Evict ``num_blocks`` device blocks by policy; with write-back, leaving pages without
