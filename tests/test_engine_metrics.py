@@ -75,6 +75,30 @@ def test_a_preemption_planned_by_an_aborted_step_is_counted():
         assert engine.metrics.to_json()["counters"]["preemptions"] == preempted
 
 
+def test_a_swap_in_of_an_aborted_step_is_not_counted():
+    # the step that swapped a preempted request back in failed: the request recomputes, yet
+    # its swap-in blocks stayed counted (no swap-in of them landed), and its admission twice
+    rng = np.random.default_rng(3)
+    scheduler = SchedulerConfig(max_num_seqs=4, token_budget=64, max_prefill_chunk=32, preemption="swap",
+                                host_swap_blocks=64)  # fmt: skip
+    with make_engine(scheduler=scheduler, num_blocks=24) as engine:
+        prompts = [rng.integers(0, 256, 6 * PAGE + 3).astype(np.int32) for _ in range(4)]
+        for i, tokens in enumerate(prompts):  # four sequences that grow to 10 pages each cannot all fit 24 blocks
+            engine.add_request(f"r{i}", tokens=tokens, max_new_tokens=3 * PAGE, namespace=f"own{i}")
+        plans, schedule = [], engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+        failed = _fail_model_once(engine, when=lambda plan: bool(plan.swap_in))
+        finishes = _finishes(_run_through_failures(engine))
+        assert failed, "no step swapped in"
+        stats = engine.scheduler.stats
+        done = [plan for plan in plans if plan is not failed[0]]
+        assert stats.swap_in_blocks == sum(len(plan.swap_in) for plan in done)
+        assert stats.swap_out_blocks == sum(len(plan.swap_out) for plan in done)
+        assert stats.admitted == 4 + sum(f.num_preemptions for f in finishes.values())
+        for i, tokens in enumerate(prompts):
+            assert finishes[f"r{i}"].output_token_ids.tolist() == dense_greedy(tokens, 3 * PAGE), i
+
+
 def test_copies_to_host_reported_to_an_aborted_step_are_counted():
     # the step's TierReport (spills, fetch latencies, failures) was taken from the cache, then dropped
     rng = np.random.default_rng(1)

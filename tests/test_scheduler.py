@@ -247,7 +247,9 @@ def test_an_aborted_step_makes_the_requests_it_was_swapping_recompute():
             break
         scheduler.on_step_done(plan, engine.run(plan))
     assert plan.swap_out and list(plan.preempted) == ["new"]
+    assert scheduler.stats.swap_out_blocks == len(plan.swap_out) > 0
     assert scheduler.abort_step(plan) == ["new"]  # never run: the engine moved nothing
+    assert scheduler.stats.swap_out_blocks == 0  # no copy of them is used
     victim = scheduler.get("new")
     assert (victim.status, victim.swap_slots, victim.num_computed_tokens) == (RequestStatus.WAITING, [], 0)
     assert scheduler.in_flight is None and scheduler.stats.aborted_steps == 1

@@ -227,12 +227,18 @@ class Scheduler:
         page committed, no token appended; its requests run again next step), and a request
         whose KV it was swapping out or in recomputes instead (a move cut short leaves its
         slots or blocks unknown). Returns those requests' ids. ValueError for a plan that is
-        not the one in flight."""
+        not the one in flight.
+
+        The stats count the step's swapped blocks no more (no copy of them is used), nor the
+        admission of a request it was swapping in (it is admitted again, and counted then)."""
         if plan is not self._in_flight:
             raise ValueError(f"plan of step {plan.step} is not the step in flight")
         self._in_flight = None
-        self.stats.prefill_tokens -= sum(seq.num_tokens for seq in plan.prefills)  # scheduled again
-        self.stats.decode_tokens -= len(plan.decodes)
+        stats = self.stats
+        stats.prefill_tokens -= sum(seq.num_tokens for seq in plan.prefills)  # scheduled again
+        stats.decode_tokens -= len(plan.decodes)
+        stats.swap_out_blocks -= len(plan.swap_out)
+        stats.swap_in_blocks -= len(plan.swap_in)
         out_slots = {slot for _, slot in plan.swap_out}
         in_blocks = {block for _, block in plan.swap_in}
         redo = []
@@ -241,6 +247,8 @@ class Scheduler:
                 self._swap.release(request.swap_slots)
                 request.swap_slots, request.status = [], _WAITING
             elif request.status is _RUNNING and in_blocks.intersection(request.handle.block_ids.tolist()):
+                stats.admitted -= 1  # admitted by this plan (only an admission swaps in)
+                stats.hit_tokens -= request.num_hit_tokens
                 self._stop_running(request)
                 request.status = _WAITING
                 self._waiting.push(request, urgent=True)
