@@ -227,10 +227,11 @@ def test_an_old_epochs_late_write_leaves_the_new_records_load_alone(directory):
 
 
 def test_a_newer_epoch_of_the_same_id_supersedes_the_old_process(directory):
-    old = directory.register("n1", "http://a", CLUSTER)
+    old_process = Directory(directory.client, prefix=directory.prefix)  # one client per process
+    old = old_process.register("n1", "http://a", CLUSTER)
     directory.register("n1", "http://b", CLUSTER)
-    assert directory.heartbeat("n1", old, NodeLoad()) == "superseded"
-    directory.deregister("n1", old)  # the old process shutting down must not drop the new record
+    assert old_process.heartbeat("n1", old, NodeLoad()) == "superseded"
+    old_process.deregister("n1", old)  # the old process shutting down must not drop the new record
     assert [view.address for view in directory.live_nodes()] == ["http://b"]
 
 
@@ -414,7 +415,8 @@ def test_a_reset_holding_a_dropped_first_block_again_publishes_it_held(directory
 
 
 def test_a_second_process_with_the_same_id_supersedes_the_first(directory):
-    with running_publisher(directory) as first, running_publisher(directory) as second:
+    second_process = Directory(directory.client, prefix=directory.prefix, node_ttl_s=directory.node_ttl_s)
+    with running_publisher(directory) as first, running_publisher(second_process) as second:
         assert wait_until(lambda: first.status == "superseded")
         assert second.status == "registered" and directory.live_nodes()[0].epoch == second.epoch
         assert first.successor.epoch == second.epoch  # what the first node's refusals name
@@ -618,3 +620,49 @@ def test_a_node_taking_a_live_nodes_id_says_so(directory, caplog):
         _warn_if_replacing(directory, "n1", "http://127.0.0.1:8001")  # itself, restarted at its address
     [warning] = [record.getMessage() for record in caplog.records]
     assert warning.startswith("node n1 is live at http://127.0.0.1:8001 (epoch 1): this node replaces it")
+
+
+class PausedDirectory(Directory):
+    """A directory whose publisher can be stopped at its next heartbeat (``pause``, which
+    returns once it waits there) and let on (``resume``): a test acts on Redis while the
+    publisher makes no call (it only calls on a wake-up, and the test submits nothing)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._open, self._waiting = threading.Event(), threading.Event()
+        self._open.set()
+
+    def heartbeat(self, node_id, epoch, load):
+        if not self._open.is_set():
+            self._waiting.set()
+            self._open.wait()
+        return super().heartbeat(node_id, epoch, load)
+
+    def pause(self):
+        self._waiting.clear()
+        self._open.clear()
+        assert self._waiting.wait(10)
+
+    def resume(self):
+        self._open.set()
+
+
+def test_a_redis_rolled_back_to_an_earlier_epoch_of_the_node_is_registered_again_not_taken_for_a_takeover(
+        tmp_path, redis_prefix):  # fmt: skip
+    # Redis restarted from a snapshot taken before the node's last re-registration: the record
+    # holds the node's own earlier epoch (its incarnation, a lower epoch). The heartbeat took
+    # that for a newer process and the node stopped publishing and serving for good.
+    keys = keys_of(TENANT_A)
+    with RedisProcess.start(directory=tmp_path) as server:
+        directory = PausedDirectory.connect(server.url, prefix=redis_prefix, node_ttl_s=60.0)
+        with running_publisher(directory) as publisher:
+            publisher.submit([stored(TENANT_A, keys[:3])])
+            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
+            directory.client.save()  # the snapshot: epoch 1
+            directory.client.delete(directory.node_key("n1"))  # the record lapsed: epoch 2
+            assert wait_until(lambda: publisher.epoch == 2 and publisher.status == "registered")
+            directory.pause()
+            server.restart()  # back from the snapshot, with epoch 1's record
+            directory.resume()
+            assert wait_until(lambda: publisher.epoch == 3 and publisher.status == "registered")
+            assert run_of(directory, TENANT_A, keys).prefix_blocks == 3

@@ -227,6 +227,8 @@ class DirectoryMachine(_OnRedis):
         self.caches = {node: CacheModel() for node in NODES}  # what each node's current process holds
         self.first_blocks = {node: set() for node in NODES}
         self.clock_ms = 1000  # the nodes' clock, for dropped marks
+        # a previous process of a node: another client (incarnation) on the same connection
+        self.previous_process = Directory(self.directory.client, prefix=self.prefix, node_ttl_s=self.node_ttl_s)
 
     def teardown(self):
         self.directory.client.close()
@@ -293,7 +295,7 @@ class DirectoryMachine(_OnRedis):
     @rule(node=st.sampled_from(NODES), stale=st.booleans(), load=st.builds(NodeLoad, st.integers(0, 9), st.integers(0, 99)))
     def heartbeat(self, node, stale, load):
         epoch = self.counters.get(node, 0) - (1 if stale else 0)
-        status = self.directory.heartbeat(node, epoch, load)
+        status = (self.previous_process if stale else self.directory).heartbeat(node, epoch, load)
         record = self.records.get(node)
         expected = "gone" if record is None else "ok" if record.epoch == epoch else "superseded"
         assert status == expected, (node, epoch, record)

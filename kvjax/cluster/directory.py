@@ -279,10 +279,11 @@ class Directory:
         return int(epoch)
 
     def heartbeat(self, node_id: str, epoch: int, load: NodeLoad) -> str:
-        """Refresh the node's record and load. Returns "ok", "gone" (the record expired or
-        Redis lost it: register again and re-publish) or "superseded" (a newer epoch of the
-        same id registered, or the same epoch number by another client after Redis lost its
-        data: stop writing)."""
+        """Refresh the node's record and load. Returns "ok", "gone" (the record expired, Redis
+        lost it, or holds another epoch of this client's: Redis went back to older data;
+        register again and re-publish) or "superseded" (a newer epoch of the same id
+        registered, or the same epoch number by another client after Redis lost its data:
+        stop writing)."""
         status = self._heartbeat([self.node_key(node_id), f"{self.prefix}:nodes"],
                                  [epoch, self._ms(self.node_ttl_s), load.inflight, load.prefill_tokens,
                                   self.prefix, self.incarnation])  # fmt: skip
@@ -437,7 +438,13 @@ return epoch
 _HEARTBEAT = """
 local current = redis.call('HMGET', KEYS[1], 'epoch', 'incarnation')
 if not current[1] then return 0 end
-if current[1] ~= ARGV[1] or current[2] ~= ARGV[6] then return -1 end
+if current[1] ~= ARGV[1] then
+  -- another epoch of this very client: Redis went back to a snapshot (or a lagging replica),
+  -- not another process: its record is as good as gone
+  if current[2] == ARGV[6] then return 0 end
+  return -1
+end
+if current[2] ~= ARGV[6] then return -1 end
 redis.call('HSET', KEYS[1], 'inflight', ARGV[3], 'prefill_tokens', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
