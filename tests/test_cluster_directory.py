@@ -666,3 +666,24 @@ def test_a_redis_rolled_back_to_an_earlier_epoch_of_the_node_is_registered_again
             directory.resume()
             assert wait_until(lambda: publisher.epoch == 3 and publisher.status == "registered")
             assert run_of(directory, TENANT_A, keys).prefix_blocks == 3
+
+
+def test_a_redis_restarted_with_older_data_is_rewritten_from_the_node(tmp_path, redis_prefix):
+    # Redis came back from a snapshot (or a replica took over) without any publisher call
+    # failing: the heartbeat found the record, the writes since the snapshot were lost, and
+    # the directory missed the blocks stored since (and kept those removed since) for good.
+    keys = keys_of(TENANT_A)
+    with RedisProcess.start(directory=tmp_path) as server:
+        directory = PausedDirectory.connect(server.url, prefix=redis_prefix, node_ttl_s=60.0)
+        with running_publisher(directory) as publisher:
+            publisher.submit([stored(TENANT_A, keys[:3])])
+            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
+            directory.client.save()  # the snapshot: 3 blocks
+            publisher.submit([stored(TENANT_A, keys[3:6], seq=3)])
+            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 6)
+            directory.pause()
+            server.restart()  # back from the snapshot
+            directory.resume()
+            assert wait_until(lambda: (view := run_of(directory, TENANT_A, keys)) is not None
+                              and view.prefix_blocks == 6)  # fmt: skip
+            assert publisher.status == "registered"

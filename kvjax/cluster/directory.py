@@ -327,6 +327,16 @@ class Directory:
                 pipe.pexpire(self.block_key(namespace, key), ttl_ms)
             pipe.execute()
 
+    def server_id(self) -> str | None:
+        """The Redis server's run id: another one after the server restarted (even from its
+        persisted data) or a replica took over, which may hold less than was written. None
+        where the server refuses INFO."""
+        try:
+            run_id = self.client.info("server").get("run_id")
+        except redis.ResponseError:
+            return None
+        return None if run_id is None else str(run_id)
+
     def write_learned(self, node_id: str, epoch: int, statistics: Mapping) -> None:
         """Publish what the node's eviction policy learned (a JSON-safe mapping) under its
         epoch; it expires with the node's record unless written again."""

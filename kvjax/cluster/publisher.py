@@ -12,6 +12,10 @@ Failures and what follows them:
   (so nothing written under the old epoch, complete or not, is read again).
 * Its record gone (it expired, or Redis restarted empty): the heartbeat says so; same as above,
   which is how a lost Redis is rebuilt from the nodes.
+* Redis back with older data (restarted from a snapshot, or a replica took over) without any
+  call failing: the heartbeat sees another server (``Directory.server_id``); same as above,
+  or the writes the server lost would stay lost (blocks held and not listed, blocks listed
+  and long gone).
 * A newer epoch of the same node id registered (a second process claiming the id): this one
   stops writing (``status`` "superseded", ``successor`` the newer record as read then); the
   node stops serving (``kvjax.cluster.node_server``): the directory no longer lists it.
@@ -85,6 +89,7 @@ class DirectoryPublisher:
         self._load = NodeLoad()
         self._written_load: NodeLoad | None = None
         self._needs_resync = True
+        self._server_id: str | None = None  # the Redis server the last resync wrote to
         self._refresh_queue: list[_Block] = []
         self._refresh_count = 0  # blocks of the queue refreshed per heartbeat
         self._wake = threading.Event()
@@ -263,6 +268,7 @@ class DirectoryPublisher:
 
     def _resync(self, load: NodeLoad) -> None:
         """Register a new epoch and write everything held under it."""
+        server = self.directory.server_id()  # before: a server that restarts meanwhile is seen next time
         epoch = self.directory.register(self.node_id, self.address, self.cluster)
         items = list(self._holdings.items())
         for start in range(0, max(len(items), 1), _FULL_PUBLISH_CHUNK):
@@ -273,6 +279,7 @@ class DirectoryPublisher:
             chunk = dict(marks[start : start + _FULL_PUBLISH_CHUNK])
             self.directory.write_blocks(self.node_id, epoch, dict.fromkeys(chunk, 0), dropped=chunk)
         self.epoch, self._written_load, self._needs_resync = epoch, load, False
+        self._server_id = server
         self._refresh_queue = []
         self.counters["resyncs"] += 1
         self.counters["published_blocks"] += len(items)
@@ -282,6 +289,13 @@ class DirectoryPublisher:
         self._registered.set()
 
     def _heartbeat(self, load: NodeLoad) -> None:
+        server = self.directory.server_id()
+        if server != self._server_id:  # first: a snapshot's record may hold an older epoch
+            _LOG.warning("node %s: the directory's Redis is another server now (run id %s -> %s: restarted or "
+                         "failed over, maybe with older data); re-registering", self.node_id, self._server_id, server)
+            self._needs_resync = True
+            self._wake.set()
+            return
         status = self.directory.heartbeat(self.node_id, self.epoch, load)
         if status == "gone":
             _LOG.warning("node %s: its directory record is gone; re-registering", self.node_id)
