@@ -687,3 +687,30 @@ def test_a_redis_restarted_with_older_data_is_rewritten_from_the_node(tmp_path, 
             assert wait_until(lambda: (view := run_of(directory, TENANT_A, keys)) is not None
                               and view.prefix_blocks == 6)  # fmt: skip
             assert publisher.status == "registered"
+
+
+
+def test_a_publisher_backs_off_while_redis_is_down_and_registers_again_when_it_is_back(tmp_path, redis_prefix, caplog):
+    # every engine step woke the publisher, and every wake-up tried to register again: one
+    # failed connection per step for as long as Redis was down
+    keys = keys_of(TENANT_A)
+    with RedisProcess.start(directory=tmp_path) as server:
+        directory = Directory.connect(server.url, prefix=redis_prefix, node_ttl_s=2.0, timeout_s=0.5)
+        publisher = DirectoryPublisher(directory, "n1", "http://n1", CLUSTER, heartbeat_s=1.0)
+        publisher.start()
+        try:
+            server.stop()  # down
+            with caplog.at_level("WARNING", logger="kvjax.cluster.publisher"):
+                before = publisher.counters["errors"]  # one per failed attempt
+                steps = 40
+                for step in range(steps):  # engine steps, each taken by the publisher on its own
+                    publisher.submit([stored(TENANT_A, keys[step % 10 : step % 10 + 1], seq=step)])
+                    assert wait_until(lambda: not publisher._pending, interval=0.001)
+                assert publisher.status == "disconnected" and publisher.num_blocks == 10  # folded in meanwhile
+                assert publisher.counters["errors"] - before < steps / 2
+            assert len([r for r in caplog.records if "directory write failed" in r.getMessage()]) == 1
+            server.restart()  # back, empty
+            assert wait_until(lambda: publisher.status == "registered")
+            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 10)
+        finally:
+            publisher.close()

@@ -7,9 +7,11 @@ every step since the last write together, in one transaction (``Directory.write_
 
 Failures and what follows them:
 
-* Redis unreachable, or a write that failed: the publisher keeps folding events in, and
-  retries; when Redis answers again it registers a new epoch and writes everything it holds
-  (so nothing written under the old epoch, complete or not, is read again).
+* Redis unreachable, or a write that failed: the publisher keeps folding events in (its
+  memory stays what the node holds, however long Redis is away), logs it once, and retries
+  after a wait that doubles per failure up to ``heartbeat_s``; when Redis answers again it
+  registers a new epoch and writes everything it holds (so nothing written under the old
+  epoch, complete or not, is read again).
 * Its record gone (it expired, or Redis restarted empty): the heartbeat says so; same as above,
   which is how a lost Redis is rebuilt from the nodes.
 * Redis back with older data (restarted from a snapshot, or a replica took over) without any
@@ -55,6 +57,7 @@ __all__ = ["DirectoryPublisher", "describe_successor"]
 
 _LOG = logging.getLogger(__name__)
 _FULL_PUBLISH_CHUNK = 2000  # blocks per transaction when writing everything (bounded latency)
+_FIRST_RETRY_S = 0.1  # the wait after a failed call to Redis; it doubles per failure, up to heartbeat_s
 _MAX_MARKS = 65536  # dropped first blocks remembered for a resync (the newest)
 _Block = tuple[bytes, bytes]
 
@@ -170,12 +173,15 @@ class DirectoryPublisher:
 
     def _run(self) -> None:
         next_heartbeat = time.monotonic()
+        retry_at, backoff = 0.0, 0.0  # after a failure: no call to Redis before retry_at
         while not self._stop.is_set():
             self._wake.wait(max(0.0, next_heartbeat - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 break
             changed, dropped, load = self._drain()
+            if time.monotonic() < retry_at:  # the events are folded in; the resync writes them
+                continue
             try:
                 if self._needs_resync:
                     self._resync(load)
@@ -186,6 +192,7 @@ class DirectoryPublisher:
                 if time.monotonic() >= next_heartbeat:
                     next_heartbeat = time.monotonic() + self.heartbeat_s
                     self._heartbeat(load)
+                backoff = 0.0
             except ValueError as error:  # the cluster record disagrees: nothing to retry
                 self._fatal, self.last_error, self.status = error, str(error), "disconnected"
                 self._registered.set()
@@ -196,7 +203,9 @@ class DirectoryPublisher:
                 if self.status != "disconnected":
                     _LOG.warning("node %s: directory write failed (%s); will re-register", self.node_id, error)
                 self.status, self._needs_resync = "disconnected", True
-                next_heartbeat = min(next_heartbeat, time.monotonic() + min(self.heartbeat_s, 0.5))
+                # each engine step wakes the thread: without a wait, one failed attempt per step
+                backoff = min(self.heartbeat_s, max(_FIRST_RETRY_S, 2 * backoff))
+                retry_at = next_heartbeat = time.monotonic() + backoff
             if self.status == "superseded":
                 _LOG.error("node %s: a newer process registered the same id (%s); this one stops publishing and "
                            "serving", self.node_id, describe_successor(self.successor))  # fmt: skip
