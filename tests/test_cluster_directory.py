@@ -714,3 +714,17 @@ def test_a_publisher_backs_off_while_redis_is_down_and_registers_again_when_it_i
             assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 10)
         finally:
             publisher.close()
+
+
+def test_a_held_blocks_entry_that_redis_lost_is_written_again(redis_server, redis_prefix):
+    # Redis evicting a block key under memory pressure (every block key has a TTL, which the
+    # volatile-* policies pick from) or an operator deleting it: the heartbeat only extended
+    # the TTLs of the keys still there, so the directory lost the block until the node dropped it
+    directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=2.0, block_ttl_s=1.0)
+    keys = keys_of(TENANT_A)
+    with running_publisher(directory) as publisher:
+        publisher.submit([stored(TENANT_A, keys[:4])])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 4)
+        assert directory.client.delete(directory.block_key(TENANT_A.digest(), keys[0]))  # evicted
+        assert run_of(directory, TENANT_A, keys).prefix_blocks == 0
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 4)

@@ -29,8 +29,9 @@ What the node's eviction policy learned (``submit_learned``: a JSON-safe mapping
 read back (``Directory.peers_learned``: live epochs only); ``take_peers_learned`` hands
 them to the node's engine thread, which merges them into its policy.
 
-Block entries carry a TTL; the heartbeat refreshes a slice of the held blocks each time so
-that every one is refreshed twice per ``block_ttl_s`` and entries nobody live holds expire.
+Block entries carry a TTL; the heartbeat writes a slice of the held blocks again each time so
+that every one is refreshed (and restored, if Redis lost it) twice per ``block_ttl_s`` and
+entries nobody live holds expire.
 
 Dropped first blocks: a block stored with no parent (a sequence's first page) that leaves the
 node's last tier is written as a dropped mark with the time (``Directory.write_blocks``); the
@@ -334,7 +335,9 @@ class DirectoryPublisher:
             return None
 
     def _refresh_slice(self) -> None:
-        """Extend the TTL of the next slice of held blocks (all of them every block_ttl_s / 2)."""
+        """Write the next slice of held blocks again, which extends their TTL (all of them every
+        block_ttl_s / 2): an entry Redis lost meanwhile (a key evicted under memory pressure,
+        or deleted) comes back, where extending the TTL alone left it lost."""
         if not self._refresh_queue:
             self._refresh_queue = list(self._holdings)
             rounds = max(1.0, self.directory.block_ttl_s / 2 / self.heartbeat_s)
@@ -342,9 +345,10 @@ class DirectoryPublisher:
             self._refresh_count = math.ceil(len(self._refresh_queue) / rounds)
         count = self._refresh_count
         blocks, self._refresh_queue = self._refresh_queue[:count], self._refresh_queue[count:]
-        held = [block for block in blocks if block in self._holdings]  # a left block's key is not ours to extend
+        # a block that left is not ours to write (its removal, or mark, was written already)
+        held = {block: self._holdings[block] for block in blocks if block in self._holdings}
         if held:
-            self.directory.refresh_blocks(held)
+            self.directory.write_blocks(self.node_id, self.epoch, held)
 
 
 def describe_successor(successor: NodeView | None) -> str:
