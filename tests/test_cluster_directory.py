@@ -728,3 +728,20 @@ def test_a_held_blocks_entry_that_redis_lost_is_written_again(redis_server, redi
         assert directory.client.delete(directory.block_key(TENANT_A.digest(), keys[0]))  # evicted
         assert run_of(directory, TENANT_A, keys).prefix_blocks == 0
         assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 4)
+
+
+def test_a_publisher_that_stopped_keeps_no_backlog(directory):
+    # the node's engine thread submits every step's batches whatever the publisher's state:
+    # once its thread had stopped (the cluster record changed under it, or another process
+    # took the id, or the node left the directory to drain), they piled up for the node's life
+    keys = keys_of(TENANT_A)
+    with running_publisher(directory) as publisher:
+        directory.client.hset(f"{directory.prefix}:cluster", "model", "another")  # Redis refilled by others
+        directory.client.delete(directory.node_key("n1"))
+        assert wait_until(lambda: not publisher._thread.is_alive())
+        assert publisher.status == "disconnected" and "cluster model=another" in publisher.last_error
+        for step in range(5):
+            publisher.submit([stored(TENANT_A, keys[:2], seq=2 * step)], NodeLoad(1, 0))
+        assert publisher._pending == []
+        publisher.reset([(TENANT_A.digest(), key, "device") for key in keys])
+        assert publisher._pending_reset is None

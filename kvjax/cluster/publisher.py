@@ -90,6 +90,7 @@ class DirectoryPublisher:
         self._lock = threading.Lock()
         self._pending: list[tuple[BlockEvent, ...]] = []
         self._pending_reset: list[tuple[bytes, bytes, str]] | None = None
+        self._ended = False  # the thread stopped (closed, superseded, or the cluster record disagrees)
         self._load = NodeLoad()
         self._written_load: NodeLoad | None = None
         self._needs_resync = True
@@ -124,8 +125,11 @@ class DirectoryPublisher:
         return self.epoch
 
     def submit(self, batches: Sequence[tuple[BlockEvent, ...]], load: NodeLoad | None = None) -> None:
-        """Queue a step's event batches (oldest first) and the node's current load."""
+        """Queue a step's event batches (oldest first) and the node's current load; nothing
+        once the publisher stopped."""
         with self._lock:
+            if self._ended:  # nobody would take them: kept, they grew at every step
+                return
             self._pending.extend(batches)
             if load is not None:
                 self._load = load
@@ -135,6 +139,8 @@ class DirectoryPublisher:
         """Replace what the node holds (the cache's full holdings, after its subscription lost
         batches; batches submitted before this call are dropped) and publish it afresh."""
         with self._lock:
+            if self._ended:
+                return
             self._pending_reset = list(holdings)
             self._pending.clear()
         self._wake.set()
@@ -173,6 +179,14 @@ class DirectoryPublisher:
     # --- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._publish_until_stopped()
+        finally:
+            with self._lock:
+                self._ended = True
+                self._pending, self._pending_reset = [], None
+
+    def _publish_until_stopped(self) -> None:
         next_heartbeat = time.monotonic()
         retry_at, backoff = 0.0, 0.0  # after a failure: no call to Redis before retry_at
         while not self._stop.is_set():
