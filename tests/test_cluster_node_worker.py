@@ -340,3 +340,44 @@ def test_a_held_worker_runs_the_steps_it_is_let_and_then_holds_its_requests_wher
                 worker.hold_steps(steps)
     finally:
         worker.stop()
+
+
+def test_every_request_is_answered_when_the_engine_thread_stops_or_after_it_stopped(engine, monkeypatch):
+    # requests in flight at stop() and requests handed over after the thread ended (the
+    # handler checks that the engine runs, then awaits a directory lookup, then submits)
+    # were never answered: their handlers waited until their clients gave up
+    worker = EngineWorker(engine)
+    worker.start()
+    answers = {}
+    try:
+        worker.hold_steps(0)  # in flight, held where it is
+        worker.submit("held", CompletionRequest("tiny", "Hold me.", None, max_tokens=20), answers.setdefault("held", [])
+                      .append)  # fmt: skip
+        assert wait_until(lambda: worker.load.inflight == 1 and worker._not_taken == 0)
+    finally:
+        worker.stop()
+    worker.submit("late", CompletionRequest("tiny", "Too late.", None, max_tokens=2), answers.setdefault("late", [])
+                  .append)  # fmt: skip
+    for name in ("held", "late"):
+        [answer] = answers[name]
+        assert isinstance(answer, RequestError) and answer.status == 503 and "shutting down" in str(answer), name
+    assert worker.load == NodeLoad(0, 0)
+    ask = OfferRequest(None, np.arange(32, dtype=np.int32), 0, 2, "raw", 16384, 10.0)
+    with pytest.raises(RuntimeError, match="not running"):
+        worker.export(ask, time.monotonic() + 10.0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(engine, "add_request", broken)
+    failed = EngineWorker(engine)
+    failed.start()
+    try:
+        failed.submit("r1", CompletionRequest("tiny", "hi", None), answers.setdefault("r1", []).append)
+        assert wait_until(lambda: answers["r1"]) and not failed.alive
+        failed.submit("r2", CompletionRequest("tiny", "hi", None), answers.setdefault("r2", []).append)
+        [answer] = answers["r2"]
+        assert isinstance(answer, RuntimeError) and "the engine failed: broken on purpose" in str(answer)
+        assert failed.load == NodeLoad(0, 0)
+    finally:
+        failed.stop()

@@ -97,6 +97,9 @@ class EngineWorker:
         # the load last handed to the publisher (by submit or the engine thread; under the lock,
         # so that it is the publisher's too): what the engine thread compares its load with
         self._published_load: NodeLoad | None = None
+        # what a request handed over once the engine thread ended is told at once (nobody takes
+        # the queue any more); set with _not_taken_lock held, which submit and export hold to queue
+        self._ended: Exception | None = None
         self._stop = threading.Event()
         self._next_share = 0.0  # monotonic s: next exchange of the policy's statistics
         self._steps_left: int | None = None  # engine steps it may run before it holds (hold_steps); None: no limit
@@ -135,10 +138,17 @@ class EngineWorker:
 
     def submit(self, request_id: str, request: CompletionRequest, sink: Sink, hint: PeerHint | None = None) -> None:
         """Queue a request; its events (or a ValueError from the engine) go to ``sink``.
-        ``hint``: a peer holding more of its prompt (``RemoteFetcher.find_peer``)."""
+        ``hint``: a peer holding more of its prompt (``RemoteFetcher.find_peer``). Once the
+        engine thread ended (stopped, or failed) ``sink`` gets why at once; a request in flight
+        when it ends gets it then."""
         with self._not_taken_lock:
-            self._not_taken += 1
-        self._commands.put(("add", request_id, request, sink, hint))
+            ended = self._ended
+            if ended is None:
+                self._not_taken += 1
+                self._commands.put(("add", request_id, request, sink, hint))
+        if ended is not None:
+            sink(ended)
+            return
         if self.publisher is not None:  # now, not after the engine's next step (which may never come)
             with self._not_taken_lock:
                 self._published_load = self.load
@@ -167,7 +177,11 @@ class EngineWorker:
             raise RuntimeError(f"the engine failed: {self.error}" if self.error is not None
                                else "the engine thread is not running")  # fmt: skip
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("export", request, deadline, future))
+        with self._not_taken_lock:
+            if self._ended is None:
+                self._commands.put(("export", request, deadline, future))
+            else:
+                future.set_exception(RuntimeError(str(self._ended)))
         return future.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def take_remote_report(self, request_id: str) -> dict | None:
@@ -177,6 +191,8 @@ class EngineWorker:
     # --- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        failure: Exception = RequestError("the node's engine stopped (the node is shutting down) before the request "
+                                          "finished; send it to another node", status=503, kind="server_error")
         try:
             while not self._stop.is_set():
                 self._take_commands(block=not self._may_step)
@@ -193,21 +209,32 @@ class EngineWorker:
             _LOG.exception("engine loop failed")
             self.error = error
             failure = RuntimeError(f"the engine failed: {error}")
-            for sink in self._sinks.values():
-                sink(failure)
-            self._sinks.clear()
             if self.publisher is not None:  # leave the directory now: routers stop choosing this node
                 self.publisher.close()
-            while True:  # requests queued meanwhile get the same answer
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if command[0] == "add":
-                    self._taken()
-                    command[3](failure)
-                elif command[0] == "export" and command[3].set_running_or_notify_cancel():
-                    command[3].set_exception(failure)
+        finally:
+            self._end(failure)
+
+    def _end(self, failure: Exception) -> None:
+        """Tell every request in hand, queued, or handed over from now on, ``failure``: nobody
+        would answer them any more (their handlers waited until their clients gave up)."""
+        with self._not_taken_lock:
+            self._ended = failure
+        for sink in self._sinks.values():  # parked requests' too
+            sink(failure)
+        self._sinks.clear()
+        self._parked.clear()
+        self._prefill_tokens.clear()
+        self._load = NodeLoad()
+        while True:  # requests queued meanwhile get the same answer
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                self._taken()
+                command[3](failure)
+            elif command[0] == "export" and command[3].set_running_or_notify_cancel():
+                command[3].set_exception(RuntimeError(str(failure)))  # a 503 to the peer, not a bad ask
 
     @property
     def _may_step(self) -> bool:
