@@ -647,25 +647,38 @@ class PausedDirectory(Directory):
         self._open.set()
 
 
+@contextlib.contextmanager
+def _three_blocks_published(tmp_path, redis_prefix, keys):
+    """A Redis that can restart from a snapshot, a ``PausedDirectory`` on it and a running
+    publisher that has published ``keys[:3]`` of TENANT_A: (server, directory, publisher)."""
+    with RedisProcess.start(directory=tmp_path) as server:
+        directory = PausedDirectory.connect(server.url, prefix=redis_prefix, node_ttl_s=60.0)
+        with running_publisher(directory) as publisher:
+            publisher.submit([stored(TENANT_A, keys[:3])])
+            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
+            yield server, directory, publisher
+
+
+def _restart_paused(server, directory) -> None:
+    """Restart Redis while the directory's calls wait (none fails: it comes back in between)."""
+    directory.pause()
+    server.restart()
+    directory.resume()
+
+
 def test_a_redis_rolled_back_to_an_earlier_epoch_of_the_node_is_registered_again_not_taken_for_a_takeover(
         tmp_path, redis_prefix):  # fmt: skip
     # Redis restarted from a snapshot taken before the node's last re-registration: the record
     # holds the node's own earlier epoch (its incarnation, a lower epoch). The heartbeat took
     # that for a newer process and the node stopped publishing and serving for good.
     keys = keys_of(TENANT_A)
-    with RedisProcess.start(directory=tmp_path) as server:
-        directory = PausedDirectory.connect(server.url, prefix=redis_prefix, node_ttl_s=60.0)
-        with running_publisher(directory) as publisher:
-            publisher.submit([stored(TENANT_A, keys[:3])])
-            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
-            directory.client.save()  # the snapshot: epoch 1
-            directory.client.delete(directory.node_key("n1"))  # the record lapsed: epoch 2
-            assert wait_until(lambda: publisher.epoch == 2 and publisher.status == "registered")
-            directory.pause()
-            server.restart()  # back from the snapshot, with epoch 1's record
-            directory.resume()
-            assert wait_until(lambda: publisher.epoch == 3 and publisher.status == "registered")
-            assert run_of(directory, TENANT_A, keys).prefix_blocks == 3
+    with _three_blocks_published(tmp_path, redis_prefix, keys) as (server, directory, publisher):
+        directory.client.save()  # the snapshot: epoch 1
+        directory.client.delete(directory.node_key("n1"))  # the record lapsed: epoch 2
+        assert wait_until(lambda: publisher.epoch == 2 and publisher.status == "registered")
+        _restart_paused(server, directory)  # back from the snapshot, with epoch 1's record
+        assert wait_until(lambda: publisher.epoch == 3 and publisher.status == "registered")
+        assert run_of(directory, TENANT_A, keys).prefix_blocks == 3
 
 
 def test_a_redis_restarted_with_older_data_is_rewritten_from_the_node(tmp_path, redis_prefix):
@@ -673,20 +686,14 @@ def test_a_redis_restarted_with_older_data_is_rewritten_from_the_node(tmp_path, 
     # failing: the heartbeat found the record, the writes since the snapshot were lost, and
     # the directory missed the blocks stored since (and kept those removed since) for good.
     keys = keys_of(TENANT_A)
-    with RedisProcess.start(directory=tmp_path) as server:
-        directory = PausedDirectory.connect(server.url, prefix=redis_prefix, node_ttl_s=60.0)
-        with running_publisher(directory) as publisher:
-            publisher.submit([stored(TENANT_A, keys[:3])])
-            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 3)
-            directory.client.save()  # the snapshot: 3 blocks
-            publisher.submit([stored(TENANT_A, keys[3:6], seq=3)])
-            assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 6)
-            directory.pause()
-            server.restart()  # back from the snapshot
-            directory.resume()
-            assert wait_until(lambda: (view := run_of(directory, TENANT_A, keys)) is not None
-                              and view.prefix_blocks == 6)  # fmt: skip
-            assert publisher.status == "registered"
+    with _three_blocks_published(tmp_path, redis_prefix, keys) as (server, directory, publisher):
+        directory.client.save()  # the snapshot: 3 blocks
+        publisher.submit([stored(TENANT_A, keys[3:6], seq=3)])
+        assert wait_until(lambda: run_of(directory, TENANT_A, keys).prefix_blocks == 6)
+        _restart_paused(server, directory)  # back from the snapshot
+        assert wait_until(lambda: (view := run_of(directory, TENANT_A, keys)) is not None
+                          and view.prefix_blocks == 6)  # fmt: skip
+        assert publisher.status == "registered"
 
 
 

@@ -198,21 +198,32 @@ def test_preempted_sequences_resume_exactly(preemption):
         assert finishes[f"r{i}"].output_token_ids.tolist() == dense_greedy(prompt, 10 * PAGE), i
 
 
+def _engine_with_host_only_prompt(rng, *, max_num_seqs: int, num_pages: int):
+    """An 8-block engine with a host tier whose fetches wait for ``cache.transfer.gate`` (closed
+    on return: fetches stay in flight, holding their device blocks), after a prompt of
+    ``num_pages`` full pages + 1 token was served and its pages evicted to host only:
+    (engine, that prompt)."""
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, token_budget=64, max_prefill_chunk=32)
+    engine = make_engine(host_bytes=32 * 8 * 1024, transfer_factory=GatedFetches, num_blocks=8, scheduler=scheduler,
+                         config=EngineConfig(max_model_len=8 * PAGE, token_buckets=BUCKETS))  # fmt: skip
+    cached = rng.integers(0, 256, num_pages * PAGE + 1).astype(np.int32)
+    engine.cache.transfer.gate.set()
+    _run(engine, [("seed", cached, 1, None)])
+    assert len(engine.cache.evict(8)) == num_pages  # its pages now on host only
+    while engine.cache.wait_any(5):  # their host copies are in
+        pass
+    engine.cache.transfer.gate.clear()
+    return engine, cached
+
+
 def test_a_prefetch_in_flight_holds_blocks_back_but_rejects_no_request():
     """A prefetch for a waiting request holds free blocks until its fetch lands. Counted as
     pinned, a lone running request that needed one more block was stopped, and the waiting
     one rejected; both wait now, and both finish as the dense forward does."""
     rng = np.random.default_rng(0)
-    scheduler = SchedulerConfig(max_num_seqs=1, token_budget=64, max_prefill_chunk=32)
-    engine = make_engine(host_bytes=32 * 8 * 1024, transfer_factory=GatedFetches, num_blocks=8, scheduler=scheduler,
-                         config=EngineConfig(max_model_len=8 * PAGE, token_buckets=BUCKETS))  # fmt: skip
+    engine, cached = _engine_with_host_only_prompt(rng, max_num_seqs=1, num_pages=4)
     with engine:
         transfer = engine.cache.transfer
-        cached = rng.integers(0, 256, 4 * PAGE + 1).astype(np.int32)
-        transfer.gate.set()
-        _run(engine, [("seed", cached, 1, None)])
-        engine.cache.evict(8)  # its 4 pages now on host only
-        transfer.gate.clear()
         running = rng.integers(0, 256, 17).astype(np.int32)  # grows to 7 of the 8 blocks
         engine.add_request("running", tokens=running, max_new_tokens=39)
         events = engine.step()
@@ -243,18 +254,9 @@ def test_a_prefetch_leaves_the_running_decodes_their_headroom():
     running request. A prefetch takes only the room the watermark leaves (one page now, the
     rest later): nobody is preempted, and every request generates what the dense forward does."""
     rng = np.random.default_rng(7)
-    scheduler = SchedulerConfig(max_num_seqs=2, token_budget=64, max_prefill_chunk=32)
-    engine = make_engine(host_bytes=32 * 8 * 1024, transfer_factory=GatedFetches, num_blocks=8, scheduler=scheduler,
-                         config=EngineConfig(max_model_len=8 * PAGE, token_buckets=BUCKETS))  # fmt: skip
+    engine, cached = _engine_with_host_only_prompt(rng, max_num_seqs=2, num_pages=2)
     with engine:
         transfer = engine.cache.transfer
-        cached = rng.integers(0, 256, 2 * PAGE + 1).astype(np.int32)
-        transfer.gate.set()
-        _run(engine, [("seed", cached, 1, None)])
-        engine.cache.evict(8)  # its 2 pages now on host only
-        while engine.cache.wait_any(5):  # their host copies are in
-            pass
-        transfer.gate.clear()  # fetches stay in flight, holding their device blocks
         grows = rng.integers(0, 256, 3 * PAGE - 3).astype(np.int32)  # 3 blocks, a 4th after 4 tokens
         stays = rng.integers(0, 256, 2 * PAGE + 1).astype(np.int32)  # 3 blocks throughout
         engine.add_request("grows", tokens=grows, max_new_tokens=PAGE)

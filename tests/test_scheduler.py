@@ -329,19 +329,25 @@ def test_fully_cached_prompt_recomputes_its_last_page_privately():
     drain(engine)
 
 
-
-def test_a_lone_decode_waiting_for_a_prefetchs_blocks_passes_the_invariant_check():
-    # it waits a step (it is neither stopped nor scheduled) while a prefetch holds the blocks it
-    # needs; check_invariants called that state "running decode was skipped"
-    clock = Clock()
-    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=clock, high=1.0, low=0.5, host_blocks=8,
-                     cost_model=CostModel(recompute_seconds_per_token=1.0))  # host hits are fetched  # fmt: skip
-    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=1, token_budget=32, max_prefill_chunk=32))
+def _host_only_prefix(*, high=1.0, max_num_seqs=1, host_blocks=16, **cache_kwargs):
+    """A scheduler over an 8-block, 4-token-page tiered cache whose host hits are fetched, with
+    ``cached`` (9 tokens) served once and its 2 full pages evicted to host only: (scheduler,
+    engine, cache, cached)."""
+    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=Clock(), high=high, low=0.5, host_blocks=host_blocks,
+                     cost_model=CostModel(recompute_seconds_per_token=1.0), **cache_kwargs)  # fmt: skip
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=max_num_seqs, token_budget=32, max_prefill_chunk=32))
     engine = FakeEngine(scheduler, VOCAB)
     cached = list(range(1, 10))
     scheduler.add(request("cached", cached, max_new_tokens=1))
     drain(engine)
     assert cache.flush(timeout=30) and len(cache.evict(8)) == 2  # its 2 full pages: on host only
+    return scheduler, engine, cache, cached
+
+
+def test_a_lone_decode_waiting_for_a_prefetchs_blocks_passes_the_invariant_check():
+    # it waits a step (it is neither stopped nor scheduled) while a prefetch holds the blocks it
+    # needs; check_invariants called that state "running decode was skipped"
+    scheduler, engine, cache, cached = _host_only_prefix(host_blocks=8)
     grow = request("grow", list(range(10, 31)), max_new_tokens=11)  # 6 blocks, growing to 8
     scheduler.add(grow)
     engine.step()
@@ -359,6 +365,7 @@ def test_a_lone_decode_waiting_for_a_prefetchs_blocks_passes_the_invariant_check
         assert cache.wait_any(30)  # first transfer to end may be another: this engine never polls)
     assert drain(engine) == {"grow": "length"}
     assert grow.output_token_ids.tolist() == reference_output(range(10, 31), grow.namespace, 11, VOCAB)
+
 
 def test_lone_request_blocked_by_pins_is_stopped_with_a_reason():
     scheduler, engine, _ = make(num_blocks=4, page_size=2, high=1.0)
@@ -437,15 +444,7 @@ def test_a_prefetch_takes_the_room_the_high_watermark_leaves_and_the_rest_later(
     # two running requests hold 6 blocks of 8 (high watermark: 7); the waiting one has 2 pages
     # on host. Both pages were announced at once and took the free blocks past the watermark,
     # the headroom the running decodes grow into
-    clock = Clock()
-    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=clock, high=0.875, low=0.5, host_blocks=16,
-                     cost_model=CostModel(recompute_seconds_per_token=1.0))  # host hits are fetched  # fmt: skip
-    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=2, token_budget=32, max_prefill_chunk=32))
-    engine = FakeEngine(scheduler, VOCAB)
-    cached = list(range(1, 10))
-    scheduler.add(request("cached", cached, max_new_tokens=1))
-    drain(engine)
-    assert cache.flush(timeout=30) and len(cache.evict(8)) == 2  # its 2 full pages: on host only
+    scheduler, engine, cache, cached = _host_only_prefix(high=0.875, max_num_seqs=2)
     scheduler.add(request("busy", [40] * 17, max_new_tokens=4))  # 5 blocks hold all 21 tokens
     scheduler.add(request("short", [41, 42], max_new_tokens=2))  # 1 block, gone after the next step
     engine.step()
@@ -472,15 +471,7 @@ def test_a_prefetch_takes_the_room_the_high_watermark_leaves_and_the_rest_later(
 def test_a_prefetch_that_did_not_start_is_announced_again_and_one_in_flight_is_not():
     # the pool's free blocks were short when the intent was announced, so nothing moved; the
     # intent was never announced again, and the request lost its prefetch for good
-    clock = Clock()
-    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=clock, high=1.0, low=0.5, host_blocks=16,
-                     cost_model=CostModel(recompute_seconds_per_token=1.0))  # host hits are fetched  # fmt: skip
-    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=1, token_budget=32, max_prefill_chunk=32))
-    engine = FakeEngine(scheduler, VOCAB)
-    cached = list(range(1, 10))
-    scheduler.add(request("cached", cached, max_new_tokens=1))
-    drain(engine)
-    assert cache.flush(timeout=30) and len(cache.evict(8)) == 2  # its 2 full pages: on host only
+    scheduler, engine, cache, cached = _host_only_prefix()
     scheduler.add(request("filler", list(range(10, 39)), max_new_tokens=1))  # 29 tokens: 7 pages stay cached
     drain(engine)
     scheduler.add(request("busy", [40] * 5, max_new_tokens=12))  # runs throughout: "wants" waits
@@ -527,35 +518,20 @@ class FailingFetches(TransferEngine):
 def test_a_prefetch_whose_fetch_failed_is_announced_again():
     # the prefetch started and its fetch failed: the pages are still on host only, nothing
     # moves them, and the extent was never announced again
-    clock = Clock()
-    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=clock, high=1.0, low=0.5, host_blocks=16,
-                     cost_model=CostModel(recompute_seconds_per_token=1.0),
-                     transfer_factory=FailingFetches)  # fmt: skip
-    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=1, token_budget=32, max_prefill_chunk=32))
-    engine = FakeEngine(scheduler, VOCAB)
-    cached = list(range(1, 10))
-    scheduler.add(request("cached", cached, max_new_tokens=1))
-    drain(engine)
-    assert cache.flush(timeout=30) and len(cache.evict(8)) == 2  # its 2 full pages: on host only
+    scheduler, engine, cache, cached = _host_only_prefix(transfer_factory=FailingFetches)
     scheduler.add(request("busy", [40] * 5, max_new_tokens=8))  # runs throughout: "wants" waits
     engine.step()
     scheduler.add(request("wants", cached[:8] + [30], max_new_tokens=1))
-    plan = scheduler.schedule()
-    assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 0, 2)]
-    _run_prefetches(cache, plan)
-    scheduler.on_step_done(plan, engine.run(plan))
-    while cache.num_prefetching_blocks:
-        assert cache.wait_any(30)
-    assert cache.poll().fetch_failures == 1 and cache.match(cached[:8]).num_device_blocks == 0
-    cache.transfer.fail = False
-    plan = scheduler.schedule()
-    assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 0, 2)]
-    _run_prefetches(cache, plan)
-    scheduler.on_step_done(plan, engine.run(plan))
-    while cache.num_prefetching_blocks:
-        assert cache.wait_any(30)
-    cache.poll()
-    assert cache.match(cached[:8]).num_device_blocks == 2
+    for fail in (True, False):  # the extent is announced, fetched and fails; announced again, and lands
+        cache.transfer.fail = fail
+        plan = scheduler.schedule()
+        assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 0, 2)]
+        _run_prefetches(cache, plan)
+        scheduler.on_step_done(plan, engine.run(plan))
+        while cache.num_prefetching_blocks:
+            assert cache.wait_any(30)
+        assert cache.poll().fetch_failures == fail
+        assert cache.match(cached[:8]).num_device_blocks == (0 if fail else 2)
     plan, _ = engine.step()
     assert plan.prefetch == []
     scheduler.check_invariants()
