@@ -45,6 +45,7 @@ from kvjax.serving.sampling import GREEDY, SamplingParams
 from kvjax.serving.scheduler import Scheduler
 from kvjax.serving.scheduler_config import SchedulerConfig
 from kvjax.serving.step_plan import StepPlan
+from kvjax.serving.stop_strings import StopStrings, stop_checker
 from kvjax.serving.swap_store import SwapStore
 from kvjax.text.canonicalize import CanonicalizeConfig, template_fingerprint
 from kvjax.text.canonicalize import canonicalize as canonicalize_text
@@ -124,9 +125,15 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | None = None, *, tokens: Sequence[int] | None = None,
                     max_new_tokens: int = 16, sampling: SamplingParams | None = None,
-                    namespace=None, stop_token_ids: Sequence[int] = (),
-                    accept_lossy: bool | None = None) -> bool:  # fmt: skip
+                    namespace=None, stop_token_ids: Sequence[int] = (), stop: str | Sequence[str] = (),
+                    min_tokens: int = 0, accept_lossy: bool | None = None) -> bool:  # fmt: skip
         """Queue a request given as text (``prompt``) or token ids (``tokens``).
+
+        ``stop``: stop strings (one str, or several; see ``kvjax.serving.stop_strings``): the
+        request ends with reason "stop" at the token whose decoded output first holds one, its
+        FinishEvent text cut before the earliest (its output tokens keep them all); the
+        tokenizer must decode. ``min_tokens``: neither ``stop_token_ids`` nor ``stop`` ends the
+        request before it has generated that many tokens (at most ``max_new_tokens``).
 
         ``accept_lossy=False`` refuses cached KV that went through lossy offload compression
         (``KVCacheConfig.offload_quant``): those pages are recomputed (None: the cache's
@@ -157,6 +164,7 @@ class Engine:
         if accept_lossy is not None and not isinstance(accept_lossy, bool):
             raise ValueError(f"accept_lossy={accept_lossy!r} must be None or a bool")
         max_new_tokens = int_arg(max_new_tokens, "max_new_tokens", 1)
+        stop_when = stop_checker(stop, self.tokenizer, min_tokens)  # ValueError for bad ones
         # the model's vocabulary: a cache may have none (or a larger one), and an id past the
         # model's embedding table was read as another token, silently
         tokens = validate_tokens(tokens, self.model.cfg.vocab_size)  # names a bad id with the vocabulary
@@ -164,8 +172,8 @@ class Engine:
             raise ValueError(f"request {request_id!r} needs {len(tokens)} prompt + {max_new_tokens} "
                              f"new tokens; max_model_len={self.max_model_len}")  # fmt: skip
         request = Request(request_id, tokens, max_new_tokens, namespace, arrival_time=self.clock(),
-                          stop_token_ids=stop_token_ids, sampling=sampling,
-                          accept_lossy=accept_lossy)  # fmt: skip
+                          stop_token_ids=stop_token_ids, sampling=sampling, accept_lossy=accept_lossy,
+                          stop_when=stop_when, min_tokens=min_tokens)  # fmt: skip
         try:  # an id outside the vocabulary is never sampled: the request would run to max_new_tokens
             stop = sorted(request.stop_token_ids)
             validate_tokens(stop, self.model.cfg.vocab_size)
@@ -359,6 +367,8 @@ class Engine:
         except Exception:  # the tokens are the answer: a plugged-in decode that fails must not stop the engine
             _log.exception("the tokenizer could not decode request %r's output; its text is None", request_id)
             text = None
+        if text is not None and isinstance(request.stop_when, StopStrings):
+            text = request.stop_when.answer(text)  # cut before the stop string that ended it, if one did
         return FinishEvent(
             request_id, status, request.finish_reason or status, request.prompt_token_ids.copy(), output, text,
             num_hit_tokens=sum(record.hit_tokens_by_tier.values()), hit_tokens_by_tier=record.hit_tokens_by_tier,

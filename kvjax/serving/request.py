@@ -2,7 +2,7 @@
 
 States::
 
-    WAITING --admit--> RUNNING --max_new_tokens / stop token--> FINISHED
+    WAITING --admit--> RUNNING --max_new_tokens / stop token / stop_when--> FINISHED
        ^                  |  \\--preempt (swap)------> SWAPPED --admit (swap in)--> RUNNING
        |                  |
        +--preempt (recompute): blocks released, generated tokens kept
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,11 @@ class Request:
     ``prompt_token_ids`` become int32 (validated against ``vocab_size`` by the scheduler);
     ``arrival_time`` is in the scheduler clock's seconds (None: stamped by ``Scheduler.add``);
     ``token_buffer`` holds prompt + generated tokens (the first ``num_tokens`` are valid);
-    ``stop_token_ids`` end generation early (EOS); ``sampling`` is opaque to the scheduler.
+    ``stop_token_ids`` end generation early (EOS); ``sampling`` is opaque to the scheduler, and
+    so is ``stop_when``: called with the request after each appended token, True ends it with
+    reason "stop" (the engine's stop strings). ``min_tokens``: neither a stop token nor
+    ``stop_when`` ends the request before it has generated that many tokens (``stop_when`` is
+    not called before then); ``max_new_tokens`` always does.
     """
 
     request_id: str
@@ -68,6 +73,8 @@ class Request:
     stop_token_ids: frozenset[int] | tuple[int, ...] = ()  # stored as a frozenset
     sampling: Any = None
     accept_lossy: bool | None = None  # may hit lossy (compressed on offload) KV; None: the cache's default
+    stop_when: Callable[[Request], bool] | None = None
+    min_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose KV exists (device, or host if SWAPPED)
     handle: SeqHandle | None = None  # the cache hold while RUNNING
@@ -80,6 +87,7 @@ class Request:
     _num_tokens: int = dataclasses.field(init=False, repr=False)  # valid tokens in token_buffer
     _max_tokens: int = dataclasses.field(init=False, repr=False)  # prompt + max_new_tokens
     _num_prompt: int = dataclasses.field(init=False, repr=False)  # prompt tokens (read every step: an int)
+    _min_stop_tokens: int = dataclasses.field(init=False, repr=False)  # prompt + min_tokens
     _writer: memoryview = dataclasses.field(init=False, repr=False)  # token_buffer, for fast stores
 
     def __post_init__(self):
@@ -91,6 +99,12 @@ class Request:
         if prompt.size == 0:
             raise ValueError(f"request {self.request_id!r} has an empty prompt; expected >= 1 token")
         self.namespace = as_namespace(self.namespace)
+        if self.stop_when is not None and not callable(self.stop_when):
+            raise ValueError(f"stop_when={self.stop_when!r} must be None or a callable (Request -> bool)")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
+                or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_new_tokens="
+                             f"{self.max_new_tokens}]")  # fmt: skip
         stop = self.stop_token_ids
         if not isinstance(stop, (str, bytes)):
             try:
@@ -107,6 +121,7 @@ class Request:
         self.prompt_token_ids = self.token_buffer[: prompt.size]  # read-only by convention
         self._num_tokens = self._num_prompt = prompt.size
         self._max_tokens = prompt.size + self.max_new_tokens
+        self._min_stop_tokens = prompt.size + self.min_tokens
         self._writer = memoryview(self.token_buffer)  # a store through it is ~10x cheaper than numpy's
 
     @property
@@ -138,10 +153,13 @@ class Request:
         return self.num_computed_tokens + 1 < self._num_tokens
 
     def append_token(self, token_id: int) -> bool:
-        """Record one sampled token; return True when the request has finished generating."""
+        """Record one sampled token; return True when the request has finished generating: a
+        stop token or ``stop_when`` (reason "stop", even at the last allowed token), or
+        ``max_new_tokens`` ("length")."""
         self._writer[self._num_tokens] = token_id
         self._num_tokens += 1
-        if token_id in self.stop_token_ids:
+        may_stop = self._num_tokens >= self._min_stop_tokens
+        if may_stop and (token_id in self.stop_token_ids or (self.stop_when is not None and self.stop_when(self))):
             self.finish_reason = "stop"
         elif self._num_tokens == self._max_tokens:
             self.finish_reason = "length"
