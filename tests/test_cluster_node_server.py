@@ -240,3 +240,21 @@ def test_a_finished_stream_leaves_the_drain_on_the_event_loop(small_pool):
                                                         "stream": True})  # fmt: skip
         assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
     assert len(on_loop) >= 2 and all(on_loop), on_loop  # the stream's own close, then the background one
+
+
+def test_stop_strings_end_the_answer_and_the_stream_sends_nothing_past_them(small_pool):
+    """``stop`` was refused unless empty (a string always). Through the official client: the
+    answer ends before the earliest stop string with finish_reason "stop", and a stream's
+    deltas add up to that answer, whether the stop string comes as a string or in a list."""
+    client = openai.OpenAI(base_url=f"{small_pool.base_url}/v1", api_key="unused", max_retries=0,
+                           http_client=small_pool)  # fmt: skip
+    prompt = "Q: what does a cache hold?\nA:"
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=24).choices[0].text
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]  # several tokens long, begun after the first delta
+    answer = whole[: whole.find(stop)]
+    for given in (stop, [stop, "never \u2603 here"]):
+        completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, stop=given)
+        assert (completion.choices[0].text, completion.choices[0].finish_reason) == (answer, "stop")
+        assert completion.usage.completion_tokens < 24
+        text, finish, _ = streamed(client, prompt=prompt, max_tokens=24, stop=given)
+        assert (text, finish) == (answer, ["stop"])

@@ -57,14 +57,24 @@ def test_every_supported_field_is_read():
         ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"usage": 1}},
          r"stream_options=\{'usage': 1\}; expected \{'include_usage': bool\}"),
         ({"model": "tiny", "prompt": "x", "n": 2}, r"n=2 is not supported; kvjax accepts only 1 or null$"),
-        ({"model": "tiny", "prompt": "x", "stop": ["\n"]},
-         r"stop=\['\\n'\] is not supported; kvjax accepts only \[\] or null$"),
+        ({"model": "tiny", "prompt": "x", "stop": ["\n", ""]},
+         r"stop=\['\\n', ''\] must be a non-empty string or a list of non-empty strings$"),
+        ({"model": "tiny", "prompt": "x", "stop": ""}, r"stop='' must be a non-empty string or a list of"),
+        ({"model": "tiny", "prompt": "x", "stop": [1]}, r"stop=\[1\] must be a non-empty string or a list of"),
+        ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]},
+         r"^stop has 5 strings; at most 4 are accepted \(OpenAI's limit\)$"),
+        ({"model": "tiny", "prompt": "x", "min_tokens": 17}, r"^min_tokens=17 must be an integer in \[0, max_tokens=16\]$"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": -1},
+         r"^min_tokens=-1 must be an integer in \[0, max_tokens=4\]$"),
+        ({"model": "tiny", "prompt": "x", "min_tokens": True}, r"^min_tokens=True must be an integer"),
+        ({"model": "tiny", "prompt": "x", "ignore_eos": 1}, r"^ignore_eos=1 must be a bool$"),
         ({"model": "tiny", "prompt": "x", "logprobs": 2}, r"logprobs=2 is not supported; kvjax accepts only null$"),
         # the type first: True == 1 and 0 == False, so these passed for the neutral value
         ({"model": "tiny", "prompt": "x", "n": True}, r"n=True must be an integer$"),
         ({"model": "tiny", "prompt": "x", "top_p": True}, r"top_p=True must be a number$"),
         ({"model": "tiny", "prompt": "x", "echo": 0}, r"echo=0 must be a bool$"),
-        ({"model": "tiny", "prompt": "x", "stop": {}}, r"stop=\{\} must be a string or a list of strings$"),
+        ({"model": "tiny", "prompt": "x", "stop": {}}, r"stop=\{\} must be a non-empty string or a list of non-empty "
+                                                     "strings$"),
         ({"model": "tiny", "prompt": "x", "logprobs": []}, r"logprobs=\[\] must be an integer$"),
         ({"model": "tiny", "prompt": "x", "logit_bias": []}, r"logit_bias=\[\] must be an object$"),
         ({"model": "tiny", "prompt": "x", "user": {"a": 1}}, r"user=\{'a': 1\} must be a str$"),
@@ -93,6 +103,18 @@ def test_the_neutral_values_of_what_kvjax_does_not_implement_are_accepted():
     body = {"model": "tiny", "prompt": "hi", "n": 1, "best_of": 1, "echo": False, "top_p": 1.0,
             "frequency_penalty": 0.0, "presence_penalty": 0, "suffix": "", "stop": [], "logit_bias": {}}  # fmt: skip
     assert parse(body) == CompletionRequest("tiny", "hi", None)
+
+
+def test_stop_strings_come_as_a_string_or_a_list_as_in_openai():
+    """A string was refused and a list accepted only empty: ``stop: "\\n\\n"`` could not be sent."""
+    assert parse({"model": "tiny", "prompt": "x", "stop": "\n\n"}).stop == ("\n\n",)
+    assert parse({"model": "tiny", "prompt": "x", "stop": ["a", "bc", "d", "e"]}).stop == ("a", "bc", "d", "e")
+    assert parse({"model": "tiny", "prompt": "x", "stop": []}).stop == ()
+
+
+def test_vllm_min_tokens_and_ignore_eos_are_read():
+    request = parse({"model": "tiny", "prompt": "x", "max_tokens": 8, "min_tokens": 8, "ignore_eos": True})
+    assert request.min_tokens == 8 and request == CompletionRequest("tiny", "x", None, 8, min_tokens=8)
 
 
 def test_top_k_minus_one_means_no_limit_as_in_vllm():
@@ -167,6 +189,78 @@ def test_streaming_waits_for_the_rest_of_a_character_only():
     assert [stream.push(t) for t in [ord("a"), *euro[:2]]] == ["a", "", ""]
     assert stream.push(euro[2]) == "€"
     assert [stream.push(t) for t in [0xF8, 0xF8, ord("b")]] == ["", "\ufffd", "\ufffdb"]  # invalid bytes do not stall
+
+
+PIECES = ["Hel", "lo", " wor", "ld", "\n", "\n\n", "", "a"]  # token id -> its text, for a fake decoder
+
+
+def piece_decode(ids) -> str:
+    return "".join(PIECES[i] for i in ids)
+
+
+def test_a_stream_holds_back_what_may_begin_a_stop_string_and_never_sends_what_is_cut():
+    stream = TextStream(piece_decode, ("lo w",))
+    # "l" might begin "lo w", then "lo" too; " wor" completes it, begun in an earlier delta
+    assert [stream.push(t) for t in [0, 1, 2]] == ["He", "l", ""]
+    assert stream.finish("Hel") == "" and stream.sent == "Hel"
+
+
+def test_a_stream_sends_held_back_text_once_the_stop_string_does_not_follow():
+    stream = TextStream(piece_decode, ("\n\n", "world!"))
+    assert [stream.push(t) for t in [0, 1, 2, 3]] == ["Hel", "lo", " ", ""]  # "wor", then "world", wait
+    assert stream.push(4) == "world"  # "world\n" is not "world!"; the "\n" may begin "\n\n"
+    assert stream.push(7) == "\na"  # "\na" does not
+    assert stream.finish("Hello world\na") == ""
+
+
+def test_a_stop_string_spanning_several_tokens_cuts_the_stream_where_the_answer_ends():
+    stream = TextStream(ByteTokenizer().decode, ("\u20ac\u20ac",))  # 6 byte tokens
+    text = "a \u20ac b \u20ac\u20ac c"
+    deltas = [stream.push(t) for t in text.encode()[: text.index("\u20ac\u20ac") + 6]]
+    assert "".join(deltas) == "a \u20ac b " and deltas[-1] == ""
+    assert stream.finish("a \u20ac b ") == ""
+
+
+def reference_answer(decode, ids, stops, min_tokens):
+    """The engine's rule by brute force: (answer, tokens generated, whether a stop string ended
+    it) for a request whose tokens would be ``ids``: it ends at the first token whose text
+    holds a stop string ending past the text of its first ``min_tokens - 1`` tokens, cut where
+    the earliest such starts."""
+    floor = len(decode(ids[: min_tokens - 1]).removesuffix("\ufffd")) if min_tokens > 1 else 0
+    for count in range(max(min_tokens, 1), len(ids) + 1):
+        text = decode(ids[:count])
+        starts = [i for stop in stops for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) > floor]
+        if starts:
+            return text[: min(starts)], count, True
+    return decode(ids), len(ids), False
+
+
+def check_stream(decode, ids, stops, min_tokens, *, prompt_cut=False):
+    answer, count, stopped = reference_answer(decode, ids, stops, min_tokens)
+    stream = TextStream(decode, tuple(stops), min_tokens)
+    for token in ids[:count]:  # the engine generates no token after the one that ends the request
+        stream.push(token)
+        assert answer.startswith(stream.sent)  # no delta ever holds text the answer cuts away
+    if prompt_cut and stopped:  # and it cut no earlier: the whole answer is out before the FinishEvent
+        assert stream.sent == answer
+    stream.finish(answer)
+    assert stream.sent == answer
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.integers(0, len(PIECES) - 1), max_size=20),
+       st.lists(st.text("lo \nwra", min_size=1, max_size=4), min_size=1, max_size=4), st.integers(0, 6))
+def test_streamed_deltas_with_stop_strings_concatenate_to_the_cut_answer(ids, stops, min_tokens):
+    check_stream(piece_decode, ids, stops, min(min_tokens, len(ids)), prompt_cut=True)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 255).map(lambda b: bytes([b])), UTF8_PIECES), max_size=20),
+       st.lists(st.sampled_from(["a", "\n", "\u00e9", "a\n", "\n\u00e9", "\u20aca", "\ufffd", "\ufffda", "\u00e9\u00e9"]),
+                min_size=1, max_size=4), st.integers(0, 6))  # fmt: skip
+def test_byte_streams_with_stop_strings_concatenate_to_the_cut_answer(pieces, stops, min_tokens):
+    ids = list(b"".join(pieces))
+    check_stream(ByteTokenizer().decode, ids, stops, min(min_tokens, len(ids)))
 
 
 def test_a_wait_ends_when_its_client_leaves_and_runs_its_clean_up():

@@ -112,7 +112,8 @@ def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: Offe
             first = await unless_client_leaves(http_request.receive, wait)
             headers = {"x-kvjax-node": node_id}
             if request.stream:
-                chunks = _stream(worker, request_id, created, request, first, events, TextStream(decode), drain)
+                text = TextStream(decode, request.stop, request.min_tokens)  # cuts where the answer does
+                chunks = _stream(worker, request_id, created, request, first, events, text, drain)
                 streaming = True  # open until its last chunk went out, or its client left
                 return StreamingResponse(chunks, media_type="text/event-stream", headers=headers,
                                          background=BackgroundTask(_close_on_loop, drain, request_id))  # fmt: skip

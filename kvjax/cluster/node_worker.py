@@ -320,7 +320,7 @@ class EngineWorker:
         sampling = SamplingParams(request.temperature, request.top_k, request.seed)
         prompt = {"prompt": request.prompt} if request.prompt is not None else {"tokens": request.prompt_tokens}
         self.engine.add_request(request_id, **prompt, max_new_tokens=request.max_tokens, sampling=sampling,
-                                namespace=namespace)  # fmt: skip
+                                namespace=namespace, stop=request.stop, min_tokens=request.min_tokens)  # fmt: skip
 
     def _land_fetches(self) -> None:
         """Requests whose fetch ended: their verified pages join the cache, then the engine

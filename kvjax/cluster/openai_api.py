@@ -8,10 +8,19 @@ Accepted request fields (anything else is refused with the list of these):
   (``include_usage``), ``temperature`` (default 0: greedy, unlike OpenAI's 1, so a prompt's
   output does not depend on the node that served it), ``top_k`` (0, or -1 as in vLLM: all),
   ``seed``, ``user`` (a string);
+* ``stop``: a string or a list of strings, each non-empty, at most 4 of them as in OpenAI
+  (vLLM takes any number; every stop string is searched at every token on the engine's
+  thread, which all requests share, so the limit stands). The answer ends before the
+  earliest stop string, with ``finish_reason`` "stop"; a stream never sends text the answer
+  cuts away (it holds back text that may begin a stop string until the next tokens tell);
+* vLLM's ``min_tokens`` (an integer in [0, ``max_tokens``]; default 0): no stop string ends
+  the request before it has generated that many tokens (see
+  ``kvjax.serving.stop_strings``); vLLM's ``ignore_eos`` (a bool): accepted, and changes
+  nothing, as a node ends a request on no EOS token (only on its stop strings and length);
 * OpenAI fields kvjax does not implement are accepted only at their neutral value, and only
   of the type OpenAI gives them (``echo: 0`` and ``n: true`` are refused, not read as false
   and 1): ``n`` / ``best_of`` 1, ``echo`` false, ``top_p`` 1, ``frequency_penalty`` /
-  ``presence_penalty`` 0, ``logprobs`` null, ``suffix`` "", ``stop`` [], ``logit_bias`` {};
+  ``presence_penalty`` 0, ``logprobs`` null, ``suffix`` "", ``logit_bias`` {};
 * an explicit null is the same as a field not given, as in OpenAI and vLLM (clients that
   serialize every field send their unset ones as null);
 * ``namespace`` (kvjax's extension): the tenant whose cached blocks the request may share,
@@ -32,6 +41,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
+
+from kvjax.serving.stop_strings import StopStrings
 
 __all__ = [
     "CONTEXT_LENGTH_EXCEEDED",
@@ -65,10 +76,6 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_stop(value) -> bool:
-    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(item, str) for item in value))
-
-
 # OpenAI fields kvjax does not implement: what OpenAI's type is (checked first, so that
 # True == 1 and 0 == False cannot pass for a neutral value) and the values that ask for nothing
 _NEUTRAL = {"n": ("an integer", _is_int, (1,)), "best_of": ("an integer", _is_int, (1,)),
@@ -76,10 +83,10 @@ _NEUTRAL = {"n": ("an integer", _is_int, (1,)), "best_of": ("an integer", _is_in
             "top_p": ("a number", _is_number, (1,)), "frequency_penalty": ("a number", _is_number, (0,)),
             "presence_penalty": ("a number", _is_number, (0,)), "logprobs": ("an integer", _is_int, ()),
             "suffix": ("a string", lambda value: isinstance(value, str), ("",)),
-            "stop": ("a string or a list of strings", _is_stop, ([],)),
             "logit_bias": ("an object", lambda value: isinstance(value, dict), ({},))}  # fmt: skip
 _FIELDS = ("model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_k", "seed", "user",
-           "namespace", "remote_fetch", *_NEUTRAL)  # fmt: skip
+           "stop", "min_tokens", "ignore_eos", "namespace", "remote_fetch", *_NEUTRAL)  # fmt: skip
+MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
 class RequestError(ValueError):
@@ -109,6 +116,8 @@ class CompletionRequest:
     seed: int | None = None
     namespace: str | None = None
     remote_fetch: bool = True
+    stop: tuple[str, ...] = ()  # stop strings
+    min_tokens: int = 0
 
 
 def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, str] | None = None) -> CompletionRequest:
@@ -140,12 +149,15 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
     if not isinstance(include_usage, bool) or set(options) - {"include_usage"}:
         raise RequestError(f"stream_options={options!r}; expected {{'include_usage': bool}}", param="stream_options")
     _typed(body, "user", str, None)  # not used, but a client sending a dict there has a bug to hear about
+    _typed(body, "ignore_eos", bool, False)  # no EOS ends a node's request: true is what it does already
+    max_tokens = _int_in(body, "max_tokens", 16, 1, None)
     return CompletionRequest(
         model=model, prompt=prompt, prompt_tokens=tokens,
-        max_tokens=_int_in(body, "max_tokens", 16, 1, None), stream=stream, include_usage=include_usage,
+        max_tokens=max_tokens, stream=stream, include_usage=include_usage,
         temperature=_number_in(body, "temperature", 0.0, 0.0, 2.0), top_k=_top_k(body),
         seed=_int_in(body, "seed", None, 0, 2**32 - 1), namespace=_namespace(body, headers or {}),
-        remote_fetch=_typed(body, "remote_fetch", bool, True))  # fmt: skip
+        remote_fetch=_typed(body, "remote_fetch", bool, True), stop=_stop(body),
+        min_tokens=_min_tokens(body, max_tokens))  # fmt: skip
 
 
 def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error",
@@ -201,17 +213,25 @@ def sse(payload: dict | str) -> bytes:
 
 
 class TextStream:
-    """Text deltas of a growing token sequence, never splitting a character.
+    """Text deltas of a growing token sequence, never splitting a character, never sending
+    text past a stop string.
 
     A byte-level tokenizer can end a prefix in the middle of a UTF-8 character, which decodes
     to one U+FFFD until the rest arrives (the decoder replaces an incomplete character by a
     single U+FFFD; invalid bytes before it are final). So one trailing U+FFFD is held back
     and the deltas concatenate to the final text exactly.
+
+    With ``stop`` strings (and the request's ``min_tokens``) the text is cut where the
+    engine cuts the answer (the same ``StopStrings`` finds it), and an end of the text that
+    begins a stop string waits until the next tokens complete it (it is cut away) or not (it
+    is sent): for a decoder whose text of a prefix is a prefix of the later text (a
+    byte-level one), no delta holds text the final answer leaves out.
     """
 
-    def __init__(self, decode):
+    def __init__(self, decode, stop: tuple[str, ...] = (), min_tokens: int = 0):
         self._decode = decode
         self._ids: list[int] = []
+        self._stop = StopStrings(stop, decode, min_tokens) if stop else None
         self.sent = ""
 
     def push(self, token_id: int) -> str:
@@ -220,12 +240,16 @@ class TextStream:
         text = self._decode(self._ids)
         if text.endswith("\ufffd"):
             text = text[:-1]
+        if self._stop is not None:
+            cut = self._stop.find(text, self._ids)
+            text = text[: len(text) - self._stop.held_back(text)] if cut is None else text[:cut]
         delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
         self.sent += delta
         return delta
 
     def finish(self, final_text: str) -> str:
-        """The rest of ``final_text`` (the whole output decoded) not sent yet."""
+        """The rest of ``final_text`` (the answer: the whole output decoded, cut before a stop
+        string) not sent yet."""
         delta = final_text[len(self.sent) :] if final_text.startswith(self.sent) else ""
         self.sent += delta
         return delta
@@ -257,6 +281,30 @@ def _prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:
         return None, tuple(prompt)
     raise RequestError(f"prompt={_short(prompt)} must be a string, a list of one string or a non-empty list of "
                        "token ids", param="prompt")  # fmt: skip
+
+
+def _stop(body: Mapping) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(stop, str) and stop for stop in stops):
+        raise RequestError(f"stop={_short(value)} must be a non-empty string or a list of non-empty strings",
+                           param="stop")  # fmt: skip
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are accepted (OpenAI's limit)",
+                           param="stop")  # fmt: skip
+    return tuple(stops)
+
+
+def _min_tokens(body: Mapping, max_tokens: int) -> int:
+    value = body.get("min_tokens")
+    if value is None:
+        return 0
+    if not _is_int(value) or not 0 <= value <= max_tokens:
+        raise RequestError(f"min_tokens={_short(value)} must be an integer in [0, max_tokens={max_tokens}]",
+                           param="min_tokens")  # fmt: skip
+    return value
 
 
 def _namespace(body: Mapping, headers: Mapping[str, str]) -> str | None:
