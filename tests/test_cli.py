@@ -90,7 +90,13 @@ BAD_INPUT = [
     (["replay", "{good.jsonl}", "--device-blocks", "8", "--block-tokens", "0"], 2,
      r"argument --block-tokens: 0 must be >= 1"),
     (["replay", "{good.jsonl}"], 2, r"the following arguments are required: --device-blocks"),
-    (["serve-everything"], 2, r"invalid choice: 'serve-everything'"),
+    # write-through copies every block to the host tier: without one it meant nothing, and ran
+    (["replay", "{good.jsonl}", "--device-blocks", "8", "--write-through"], 2,
+     r"kvjax replay: error: --write-through needs a host tier \(--host-blocks M with M >= 1\)"),
+    (["replay", "{good.jsonl}", "--device-blocks", "8", "--write-through", "--host-blocks", "0"], 2,
+     r"--write-through needs a host tier"),
+    (["replay", "{good.jsonl}", "--device-blocks", "8", "--write-through", "--nodes", "2"], 2,
+     r"--write-through needs a host tier"),
 ]
 
 

@@ -41,7 +41,8 @@ def add_subcommand(subparsers) -> None:
     replay.add_argument("--disk-blocks", type=_non_negative_int, default=0, metavar="K",
                         help="disk tier capacity in blocks (default: 0, no disk tier)")  # fmt: skip
     replay.add_argument("--write-through", action="store_true",
-                        help="write every used block to the host (default: write-back on eviction)")  # fmt: skip
+                        help="write every used block to the host (default: write-back on eviction); "
+                             "needs --host-blocks")  # fmt: skip
     replay.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                         help=f"eviction policy (default: {DEFAULT_POLICY})")  # fmt: skip
     replay.add_argument("--block-tokens", type=_positive_int, default=MOONCAKE_BLOCK_TOKENS,
@@ -53,12 +54,17 @@ def add_subcommand(subparsers) -> None:
 
 
 def run_replay(args: argparse.Namespace, out=None, err=None) -> int:
-    """Runs the parsed ``replay`` command; 0 on success, 2 for a bad or unreadable trace or a
-    capacity out of range, 1 (with a warning) for a trace without requests."""
+    """Runs the parsed ``replay`` command; 0 on success, 2 for a bad or unreadable trace, a
+    capacity out of range or ``--write-through`` without a host tier, 1 (with a warning) for a
+    trace without requests."""
     out, err = out or sys.stdout, err or sys.stderr  # looked up now: tests swap them
     if cluster_options_without_nodes(args):
         print(f"kvjax replay: error: {', '.join(cluster_options_without_nodes(args))}: cluster options; add --nodes N",
               file=err)  # fmt: skip
+        return 2
+    if args.write_through and not args.host_blocks:  # it copies every block to the host tier: there is none
+        print("kvjax replay: error: --write-through needs a host tier (--host-blocks M with M >= 1); "
+              "without one there is nowhere to write blocks through to", file=err)  # fmt: skip
         return 2
     try:
         requests = load_trace(args.trace, block_tokens=args.block_tokens)
