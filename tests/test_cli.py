@@ -18,6 +18,7 @@ from engine_cases import write_preset
 
 from kvjax.__main__ import main
 from kvjax.tools.cli import CommandError, run_command
+from kvjax.tools.demo_report import check_plot_path
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD_LINE = json.dumps({"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [0]})
@@ -97,6 +98,18 @@ BAD_INPUT = [
      r"--write-through needs a host tier"),
     (["replay", "{good.jsonl}", "--device-blocks", "8", "--write-through", "--nodes", "2"], 2,
      r"--write-through needs a host tier"),
+    # an infinite rate ran, and wrote "Infinity" into the --json line (not JSON)
+    (["replay", "{good.jsonl}", "--device-blocks", "8", "--nodes", "2", "--prefill-tokens-per-s", "inf"], 2,
+     r"prefill_tokens_per_s=inf must be a finite number > 0"),
+    (["replay", "{good.jsonl}", "--device-blocks", "8", "--nodes", "2", "--decode-tokens-per-s", "inf"], 2,
+     r"decode_tokens_per_s=inf must be a finite number > 0"),
+    (["replay", "{good.jsonl}", "--device-blocks", "8", "--nodes", "2", "--link-bytes-per-s", "inf"], 2,
+     r"link_bytes_per_s=inf must be a finite number > 0"),
+    # every session thread died in time.sleep with a traceback, and the demo exited 0
+    (["cluster-demo", "--arrival-ms", "inf"], 2,
+     r"kvjax cluster-demo: error: arrival_ms=inf must be in \[0, 3600000\] \(milliseconds between sessions"),
+    (["cluster-demo", "--arrival-ms", "1e300"], 2, r"arrival_ms=1e\+300 must be in \[0, 3600000\]"),
+    (["serve-everything"], 2, r"invalid choice: 'serve-everything'"),
 ]
 
 
@@ -181,3 +194,16 @@ def test_the_real_entry_point_prints_one_line(tmp_path):
     assert result.stderr.splitlines() == [
         "kvjax demo: error: preset 'nope' is not a shipped preset; expected one of ['tiny'] or the path "
         "of a .toml file"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc (Linux), a folder where no file can be made")
+def test_a_plot_path_that_cannot_be_written_is_refused_before_the_demo_runs(tmp_path, capsys):
+    """It was found when the plot was saved, after both runs of the workload (minutes)."""
+    with pytest.raises(ValueError, match=r"plot path '/proc/kvjax_ttft.png' cannot be written \(.+\); "
+                                         r"expected a file in a folder you can write"):  # fmt: skip
+        check_plot_path("/proc/kvjax_ttft.png")
+    check_plot_path(tmp_path / "new.png")  # the check leaves nothing behind ...
+    assert not (tmp_path / "new.png").exists()
+    (tmp_path / "old.png").write_bytes(b"an earlier plot")
+    check_plot_path(tmp_path / "old.png")  # ... and changes no file that is there
+    assert (tmp_path / "old.png").read_bytes() == b"an earlier plot"

@@ -57,7 +57,7 @@ def test_a_differing_text_is_named():
     "argv, message",
     [
         (["--nodes", "0"], "kvjax cluster-demo: error: nodes=0 must be an int >= 1"),
-        (["--arrival-ms", "-5"], "error: arrival_ms=-5.0 must be >= 0 (milliseconds between sessions)"),
+        (["--arrival-ms", "-5"], "error: arrival_ms=-5.0 must be in [0, 3600000] (milliseconds between sessions"),
         (["--router", "fastest"], "error: strategies=['fastest']; expected some of ['prefix', 'least_loaded', "),
         (["--preset", "nosuch"], "error: preset 'nosuch' is not a shipped preset"),  # before any process starts
     ],

@@ -215,7 +215,7 @@ def test_bad_settings_are_refused_before_replaying():
         ClusterSpec(2, 10, pooled=1)
     with pytest.raises(ValueError, match="device_blocks=0 must be an int in"):
         cluster_replay(TWO_CONVERSATIONS, ClusterSpec(2, 0))
-    with pytest.raises(ValueError, match=r"prefill_tokens_per_s=0 must be a number > 0 \(tokens per second\)"):
+    with pytest.raises(ValueError, match=r"prefill_tokens_per_s=0 must be a finite number > 0 \(tokens per second\)"):
         ServiceModel(prefill_tokens_per_s=0)
     # the one cache of the cluster's capacity was checked only after every request had replayed
     with pytest.raises(ValueError, match=r"nodes x device_blocks = 3 x 1000000000 = 3000000000 blocks exceeds"):
@@ -296,7 +296,7 @@ def test_cli_without_nodes_is_the_single_node_replay(tmp_path, capsys):
     [
         (["--router", "prefix"], "kvjax replay: error: --router: cluster options; add --nodes N"),
         (["--nodes", "0"], "kvjax replay: error: nodes=0 must be an int >= 1"),
-        (["--nodes", "2", "--decode-tokens-per-s", "-1"], "decode_tokens_per_s=-1.0 must be a number > 0"),
+        (["--nodes", "2", "--decode-tokens-per-s", "-1"], "decode_tokens_per_s=-1.0 must be a finite number > 0"),
         (["--nodes", "2", "--imbalance-abs", "-1"], "imbalance_abs=-1.0 and imbalance_rel=0.5 must be >= 0"),
         (["--nodes", "2", "--share-slack-rel", "-1"], "share_slack_abs=2.0 must be >= 1 (requests) and "
                                                       "share_slack_rel=-1.0 >= 0"),

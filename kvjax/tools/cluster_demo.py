@@ -62,6 +62,7 @@ _REFERENCE = "one uncached node"
 _NO_FETCH = ", no fetch"
 _NEEDS = ("fastapi", "uvicorn", "httpx", "redis", "prometheus_client")
 _MODEL = "tiny"
+_MAX_ARRIVAL_MS = 3_600_000  # an hour between sessions: beyond it a demo runs for days (and time.sleep overflows)
 DEMO_WORKLOAD = WorkloadSpec(system_prompt_chars=1400)
 """The built-in workload with system prompts long enough that prefill, not the HTTP hops,
 decides time to first token on CPU (measured: TTFT p50 85 ms routed by prefix, 143 ms round
@@ -96,8 +97,8 @@ def run_cluster_demo(nodes: int = 2, *, out=sys.stdout, preset: str = "tiny", ar
                      strategies: tuple[str, ...] = DEMO_STRATEGIES) -> ClusterDemoResult:  # fmt: skip
     """Runs the demo (see the module docstring) and prints its table to ``out``.
 
-    ValueError naming the value for ``nodes`` < 1, ``arrival_ms`` < 0 or an unknown strategy;
-    ModuleNotFoundError naming the missing packages; RuntimeError (with the log's path) if a
+    ValueError naming the value for ``nodes`` < 1, ``arrival_ms`` outside [0, an hour] or an
+    unknown strategy; ModuleNotFoundError naming the missing packages; RuntimeError (with the log's path) if a
     process does not start.
     """
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
@@ -105,8 +106,9 @@ def run_cluster_demo(nodes: int = 2, *, out=sys.stdout, preset: str = "tiny", ar
     unknown = [strategy for strategy in strategies if strategy not in STRATEGIES]
     if unknown or not strategies:
         raise ValueError(f"strategies={list(strategies)!r}; expected some of {list(STRATEGIES)}")
-    if not arrival_ms >= 0:
-        raise ValueError(f"arrival_ms={arrival_ms!r} must be >= 0 (milliseconds between sessions)")
+    if not 0 <= arrival_ms <= _MAX_ARRIVAL_MS:  # inf or 1e300 killed every session's thread in time.sleep
+        raise ValueError(f"arrival_ms={arrival_ms!r} must be in [0, {_MAX_ARRIVAL_MS}] (milliseconds between "
+                         "sessions, at most an hour)")  # fmt: skip
     missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
     if missing:
         raise ModuleNotFoundError(f"the cluster demo needs {', '.join(missing)}: pip install 'kvjax[cluster]'")
@@ -290,7 +292,8 @@ def add_subcommand(subparsers) -> None:
                                    description=_first_paragraph(__doc__))  # fmt: skip
     parser.add_argument("--nodes", type=int, default=2, help="serving nodes (default: %(default)s)")
     parser.add_argument("--preset", default="tiny", help="configs/<preset>.toml of every node (default: %(default)s)")
-    parser.add_argument("--arrival-ms", type=float, default=100.0, help="ms between sessions (default: %(default)s)")
+    parser.add_argument("--arrival-ms", type=float, default=100.0,
+                        help="ms between sessions, at most an hour (default: %(default)s)")
     parser.add_argument("--router", nargs="+", default=list(DEMO_STRATEGIES), metavar="STRATEGY",
                         help=f"routing strategies to run, of {list(STRATEGIES)} (default: %(default)s)")
     parser.add_argument("--log-dir", help="where the processes' logs go (default: a new temporary directory)")

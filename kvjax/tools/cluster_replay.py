@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,8 +121,8 @@ class ServiceModel:
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "decode_tokens_per_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}={value!r} must be a number > 0 (tokens per second)")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name}={value!r} must be a finite number > 0 (tokens per second)")
 
     def describe(self) -> str:
         return (f"service-time model: a node prefills one request at a time at {self.prefill_tokens_per_s:,.0f} "
@@ -144,10 +145,10 @@ class FetchModel:
     def __post_init__(self) -> None:
         for name in ("kv_bytes_per_token", "link_bytes_per_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}={value!r} must be a number > 0")
-        if not self.latency_s >= 0:
-            raise ValueError(f"latency_s={self.latency_s!r} must be >= 0 seconds")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name}={value!r} must be a finite number > 0")
+        if not 0 <= self.latency_s < math.inf:
+            raise ValueError(f"latency_s={self.latency_s!r} must be a finite number >= 0 (seconds)")
 
     def cost_ratio(self, service: ServiceModel) -> float:
         """Seconds to fetch a token's KV over seconds to prefill it (the router's

@@ -4,6 +4,7 @@ comparing the two runs, and the time-to-first-token plot (matplotlib, optional).
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -116,7 +117,8 @@ def headline(demo) -> str:
 
 def check_plot_path(path) -> None:
     """ValueError unless a plot can be written at ``path``: not a folder, in a folder that
-    exists, with an extension matplotlib writes (checked when matplotlib is installed)."""
+    exists and, when matplotlib is installed (else the plot is skipped), with an extension it
+    writes and a file that can be opened for writing (tried; a new one is removed again)."""
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"plot path {str(path)!r} is a folder; expected a file name such as ttft.png")
@@ -128,6 +130,16 @@ def check_plot_path(path) -> None:
     if formats is not None and target.suffix.lower().lstrip(".") not in formats:
         raise ValueError(f"plot path {str(path)!r} ends in {target.suffix or 'no extension'!r}; "
                          f"expected one of {', '.join('.' + f for f in sorted(formats))}")
+    if formats is None:  # no matplotlib: the plot is skipped, nothing is written
+        return
+    existed = target.exists()
+    try:  # opened for append, not written: a file there is left as it is (non-blocking: a FIFO fails, not hangs)
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NONBLOCK", 0), 0o666))
+    except OSError as error:  # found only at savefig, after both runs of the workload
+        raise ValueError(f"plot path {str(path)!r} cannot be written ({error.strerror or error}); "
+                         "expected a file in a folder you can write") from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 def plot_ttft(demo, path: str) -> str:
