@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 from engine_cases import BLOCKS, PAGE, SCHEDULER, dense_greedy, make_engine, random_prompts
 
+from kvjax.cache.allocator import fragmentation
 from kvjax.cache.cost_model import CostModel
 from kvjax.serving.engine_events import FinishEvent
 from kvjax.serving.scheduler_config import SchedulerConfig
@@ -202,3 +203,60 @@ def test_host_pages_recomputed_instead_of_fetched_miss_as_recomputed():
     assert recomputed == 12 - device // PAGE > 0 and "host" not in finish.hit_tokens_by_tier  # ... not fetched
     assert finish.miss_tokens_by_cause == {"recomputed": len(again) - device}
     assert finish.output_token_ids.tolist() == dense_greedy(again, 2)
+
+
+class _WalkCounter(dict):
+    """The device index's live sequences, counting every walk over them."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.walks = 0
+
+    def values(self):
+        self.walks += 1
+        return super().values()
+
+    def items(self):
+        self.walks += 1
+        return super().items()
+
+    def __iter__(self):
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_each_cancellation_sets_exact_gauges_without_walking_the_live_sequences():
+    # cancel refreshed the gauges by walking every running sequence (fragmentation): cancelling
+    # them all was quadratic. The figures after each cancellation are recomputed here from the
+    # requests themselves.
+    rng = np.random.default_rng(5)
+    scheduler = SchedulerConfig(max_num_seqs=12, token_budget=64, max_prefill_chunk=32, max_waiting=256)
+    with make_engine(scheduler=scheduler) as engine:
+        for i in range(60):  # prompts of 1-5 tokens: last pages filled to different depths
+            tokens = rng.integers(0, 256, int(rng.integers(1, 6))).astype(np.int32)
+            assert engine.add_request(f"r{i}", tokens=tokens, max_new_tokens=int(rng.integers(8, 20)),
+                                      namespace=f"own{i}")  # fmt: skip
+        finished = set()
+        for _ in range(3):  # prefills and decodes: sequences of different lengths
+            finished |= set(_finishes(engine.step()))
+        running = set(engine.scheduler.running)
+        waiting = {f"r{i}" for i in range(60)} - running - finished
+        assert len(running) == 12 and len(waiting) > 40 and not finished
+        index = engine.cache.index
+        index._handles = live = _WalkCounter(index._handles)
+        page = engine.cache.page_size
+        for rid in rng.permutation(sorted(running | waiting)):
+            assert engine.cancel(rid)
+            running.discard(rid), waiting.discard(rid)
+            handles = [engine.scheduler.get(r).handle for r in sorted(running)]
+            gauges = engine.metrics.to_json()["gauges"]
+            assert (gauges["running_sequences"], gauges["queued_requests"]) == (len(running), len(waiting))
+            assert gauges["pool_fragmentation_ratio"] == fragmentation(
+                [h.num_tokens for h in handles], [len(h.block_ids) for h in handles], page)
+            allocator = engine.cache.allocator
+            assert gauges["pool_occupancy_ratio"]["device"] == (allocator.num_blocks - allocator.num_free) / BLOCKS
+        assert live.walks == 0  # no cancellation walked the live sequences
+        index._handles = dict(index._handles)
+        engine.cache.check_invariants()
+        assert {f.status for f in _finishes(engine.run(summary=False)).values()} <= {"cancelled", "finished"}
+

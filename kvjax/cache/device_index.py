@@ -149,6 +149,9 @@ class DeviceIndex:
         self.dropped: list[DroppedNode] = []  # pages with host/disk copies that left the trie
         self._stats = CacheStats()
         self._handles: dict[int, SeqHandle] = {}
+        # tokens and blocks of the live handles, kept as they change (admit, extend, release):
+        # fragmentation() is O(1), so a gauge refresh after each cancellation is too
+        self._live_tokens = self._live_blocks = 0
         self._pins: dict[tuple[Namespace, bytes], list[Node]] = {}  # -> deepest node of each pin
         self._seq_ids = itertools.count()
 
@@ -250,6 +253,8 @@ class DeviceIndex:
         handle = SeqHandle(next(self._seq_ids), admission.namespace, len(admission.buf) // 4, num_hit,
                            self.page_size, table, admission.buf, admission.tail)  # fmt: skip
         self._handles[handle.seq_id] = handle
+        self._live_tokens += handle.num_tokens
+        self._live_blocks += len(table)
         if count:
             self._count_admission(handle, admission.lower_pages)
         return handle
@@ -273,6 +278,8 @@ class DeviceIndex:
                     return False
                 self.reclaim(missing - free)
             handle.block_ids = np.concatenate((handle.block_ids, allocator.allocate(missing)))
+            self._live_blocks += missing
+        self._live_tokens += num_tokens - handle.num_tokens
         handle.num_tokens = num_tokens
         return True
 
@@ -312,6 +319,8 @@ class DeviceIndex:
             self.trie.unlock(handle._tail, self.clock())
         handle._alive = False
         del self._handles[handle.seq_id]
+        self._live_tokens -= handle.num_tokens
+        self._live_blocks -= len(table)
 
     # --- eviction and pins ------------------------------------------------------------------
 
@@ -458,10 +467,10 @@ class DeviceIndex:
         return self._stats
 
     def fragmentation(self) -> float:
-        """Fraction of live sequences' token slots that hold no token (partial last pages)."""
-        handles = list(self._handles.values())
-        return fragmentation([h.num_tokens for h in handles], [len(h.block_ids) for h in handles],
-                             self.page_size)  # fmt: skip
+        """Fraction of live sequences' token slots that hold no token (partial last pages);
+        O(1), from totals kept as sequences change (``check_invariants`` recounts them)."""
+        slots = self._live_blocks * self.page_size
+        return 0.0 if slots == 0 else float(slots - self._live_tokens) / slots
 
     @property
     def num_sequences(self) -> int:
@@ -471,10 +480,11 @@ class DeviceIndex:
         """Raise RuntimeError unless every documented invariant holds. Changes nothing.
 
         Every block is in exactly one state (referenced / cached-unreferenced / empty-free);
-        refcounts equal the holds of live handles; each node's lock count equals the live
-        handles whose path crosses it and its hard pins the pins whose path does; every trie
-        page's block is owned by the trie (not free, not private to a sequence); locked and
-        pinned nodes are still on device (the trie's own checks cover structure and counters).
+        refcounts equal the holds of live handles, and the running totals of their tokens and
+        blocks their sums; each node's lock count equals the live handles whose path crosses it
+        and its hard pins the pins whose path does; every trie page's block is owned by the
+        trie (not free, not private to a sequence); locked and pinned nodes are still on device
+        (the trie's own checks cover structure and counters).
         """
         self.allocator.check_invariants()
         trie_blocks = self.trie.check_invariants()
@@ -497,6 +507,14 @@ class DeviceIndex:
         for nodes in self._pins.values():
             for node in nodes:
                 _count_path(node, pins)
+        handles = list(self._handles.values())
+        tokens, blocks = sum(h.num_tokens for h in handles), sum(len(h.block_ids) for h in handles)
+        if (self._live_tokens, self._live_blocks) != (tokens, blocks):
+            raise RuntimeError(f"live sequences hold {tokens} tokens in {blocks} blocks; the running totals "
+                               f"say {self._live_tokens} in {self._live_blocks}")  # fmt: skip
+        if self.fragmentation() != fragmentation([h.num_tokens for h in handles],
+                                                 [len(h.block_ids) for h in handles], self.page_size):
+            raise RuntimeError("fragmentation() disagrees with the live sequences")
         for node in self.trie.nodes():
             if (node.lock, node.hard_pins) != (locks.get(id(node), 0), pins.get(id(node), 0)):
                 raise RuntimeError(f"node at page {node.first_page} has lock={node.lock}, "
