@@ -80,6 +80,8 @@ def test_health_models_and_metrics(node_url):
     assert metrics.headers["content-type"].startswith("text/plain")
     assert "kvjax_ttft_seconds" in metrics.text and "kvjax_node_inflight_requests" in metrics.text
     assert "kvjax_node_directory_resyncs_total" in metrics.text
+    occupancy = [line.split(" ")[0] for line in metrics.text.splitlines() if line.startswith("kvjax_pool_occupancy")]
+    assert occupancy == ['kvjax_pool_occupancy_ratio{tier="device"}']  # the node has no tiers: no 0.0 for them
 
 
 def test_the_openai_client_retrieves_the_model_and_hears_of_an_unknown_one(client):

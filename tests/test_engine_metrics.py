@@ -260,3 +260,14 @@ def test_each_cancellation_sets_exact_gauges_without_walking_the_live_sequences(
         engine.cache.check_invariants()
         assert {f.status for f in _finishes(engine.run(summary=False)).values()} <= {"cancelled", "finished"}
 
+
+def test_occupancy_is_exported_for_the_tiers_the_cache_has_and_from_the_start(tmp_path):
+    # an engine without host and disk tiers exported their occupancy as 0.0, as if they were there and empty
+    with make_engine() as engine:
+        assert engine.metrics.to_json()["gauges"]["pool_occupancy_ratio"] == {"device": 0.0, "host": None, "disk": None}
+        lines = [line for line in engine.metrics.prometheus_text().splitlines()
+                 if line.startswith("kvjax_pool_occupancy_ratio")]  # fmt: skip
+        assert lines == ['kvjax_pool_occupancy_ratio{tier="device"} 0.0']
+    with make_engine(host_bytes=BLOCKS * 8 * 1024, disk_dir=str(tmp_path), disk_bytes=1 << 20) as engine:
+        occupancy = engine.metrics.to_json()["gauges"]["pool_occupancy_ratio"]
+        assert occupancy == {"device": 0.0, "host": 0.0, "disk": 0.0}

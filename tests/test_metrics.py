@@ -221,6 +221,21 @@ def test_prometheus_text_parses_back_with_the_same_values():
 
 
 @needs_prometheus
+def test_a_tier_whose_occupancy_was_never_set_has_no_sample():
+    # every tier read 0.0 ("there and empty") on a cache without host or disk tiers
+    m = known_run()  # the device's occupancy alone is set
+    assert m.to_json()["gauges"]["pool_occupancy_ratio"] == {"device": 0.75, "host": None, "disk": None}
+    samples = parse(m.prometheus_text())["kvjax_pool_occupancy_ratio"].samples
+    assert [(s.labels, s.value) for s in samples] == [({"tier": "device"}, 0.75)]
+    rows = table_rows(m.summary_table())
+    assert rows["pool_occupancy_ratio (device)"] == ["75.0%"] and "pool_occupancy_ratio (disk)" not in rows
+    m.set("pool_occupancy_ratio", 0.0, tier="disk")  # a disk tier that is there and empty
+    samples = parse(m.prometheus_text())["kvjax_pool_occupancy_ratio"].samples
+    assert {s.labels["tier"]: s.value for s in samples} == {"device": 0.75, "disk": 0.0}
+    assert Metrics().to_json()["gauges"]["queued_requests"] == 0.0  # an unlabelled gauge starts at 0
+
+
+@needs_prometheus
 def test_serve_prometheus_answers_on_loopback_and_stops():
     m = known_run()
     server = m.serve_prometheus(port=0)

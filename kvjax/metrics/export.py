@@ -8,7 +8,9 @@ returns the server so it can be shut down), imported on first use: the library r
 it, and only ``prometheus_text()`` / ``serve_prometheus()`` need it. Names: ``kvjax_<name>``;
 counters are exposed as ``kvjax_<name>_total``; latencies as summaries with ``quantile`` labels
 0.5/0.9/0.99 plus ``_count`` and ``_sum``; the overall token and block hit rates as the gauges
-``kvjax_token_hit_ratio`` and ``kvjax_block_hit_ratio`` (NaN before any lookup).
+``kvjax_token_hit_ratio`` and ``kvjax_block_hit_ratio`` (NaN before any lookup). A labelled
+gauge series that was never set (None in the snapshot: the occupancy of a tier the cache does
+not have) gets no sample, and no table row when no run has it.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ def _value_family(family_type, spec: MetricSpec, value):
         return family_type(_PREFIX + spec.name, spec.help, value=value)
     family = family_type(_PREFIX + spec.name, spec.help, labels=[spec.label])
     for label_value, series_value in value.items():
-        family.add_metric([label_value], series_value)
+        if series_value is not None:  # a gauge series never set (a tier the cache lacks): no sample
+            family.add_metric([label_value], series_value)
     return family
 
 

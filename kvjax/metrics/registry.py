@@ -15,6 +15,10 @@ Three views of one snapshot:
   summaries with ``quantile`` labels (see ``kvjax.metrics.export``);
 * ``summary_table()``: a fixed-width table for the end of a run, one or two runs side by side.
 
+Counters and unlabelled gauges start at 0. A labelled gauge's series start unset: a series never
+set (``pool_occupancy_ratio`` of a tier the cache does not have) is None in ``to_json()``, has
+no Prometheus sample and no table row, so a dashboard can tell a missing tier from an empty one.
+
 Latency percentiles come from ``LatencyHistogram`` (exact up to 4,096 samples per series,
 then log buckets with relative error <= 1%).
 
@@ -81,7 +85,9 @@ class Metrics:
         self._histogram_options = {"relative_error": relative_error, "exact_samples": exact_samples}
         LatencyHistogram(**self._histogram_options)  # validate the options now, not on first use
         self._counters = {s.name: _series(s, 0) for s in METRICS if s.kind == "counter"}
-        self._gauges = {s.name: _series(s, 0.0) for s in METRICS if s.kind == "gauge"}
+        # a labelled gauge's series start unset (None): its label values are what may be there
+        # (a tier the cache lacks is never set, and exports no sample rather than a 0)
+        self._gauges = {s.name: _series(s, None if s.label else 0.0) for s in METRICS if s.kind == "gauge"}
         self._latencies = {
             s.name: _series(s, None, lambda: LatencyHistogram(**self._histogram_options))
             for s in METRICS

@@ -103,6 +103,9 @@ class Engine:
         swap_slots = self.scheduler_config.host_swap_blocks
         self.swap_store = SwapStore(self.pool, swap_slots, cache.config.transfer_buckets) if swap_slots else None
         self.observer = EngineObserver(self.metrics, page_size, cache)
+        # the gauges as they are from the start: the tiers the cache has read their occupancy
+        # (0 before any step), those it lacks have no series (see kvjax.metrics.registry)
+        self.observer.on_gauges(self.scheduler, cache)
         self._records: dict[str, RequestRecord] = {}
         self._pending: list[Event] = []  # events produced between steps (cancellations)
         self._num_added = 0

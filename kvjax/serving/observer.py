@@ -16,14 +16,15 @@ engine's clock or in tokens / blocks:
   computed full pages and its template fingerprint are remembered for the miss attribution
   of later requests;
 * per step: ``prefill_tokens`` and ``decode_tokens`` computed, ``preemptions``,
-  ``rejections``, and (also at a cancellation) the gauges ``running_sequences``, ``queued_requests``,
-  ``pool_occupancy_ratio`` per tier (device: the allocator's occupancy, blocks that are not
-  empty-free / pool blocks, cached KV included, as its watermarks count them; host blocks;
-  disk bytes) and ``pool_fragmentation_ratio``; from the step's ``TierReport``:
-  ``fetch_seconds`` by tier, ``fetch_failures``, ``disk_errors``, ``spilled_blocks`` /
-  ``spilled_bytes`` by link. A step whose model run failed computed nothing, but the rest
-  is recorded all the same: its preemptions and rejections stand, and its ``TierReport``
-  was taken from the cache, which reports each transfer once.
+  ``rejections``, and (also at a cancellation) the gauges ``running_sequences``,
+  ``queued_requests``, ``pool_occupancy_ratio`` per tier the cache has (device: the
+  allocator's occupancy, blocks that are not empty-free / pool blocks, cached KV included, as
+  its watermarks count them; host blocks; disk bytes; a tier it lacks has no series) and
+  ``pool_fragmentation_ratio``; from the step's ``TierReport``: ``fetch_seconds`` by tier,
+  ``fetch_failures``, ``disk_errors``, ``spilled_blocks`` / ``spilled_bytes`` by link. A step
+  whose model run failed computed nothing, but the rest is recorded all the same: its
+  preemptions and rejections stand, and its ``TierReport`` was taken from the cache, which
+  reports each transfer once.
 """
 
 from __future__ import annotations
