@@ -1,8 +1,10 @@
 """The engine's bookkeeping per request (times, hits, misses) and what it writes to Metrics.
 
 The observer is the one writer of metrics: the cache reports (``AdmissionReport`` per
-sequence, ``TierReport`` per step) and the observer records. Recorded, all in seconds on the
-engine's clock or in tokens / blocks:
+sequence, ``TierReport`` per step) and the observer records. Recorded, in seconds on the
+engine's clock (``fetch_seconds`` excepted: the cache times its transfers on
+``time.monotonic``, the engine clock's default, whatever clock the engine was given) or in
+tokens / blocks:
 
 * at a request's first step (its first admission, once a fetch of its cached prefix has
   landed: its hits are final then): ``queue_seconds``, so the fetch's wait counts as queueing
