@@ -579,3 +579,19 @@ def test_events_end_at_a_blank_line_with_lf_or_crlf_line_ends(data, end):
     """SSE allows CRLF line ends; the router looked for LF ones only, and held a CRLF-framed
     stream back until it ended."""
     assert _after_last_event(data) == end
+
+
+def test_the_router_reads_the_cluster_record_again_after_redis_lost_it(directory):
+    """Redis lost its data and nodes of another model registered: a router that kept the first
+    record for good answered 404 to the model now served (and keyed prompts with the old page
+    size) until it was restarted."""
+    directory.register("n1", "http://127.0.0.1:1", ClusterInfo("tiny", 16))
+    fresh, kept = RouterService(directory, cluster_refresh_s=0), RouterService(directory, cluster_refresh_s=3600)
+    assert fresh.cluster().model == kept.cluster().model == "tiny"
+    directory.client.delete(*directory.client.keys(f"{directory.prefix}:*"))  # Redis lost this prefix's data
+    assert fresh.cluster().model == "tiny"  # no record for now: the last one stays
+    directory.register("n2", "http://127.0.0.1:1", ClusterInfo("other", 32))
+    assert (fresh.cluster().model, fresh.cluster().page_size) == ("other", 32)
+    assert kept.cluster().model == "tiny"  # read again only once it is cluster_refresh_s old
+    with pytest.raises(ValueError, match=r"cluster_refresh_s=-1 must be a finite number of seconds >= 0"):
+        RouterService(directory, cluster_refresh_s=-1)

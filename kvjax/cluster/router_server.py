@@ -39,6 +39,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -74,6 +75,7 @@ from kvjax.text.tokens import validate_tokens
 __all__ = ["RouterService", "create_router_app", "directory_down", "router_drain"]
 
 _LOG = logging.getLogger(__name__)
+CLUSTER_REFRESH_S = 5.0  # how old a router's copy of the cluster record may get
 _ROUTES = "POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics"
 _EVENT_END = b"\n\n"  # ends a server-sent event (kvjax's nodes)
 _CRLF_EVENT_END = b"\r\n\r\n"  # the same, with the CRLF line ends SSE allows too
@@ -83,11 +85,17 @@ _ERROR_EVENT = b'data: {"error"'  # how a node's stream that failed starts its e
 class RouterService:
     """Routing decisions against ``directory`` with ``policy``; thread-safe."""
 
-    def __init__(self, directory: Directory, policy: RoutingPolicy | None = None, *, max_attempts: int = 3):
+    def __init__(self, directory: Directory, policy: RoutingPolicy | None = None, *, max_attempts: int = 3,
+                 cluster_refresh_s: float = CLUSTER_REFRESH_S):  # fmt: skip
         if not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts={max_attempts!r} must be an int >= 1")
+        if isinstance(cluster_refresh_s, bool) or not isinstance(cluster_refresh_s, (int, float)) \
+                or not 0 <= cluster_refresh_s < math.inf:  # fmt: skip
+            raise ValueError(f"cluster_refresh_s={cluster_refresh_s!r} must be a finite number of seconds >= 0")
         self.directory, self.policy, self.max_attempts = directory, policy or RoutingPolicy(), max_attempts
+        self.cluster_refresh_s = float(cluster_refresh_s)
         self._cluster: ClusterInfo | None = None
+        self._cluster_read_at = -math.inf  # time.monotonic() of the last read of the record
         self._lock = threading.Lock()
         self.registry = prometheus_client.CollectorRegistry()
         self.routed = prometheus_client.Counter("kvjax_router_requests", "Requests sent to a node, by reason",
@@ -100,16 +108,23 @@ class RouterService:
                                                         ["node"], registry=self.registry)  # fmt: skip
 
     def cluster(self) -> ClusterInfo:
-        """The cluster record the nodes registered (cached once found)."""
+        """The cluster record the nodes registered, read again once it is ``cluster_refresh_s``
+        old: after Redis lost its data, nodes of another model (or page size) may register a new
+        one, and a record kept for good answered 404 to the model served and keyed prompts with
+        the old page size until the router restarted. A failed read keeps the last record."""
         with self._lock:
-            if self._cluster is None:
+            now = time.monotonic()
+            if self._cluster is None or now - self._cluster_read_at >= self.cluster_refresh_s:
                 try:
-                    self._cluster = self.directory.cluster_info()
+                    found = self.directory.cluster_info()
                 except redis.RedisError as error:
-                    raise directory_down(self.directory, error) from None
-                if self._cluster is None:
+                    if self._cluster is None:
+                        raise directory_down(self.directory, error) from None
+                    found = None  # the lookup that follows says whether Redis is down
+                if found is None and self._cluster is None:
                     raise RequestError(f"no node has registered under prefix {self.directory.prefix!r} yet",
                                        status=503, kind="server_error")  # fmt: skip
+                self._cluster, self._cluster_read_at = found or self._cluster, now
             return self._cluster
 
     def prompt_tokens(self, request: CompletionRequest) -> np.ndarray:
