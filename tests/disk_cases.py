@@ -53,3 +53,42 @@ def unwritable(path, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(disk_segments, "_save_payload", refuse)
             yield
+
+
+def dir_bytes(path):
+    """Bytes of every file under `path` (segments, manifests, the lock file)."""
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+@contextlib.contextmanager
+def unreadable(segment, monkeypatch):
+    """Makes a segment's files refuse reads: mode 000, or as root (whom modes do not stop) the
+    errors such a read raises: TensorStore's PERMISSION_DENIED, then orbax's PermissionError."""
+    files = [os.path.join(root, name) for root, _, names in os.walk(segment) for name in names]
+    if os.geteuid() != 0:
+        modes = {path: os.stat(path).st_mode for path in files}
+        for path in files:
+            os.chmod(path, 0o000)
+        try:
+            yield
+        finally:
+            for path, mode in modes.items():
+                os.chmod(path, mode)
+        return
+
+    open_payload, restore_payload = disk_segments._open_payload, disk_segments._restore_payload
+
+    def refuse_open(path, use_ocdbt):
+        if os.path.abspath(path) != os.path.abspath(segment):
+            return open_payload(path, use_ocdbt)
+        raise ValueError(f'PERMISSION_DENIED: Error opening "zarr3" driver: Error reading local file '
+                         f'"{path}/payload/zarr.json": Failed to open: Permission denied [os_error_code=\'13\']')
+
+    def refuse_restore(checkpointer, path):
+        if os.path.abspath(path) != os.path.abspath(segment):
+            return restore_payload(checkpointer, path)
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+    with monkeypatch.context() as patch:
+        patch.setattr(disk_segments, "_open_payload", refuse_open)
+        patch.setattr(disk_segments, "_restore_payload", refuse_restore)
+        yield

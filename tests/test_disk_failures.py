@@ -10,11 +10,12 @@ import shutil
 
 import numpy as np
 import pytest
-from disk_cases import NS, make_tier, random_blocks, segment_dirs, unwritable
+from disk_cases import NS, dir_bytes, make_tier, random_blocks, segment_dirs, unreadable, unwritable
 from tier_cases import int_keys as keys
 from tier_cases import same_bits
 
 from kvjax.tiers import disk_segments, write_backoff
+from kvjax.tiers.disk_lock import LOCK_FILE
 from kvjax.tiers.disk_tier import DiskTier
 from kvjax.tiers.kv_cache import KVCache, KVCacheConfig
 from kvjax.tiers.page_pool import PoolConfig
@@ -111,11 +112,11 @@ def refuse_to_remove(monkeypatch, stuck: set[str]) -> None:
 def test_orphans_and_segments_whose_files_stay_are_counted_apart(tmp_path, monkeypatch):
     with make_tier(tmp_path, blocks_per_segment=1, use_ocdbt=False) as tier:
         tier.put(keys(3), random_blocks(3), NS)
-        segment_size = tier.bytes_used // 3
+        segment_size, lock_size = tier.bytes_used // 3, os.path.getsize(tmp_path / LOCK_FILE)
     for name in ("seg-000000000007", "seg-000000000008"):  # written, never committed
         shutil.copytree(segment_dirs(tmp_path)[0], tmp_path / name)
     refuse_to_remove(monkeypatch, {str(tmp_path / "seg-000000000008"), segment_dirs(tmp_path)[0]})  # orphan, seg 0
-    tier = make_tier(tmp_path, capacity=3 * segment_size, blocks_per_segment=1, use_ocdbt=False)
+    tier = make_tier(tmp_path, capacity=3 * segment_size + lock_size, blocks_per_segment=1, use_ocdbt=False)
     stats = tier.stats()
     assert (stats.orphans_removed, stats.orphan_remove_errors) == (1, 1)
     assert os.path.isdir(tmp_path / "seg-000000000008") and not os.path.exists(tmp_path / "seg-000000000007")
@@ -213,6 +214,79 @@ def test_a_read_that_fails_for_want_of_descriptors_keeps_the_segment(tmp_path, m
     monkeypatch.setattr(disk_segments, "read_verified", lambda *args: (_ for _ in ()).throw(FileNotFoundError()))
     assert tier.get(keys(2), NS).hits.tolist() == [False, False]  # a missing file: the segment goes
     assert tier.stats().blocks == 0 and not segment_dirs(tmp_path)
+
+
+@pytest.mark.parametrize("use_ocdbt", [False, True])
+def test_a_read_refused_for_want_of_permission_keeps_the_segment(tmp_path, monkeypatch, caplog, use_ocdbt):
+    # the refusal was taken for damage: the segment left the index and its files were deleted,
+    # good blocks lost to a permission that was put right a minute later
+    now = [0.0]
+    blocks = random_blocks(4)
+    tier = make_tier(tmp_path, use_ocdbt=use_ocdbt, clock=lambda: now[0])
+    tier.put(keys(4), blocks, NS)
+    files, size = sorted(os.listdir(tmp_path)), dir_bytes(tmp_path)
+    tier.take_dropped()
+    caplog.set_level(logging.WARNING, LOGGER)
+    with unreadable(segment_dirs(tmp_path)[0], monkeypatch):
+        assert tier.get(keys(4), NS).hits.tolist() == [False] * 4
+        assert tier.get(keys(2), NS).hits.tolist() == [False] * 2  # its reads back off: not tried
+    stats = tier.stats()
+    assert (stats.read_errors, stats.kept_read_errors, stats.transient_read_errors) == (1, 1, 0)
+    assert (stats.blocks, stats.segments, stats.corrupt_blocks, stats.evicted_segments) == (4, 1, 0, 0)
+    assert (stats.miss_blocks, stats.read_backoff_blocks) == (6, 2)
+    assert tier.take_dropped() == [] and sorted(os.listdir(tmp_path)) == files and dir_bytes(tmp_path) == size
+    [warning] = warnings_of(caplog)
+    assert "keeping it" in warning and "Permission denied" in warning and warning.endswith("no reads of it for 1 s")
+    assert not tier.get(keys(4), NS).hits.any()  # readable again, but still backing off
+    now[0] = 1.0
+    read = tier.get(keys(4), NS)
+    assert read.hits.all() and same_bits(read.blocks, blocks)
+    assert warnings_of(caplog)[-1].endswith("reads of it work again after 1 failed")
+    tier.check_invariants()
+    tier.close()
+    with make_tier(tmp_path, use_ocdbt=use_ocdbt) as reopened:
+        read = reopened.get(keys(4), NS)
+        assert read.hits.all() and same_bits(read.blocks, blocks)
+
+
+def _raised_during(error: BaseException, context: BaseException) -> BaseException:
+    """``error`` as if raised while handling ``context``."""
+    error.__context__ = context
+    return error
+
+
+@pytest.mark.parametrize("error, kept", [
+    (PermissionError(errno.EACCES, "Permission denied"), True),
+    (OSError(errno.EIO, "Input/output error"), True),
+    (ValueError("PERMISSION_DENIED: Error reading local file \"x/payload/c/0/0\": Failed to open: Permission denied "
+                "[os_error_code='13']"), True),
+    (ValueError("UNKNOWN: Error reading local file \"x/payload/c/0/0\": Input/output error [os_error_code='5']"), True),
+    # orbax's fallback read of a directory it may not list names no structure: the cause decides
+    (_raised_during(FileNotFoundError("No structure could be identified for the checkpoint at x."),
+                    ValueError("PERMISSION_DENIED: Error opening \"zarr3\" driver")), True),
+    (RuntimeError("an error that names no cause"), True),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory"), False),
+    (ValueError("NOT_FOUND: Error opening \"zarr3\" driver: Metadata at \"payload/zarr.json\" does not exist"), False),
+    (ValueError("DATA_LOSS: Error reading shard entry in local file \"x/payload/c/0/0\": Digest mismatch"), False),
+    (ValueError("OUT_OF_RANGE: Error reading Byte range [0, 2415) of local file \"x/d/0c1e\""), False),
+    (disk_segments.DamagedSegmentError("segment x payload is (3, 512), expected (4, 512)"), False),
+])  # fmt: skip
+def test_only_a_read_error_that_shows_damage_drops_the_segment(tmp_path, monkeypatch, error, kept):
+    blocks = random_blocks(2)
+    now = [0.0]
+    tier = make_tier(tmp_path, clock=lambda: now[0])
+    tier.put(keys(2), blocks, NS)
+    with monkeypatch.context() as patch:
+        patch.setattr(disk_segments, "read_verified", lambda *args: (_ for _ in ()).throw(error))
+        assert tier.get(keys(2), NS).hits.tolist() == [False, False]
+    stats = tier.stats()
+    assert (stats.read_errors, stats.kept_read_errors, stats.blocks) == (1, int(kept), 2 * kept)
+    assert bool(segment_dirs(tmp_path)) == kept
+    if kept:
+        now[0] = 1.0  # past the back-off
+        read = tier.get(keys(2), NS)
+        assert read.hits.all() and same_bits(read.blocks, blocks)
+    tier.check_invariants()
 
 
 def test_flush_is_true_only_when_every_host_page_reached_disk(tmp_path, monkeypatch):

@@ -10,7 +10,17 @@ import hypothesis
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from disk_cases import BLOCK_SHAPE, NS, OTHER_NS, block_bytes, make_tier, random_blocks, segment_dirs, unwritable
+from disk_cases import (
+    BLOCK_SHAPE,
+    NS,
+    OTHER_NS,
+    block_bytes,
+    dir_bytes,
+    make_tier,
+    random_blocks,
+    segment_dirs,
+    unwritable,
+)
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from tier_cases import DTYPES, same_bits
 from tier_cases import int_keys as keys
@@ -341,6 +351,70 @@ def test_a_put_never_evicts_a_block_it_names_that_the_disk_holds_already():
     tier.check_invariants()
 
 
+def test_a_put_whose_only_room_is_its_own_blocks_segment_rewrites_them():
+    """The room for b is held only by a's segment, which a put naming a keeps: the put stored
+    nothing. Rewriting a with b lets that segment go (c with it, as any eviction would)."""
+    a, b, c = keys(3)
+    tier = _memory_tier(2, blocks_per_segment=2)
+    tier.put([a, c], random_blocks(2), NS)
+    assert tier.put([a, b], random_blocks(2), NS) == [b]
+    assert _held(tier, dict(a=a, b=b, c=c)) == ["a", "b"]
+    stats = tier.stats()
+    assert (stats.duplicate_blocks, stats.rewritten_blocks, stats.put_blocks, stats.evicted_blocks) == (1, 1, 4, 1)
+    assert (stats.rejected_blocks, stats.segments) == (0, 1)
+    tier.check_invariants()
+
+
+def test_a_put_that_cannot_fit_with_its_own_blocks_keeps_them():
+    """No room for a and b together: the put stores nothing new and a stays (no block it
+    names is lost for another)."""
+    a, b = keys(2)
+    tier = _memory_tier(1, blocks_per_segment=2)
+    tier.put([a], random_blocks(1), NS)
+    assert tier.put([a, b], random_blocks(2), NS) == []
+    assert _held(tier, dict(a=a, b=b)) == ["a"]
+    assert (tier.stats().rejected_blocks, tier.stats().evicted_segments) == (1, 0)
+    tier.check_invariants()
+
+
+def test_a_block_written_again_is_never_evicted_for_the_rest_of_its_put():
+    """One block a segment: a, written again alone, made no room for b; b's room was then
+    taken from a's new segment, a block the put named and the tier held before."""
+    a, b, x = keys(3)
+    tier = _memory_tier(2)
+    tier.put([a], random_blocks(1), NS)
+    tier.put([x], random_blocks(1), NS)
+    assert tier.lock([x], NS)
+    assert tier.put([a, b], random_blocks(2), NS) == []
+    assert _held(tier, dict(a=a, b=b, x=x)) == ["a", "x"]
+    tier.unlock([x], NS)
+    tier.check_invariants()
+
+
+def test_a_rewrite_on_disk_serves_every_block_it_names(tmp_path):
+    blocks = random_blocks(3)  # a, b, c
+    a, b, c = keys(3)
+    segment, lock = _segment_size(tmp_path / "probe", 2)
+    capacity = int(1.5 * segment) + lock
+    path = tmp_path / "tier"
+    tier = make_tier(path, capacity=capacity, blocks_per_segment=2, use_ocdbt=False)
+    tier.put([a, c], blocks[[0, 2]], NS)
+    assert tier.lock([c], NS)  # a reader pins the segment meanwhile: no room for the rewrite
+    assert tier.put([a, b], blocks[[0, 1]], NS) == []
+    assert len(segment_dirs(path)) == 1 and tier.stats().rewritten_blocks == 0
+    tier.unlock([c], NS)
+    assert tier.put([a, b], blocks[[0, 1]], NS) == [b]
+    read = tier.get([a, b, c], NS)
+    assert read.hits.tolist() == [True, True, False] and same_bits(read.blocks[:2], blocks[:2])
+    assert len(segment_dirs(path)) == 1 and dir_bytes(path) <= capacity
+    assert tier.stats().rewritten_blocks == 1
+    tier.check_invariants()
+    tier.close()
+    with make_tier(path, capacity=capacity, blocks_per_segment=2, use_ocdbt=False) as reopened:
+        read = reopened.get([a, b], NS)
+        assert read.hits.all() and same_bits(read.blocks, blocks[:2])
+
+
 def test_a_segment_holding_a_whole_chain_is_evicted_in_its_turn():
     """Blocks depending on a block in their own segment leave with it: nothing else is lost,
     so the segment goes least recently used first, as one without a chain."""
@@ -403,6 +477,53 @@ def test_a_put_larger_than_the_tier_returns_only_the_keys_it_still_holds(tmp_pat
     stored = tier.put(keys(4), random_blocks(4), NS)  # the second segment evicts the first
     assert stored == keys(2, start=2) == [k for k in keys(4) if tier.contains(k, NS)]
     tier.check_invariants()
+
+
+def _segment_size(path, blocks=1, use_ocdbt=False):
+    """Bytes on disk of a segment of `blocks` blocks (exact in the plain layout; OCDBT's vary),
+    and of the lock file its writer fills."""
+    with make_tier(path, blocks_per_segment=blocks, use_ocdbt=use_ocdbt) as tier:
+        tier.put(keys(blocks), random_blocks(blocks), NS)
+        return tier.bytes_used, os.path.getsize(os.path.join(path, LOCK_FILE))
+
+
+@pytest.mark.parametrize("use_ocdbt", [False, True])
+@pytest.mark.parametrize("slack", [8, 700, 1500])
+def test_the_directory_never_holds_more_than_capacity_bytes(tmp_path, use_ocdbt, slack):
+    # A put made room for the payload only (a 512-byte block takes about 2 KB on disk with its
+    # checkpoint's metadata and manifest), the manifest counted itself a digit short at powers
+    # of ten, and the lock file counted nowhere: the directory stayed above its capacity.
+    segment, lock = _segment_size(tmp_path / "probe", use_ocdbt=use_ocdbt)
+    capacity = 2 * segment + lock + slack
+    path = tmp_path / "tier"
+    with make_tier(path, capacity=capacity, blocks_per_segment=2, use_ocdbt=use_ocdbt) as tier:
+        stored = 0
+        for i in range(24):
+            n = 1 + i % 3
+            stored += len(tier.put(keys(n, start=10 * i), random_blocks(n, seed=i), NS))
+            assert dir_bytes(path) <= capacity, i
+            assert dir_bytes(path) == tier.bytes_used + lock  # each segment counts what it holds
+            tier.check_invariants()
+        assert stored and tier.stats().evicted_segments
+
+
+def test_a_segment_passes_the_capacity_while_written_by_its_metadata_at_most(tmp_path, monkeypatch):
+    # room for the payload is made before the write, for the rest once its size is known
+    segment, lock = _segment_size(tmp_path / "probe")
+    capacity = segment + lock + block_bytes() // 2  # one segment fits, not two
+    path, sizes = tmp_path / "tier", []
+    write_manifest = disk_segments._write_manifest
+
+    def measured(directory, name, content):  # as the segment commits: its data written, its manifest next
+        sizes.append(dir_bytes(path) + len(content))
+        write_manifest(directory, name, content)
+    monkeypatch.setattr(disk_segments, "_write_manifest", measured)
+    with make_tier(path, capacity=capacity, blocks_per_segment=1, use_ocdbt=False) as tier:
+        for i in range(4):
+            assert tier.put(keys(1, start=i), random_blocks(1, seed=i), NS) == keys(1, start=i)
+            assert dir_bytes(path) <= capacity
+        assert tier.stats().evicted_segments == 3
+    assert len(sizes) == 4 and max(sizes) <= capacity + segment - block_bytes()
 
 
 def test_a_batch_that_cannot_fit_is_rejected(tmp_path):
@@ -481,8 +602,10 @@ class DiskTierMachine(RuleBasedStateMachine):
     def put(self, ids):
         ks = [bytes([i]) * 16 for i in ids]
         parents = [bytes([i - 1]) * 16 if i else None for i in ids]
+        held = [k for k in ks if self.tier.contains(k, NS)]
         stored = self.tier.put(ks, np.stack([self.block(k) for k in ks]), NS, parents)
-        assert set(stored) <= set(ks)
+        assert set(stored) <= set(ks) - set(held)
+        assert all(self.tier.contains(k, NS) for k in held)  # never evicted for the others
 
     @rule(i=st.integers(0, 9))
     def add_dependent(self, i):

@@ -16,7 +16,10 @@ Block data is fsynced only with `sync_data`: after a power cut, data the kernel 
 written fails its checksum, a miss like any other damage.
 
 A block's checksum covers namespace, key and payload, so bytes served under the wrong key or
-namespace, or damaged on disk, fail verification and become a miss, never wrong KV.
+namespace, or damaged on disk, fail verification and become a miss, never wrong KV. A read that
+fails outright shows the segment damaged (`read_error_is_damage`: missing files, data that does
+not parse) or says nothing of its content (permission denied, an I/O error, out of descriptors):
+only the first is a reason to delete it.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 __all__ = [
+    "DamagedSegmentError",
     "SegmentManifest",
     "block_checksum",
     "make_checkpointer",
+    "read_error_is_damage",
     "read_manifest",
     "read_verified",
     "remove_segment",
@@ -56,6 +61,10 @@ PAYLOAD = "payload"  # the checkpoint's single array
 _NAME_RE = re.compile(r"^seg-(\d{12})$")
 _SEQ_RE = re.compile(r"^seg-(\d{12})(?!\d)")
 _log = logging.getLogger(__name__)
+
+
+class DamagedSegmentError(ValueError):
+    """A segment's data is not what its manifest describes (another shape or dtype)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -151,9 +160,12 @@ def write_segment(checkpointer: ocp.Checkpointer, directory: str, manifest: Segm
             concurrent.futures.wait(checksums)
         manifest = dataclasses.replace(
             manifest, checksums=tuple(future.result() for future in checksums))
-        size = _tree_bytes(path)
-        size += len(_manifest_to_json(manifest, size))  # the manifest's own size, near enough
-        _write_manifest(directory, manifest.name, _manifest_to_json(manifest, size))
+        tree = _tree_bytes(path)
+        size, content = tree, _manifest_to_json(manifest, tree)
+        while tree + len(content) != size:  # the manifest counts itself: its length depends on
+            size = tree + len(content)      # the digits of the size it records; a fixed point
+            content = _manifest_to_json(manifest, size)
+        _write_manifest(directory, manifest.name, content)
     except BaseException:
         _remove_failed_write(directory, manifest.name)
         raise
@@ -227,7 +239,7 @@ def read_verified(checkpointer: ocp.Checkpointer, directory: str, manifest: Segm
         _log.info("segment %s: direct read unavailable (%s); restoring with orbax", path, err)
         source = _restore_payload(checkpointer, path)
     if tuple(source.shape) != expected or np.dtype(source.dtype.name) != np.uint8:
-        raise ValueError(f"segment {path} payload is {tuple(source.shape)}, expected {expected}")
+        raise DamagedSegmentError(f"segment {path} payload is {tuple(source.shape)}, expected {expected}")
 
     def check(i: int) -> bool:
         row, target = rows[i], out[out_index[i]]
@@ -250,6 +262,54 @@ def read_verified(checkpointer: ocp.Checkpointer, directory: str, manifest: Segm
         for copy in copies:
             copy.exception()
         concurrent.futures.wait(checks)
+
+
+_DAMAGE_STATUSES = frozenset({"DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "INVALID_ARGUMENT", "FAILED_PRECONDITION"})
+_ACCESS_STATUSES = frozenset({"PERMISSION_DENIED", "UNAUTHENTICATED", "UNAVAILABLE", "RESOURCE_EXHAUSTED",
+                              "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED", "UNKNOWN", "INTERNAL"})  # fmt: skip
+_MISSING_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
+_STATUS_RE = re.compile(r"^([A-Z_]+): ")  # TensorStore's errors: ValueError("<absl status code>: ...")
+_OS_ERROR_RE = re.compile(r"os_error_code='?(\d+)")  # ... naming the errno of a failed system call
+
+
+def read_error_is_damage(err: BaseException) -> bool:
+    """Whether a segment read that raised ``err`` shows the segment damaged: files missing
+    (ENOENT, TensorStore's NOT_FOUND), data that does not parse or is cut short (DATA_LOSS,
+    OUT_OF_RANGE, ...), a payload of another shape (`DamagedSegmentError`). False when the
+    error says nothing of the content (permission denied, an I/O error, out of descriptors or
+    memory, an error of no known kind), or when any error in its chain says so: orbax's
+    fallback read of a directory it may not list reports a missing checkpoint, caused by
+    TensorStore's PERMISSION_DENIED."""
+    verdicts = {_read_error_verdict(e) for e in _chain(err)}
+    return "damage" in verdicts and "access" not in verdicts
+
+
+def _read_error_verdict(err: BaseException) -> str | None:
+    """"damage", "access" (nothing to do with the content) or None (unknown) for one error."""
+    if isinstance(err, DamagedSegmentError):
+        return "damage"
+    code = err.errno if isinstance(err, OSError) else None
+    if code is None:
+        match = _OS_ERROR_RE.search(str(err))
+        code = None if match is None else int(match.group(1))
+    if code is not None:
+        return "damage" if code in _MISSING_ERRNOS else "access"
+    if isinstance(err, (FileNotFoundError, NotADirectoryError)):
+        return "damage"
+    if isinstance(err, OSError):
+        return "access"
+    match = _STATUS_RE.match(str(err))
+    status = None if match is None else match.group(1)
+    return "damage" if status in _DAMAGE_STATUSES else "access" if status in _ACCESS_STATUSES else None
+
+
+def _chain(err: BaseException | None):
+    """``err`` and its causes / contexts, outermost first."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 def remove_segment(directory: str, name: str) -> bool:

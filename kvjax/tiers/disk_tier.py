@@ -9,12 +9,23 @@ Failure policy: a write that fails (full disk, read-only directory, any I/O erro
 batch from the disk tier, counts the error and starts a back-off (`WriteBackoff`: no write is
 tried for 1 s, doubling on each failure in a row up to 60 s; a success resets it): the blocks
 `put` gets meanwhile are dropped untried and counted, and one warning per back-off period says
-how many. A read that fails or whose checksum does not match is a miss and a metric, and the
-broken block or segment leaves the index (a writer deletes its files), unless the read failed
-for want of file descriptors or memory, or was interrupted: the segment is intact then and
-stays (`transient_read_errors`). No I/O error escapes `put` or `get`.
+how many. A read that fails or whose checksum does not match is a miss and a metric. Only
+damage takes blocks out of the index (a writer deletes their files): a checksum mismatch (that
+block), or a read error that shows the segment damaged (missing files, data that does not
+parse: `disk_segments.read_error_is_damage`; the whole segment). A read error that says nothing
+of the content (permission denied, an I/O error, out of file descriptors or memory,
+interrupted) keeps the segment (`kept_read_errors`): its reads back off like writes do, one
+warning per period, unless the error was transient (descriptors, memory, an interruption:
+`transient_read_errors`), and a read that works again resets it. No I/O error escapes `put`
+or `get`.
 
-Capacity: bytes on disk (checkpoint files plus manifest). Eviction removes whole segments,
+Capacity: bytes on disk, the directory's whole size: each segment's checkpoint files plus its
+manifest, measured once written, and a writer's lock file. Room for a segment's payload is made
+before it is written; the rest of its size (orbax's metadata, the manifest: a few KB) is known
+once it is written, and room for that is made then, before `put` returns: while a segment is
+written the directory may pass the capacity by that much, never after. A segment that would
+not fit with every unpinned segment evicted evicts nothing (one found too large once written
+is deleted again). Eviction removes whole segments,
 never one that a `lock` or a running read pins: first those whose blocks nothing outside them
 depends on, then the deepest of a prefix, least recently used first among equals
 (`kvjax.tiers.disk_victims`). A block depends on its parent (the key `put` names before it):
@@ -24,6 +35,14 @@ host copies) names their parents with `add_dependents`. There is no compaction, 
 segment whose blocks were partly discarded keeps its bytes until all its blocks are
 discarded or it is evicted. `discard` is not persisted: after a reopen, blocks of
 segments still on disk are served again (a key always names the same content).
+
+Blocks a `put` names that the tier holds already are skipped, and their segments kept while
+the others are written (a spill saving host pages must not evict one of them for another: its
+host copy goes next). When the room the others need is held by those very segments, the put
+writes the blocks it names that they hold again, with the others (`rewritten_blocks`): once
+that segment is committed, the old ones hold nothing the put named and may go. Meanwhile the
+directory holds both, so such a write may pass the capacity by the old segments until it
+returns; no block is ever out of the index in between.
 
 Ownership: a tier holds its directory's lock (`kvjax.tiers.disk_lock`) from opening until
 `close` (or until it is garbage-collected, or its process exits): exclusive to write, shared
@@ -50,6 +69,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import threading
@@ -76,7 +96,7 @@ class DiskTierStats:
     """What this tier did since it opened the directory: counts of blocks, segments (a write's
     unit) and events, each counting only what happened, never what was attempted."""
 
-    capacity_bytes: int
+    capacity_bytes: int  # for the segments and a writer's lock file (a line of text)
     bytes_used: int  # bytes on disk of the segments in the index (skipped segments and files
     #                  that could not be deleted are on disk but not counted)
     segments: int  # segments in the index now
@@ -93,17 +113,23 @@ class DiskTierStats:
     duplicate_blocks: int = 0  # blocks `put` skipped: the tier held them already
     rejected_blocks: int = 0  # blocks `put` did not store: no room (everything else pinned),
     #                           a failed write, writes backing off, or a read-only tier
+    rewritten_blocks: int = 0  # of duplicate_blocks: written again, so that the segment holding
+    #                            them could make room for the put's other blocks
     backoff_dropped_blocks: int = 0  # of those: dropped untried while writes were backing off
     written_segments: int = 0  # segments written, committed and indexed
     write_errors: int = 0  # segment writes tried that failed
     enospc_errors: int = 0  # write errors that were a full disk
     backoff_remaining_s: float = 0.0  # seconds before a write is tried again (0: writes allowed)
     hit_blocks: int = 0  # blocks `get` served, checksum-verified
-    miss_blocks: int = 0  # blocks `get` did not serve (absent, corrupt or unreadable)
+    miss_blocks: int = 0  # blocks `get` did not serve (absent, corrupt, unreadable or backing off)
     corrupt_blocks: int = 0  # checksum mismatch: served as a miss
     read_errors: int = 0  # segment reads that failed (truncated, deleted, ...): their blocks missed
-    transient_read_errors: int = 0  # of those: out of file descriptors or memory, interrupted (the
-    #                                 segment stays: only damaged or missing ones leave the index)
+    kept_read_errors: int = 0  # of those: errors that say nothing of the segment's content
+    #                            (permission denied, an I/O error, ...): the segment stays; only
+    #                            damaged or missing ones leave the index
+    transient_read_errors: int = 0  # of those kept: out of file descriptors or memory, interrupted
+    #                                 (no back-off: the next read tries again)
+    read_backoff_blocks: int = 0  # of miss_blocks: not tried, their segment's reads backing off
     evicted_segments: int = 0  # segments evicted from the index (a writer deletes their files)
     evicted_blocks: int = 0  # live blocks those segments held
     discarded_blocks: int = 0  # blocks `discard` dropped from the index
@@ -122,7 +148,24 @@ class DiskRead:
 class _Segment:
     manifest: seg.SegmentManifest
     live_rows: set[int]
-    pins: int = 0  # locks plus reads in progress
+    pins: int = 0  # locks, reads in progress, puts naming its blocks
+    read_backoff: WriteBackoff | None = None  # after a read failed (not for damage, not transiently)
+
+
+_STORED, _NO_ROOM, _FAILED = "stored", "no room", "failed"  # what became of a segment write
+
+
+@dataclasses.dataclass(slots=True)
+class _Batch:
+    """The blocks of one `put` (rows of `payload`), and what became of them."""
+
+    payload: np.ndarray  # u8[n, block_nbytes]
+    namespaces: list[bytes]
+    keys: list[bytes]
+    parents: list[bytes | None]
+    kept: dict[str, list[int]]  # segments it pins -> the rows they held when it began
+    duplicates: frozenset[int]  # those rows
+    stored: set[int] = dataclasses.field(default_factory=set)  # rows in segments it wrote
 
 
 class DiskTier:
@@ -166,8 +209,9 @@ class DiskTier:
           (its blocks count as rejected); `discard`, eviction and damaged segments only
           leave the index; segments beyond `capacity_bytes` at opening are left out of it.
         backoff_s, max_backoff_s: the first and the longest pause of writes after a failed
-          write (seconds; doubling on each failure in a row, see `WriteBackoff`).
-        clock: seconds, for the back-off (tests inject a fake one).
+          write (seconds; doubling on each failure in a row, see `WriteBackoff`), and of a
+          segment's reads after a failed read of it that was neither damage nor transient.
+        clock: seconds, for the back-offs (tests inject a fake one).
         """
         self.block_shape = tuple(int(d) for d in block_shape)
         if not self.block_shape or min(self.block_shape) <= 0:
@@ -194,6 +238,8 @@ class DiskTier:
         self._order = VictimOrder()  # which segment eviction takes next
         self._dependents: collections.Counter[tuple[bytes, bytes]] = collections.Counter()  # add_dependents
         self._bytes_used = 0  # of the segments in the index, kept with them (summing them per write was O(segments))
+        self._pinned_bytes = 0  # of those with pins: what no eviction can free now
+        self._reserved_bytes = 0  # the lock file a writer fills (counted against the capacity)
         self._foreign: dict[str, int] = {}  # segments this tier cannot read -> bytes on disk, oldest first (writer)
         self._foreign_bytes = 0  # their sum
         self._dropped: list[tuple[bytes, bytes]] | None = []  # (namespace, key) dropped since take_dropped
@@ -204,6 +250,7 @@ class DiskTier:
         self._next_seq = 0
         self.read_only = bool(read_only)
         self._backoff = WriteBackoff(backoff_s, max_backoff_s, clock)
+        self._read_backoff = functools.partial(WriteBackoff, backoff_s, max_backoff_s, clock)  # per segment
         self._closed = False
         self._pid = os.getpid()  # a forked child's copy reads and writes nothing (its lock is the parent's)
         self._dir_lock: DirectoryLock | None = None
@@ -218,6 +265,8 @@ class DiskTier:
                 os.makedirs(self.directory, exist_ok=True)
             self._dir_lock = DirectoryLock(self.directory, shared=self.read_only)
             try:
+                if not self.read_only:
+                    self._reserved_bytes = _file_bytes(self._dir_lock.path)
                 self._open_directory()
             except BaseException:
                 self._dir_lock.release()
@@ -273,15 +322,17 @@ class DiskTier:
 
     def put(self, keys: Sequence[bytes], blocks, namespaces: bytes | Sequence[bytes],
             parents: Sequence[bytes | None] | None = None) -> list[bytes]:
-        """Writes blocks `[n, *block_shape]` in committed segments; returns the keys it holds
-        when it returns (a put larger than the tier evicts its own first segments for its last).
+        """Writes blocks `[n, *block_shape]` in committed segments; returns the keys it stored
+        that the tier holds when it returns (a put larger than the tier evicts its own first
+        segments for its last), in the order given.
 
         namespaces: one namespace digest for all blocks, or one per block; parents: each
         block's parent key, kept in the manifest (None: unknown): eviction takes a parent only
         after the blocks that depend on it (see Capacity). Blocks already on disk are
-        skipped; blocks whose segment does not fit or fails to write are dropped, and so are
-        all blocks while writes back off after a failure or when the tier is read-only.
-        ValueError once the tier is closed.
+        skipped, and never evicted for the others: when nothing else can make room for them,
+        they are written again with them (see the module docstring). Blocks whose segment
+        does not fit or fails to write are dropped, and so are all blocks while writes back
+        off after a failure or when the tier is read-only. ValueError once the tier is closed.
         """
         keys, namespaces = _check_keys(keys, namespaces)
         parents = [None] * len(keys) if parents is None else list(parents)
@@ -295,13 +346,14 @@ class DiskTier:
         self._check_open()
         payload = np.ascontiguousarray(blocks).reshape(len(keys), -1).view(np.uint8)
         with self._lock:
-            rows, kept = [], set()  # rows to write; segments of the blocks it holds already
+            rows = []  # rows to write
+            kept: dict[str, list[int]] = {}  # segment -> the rows it holds already
             for r in range(len(keys)):
                 ref = self._blocks.get((namespaces[r], keys[r]))
                 if ref is None:
                     rows.append(r)
                 else:
-                    kept.add(ref[0])
+                    kept.setdefault(ref[0], []).append(r)
             self._stats.duplicate_blocks += len(keys) - len(rows)
             if self.read_only:
                 if rows and not self._stats.rejected_blocks:
@@ -311,25 +363,18 @@ class DiskTier:
             # The blocks it holds already stay while it makes room for the others: a spill
             # saving host pages must not evict one of them for another (its host copy goes next).
             for name in kept:
-                self._segments[name].pins += 1
-        stored = []
+                self._pin(name)
+        batch = _Batch(payload, namespaces, keys, parents, kept, frozenset(r for held in kept.values() for r in held))
         try:
-            for start in range(0, len(rows), self.blocks_per_segment):
-                chunk = rows[start:start + self.blocks_per_segment]
-                if not self._may_write(len(chunk)):
-                    continue
-                contiguous = chunk[-1] - chunk[0] == len(chunk) - 1  # then a view, not a copy
-                segment = payload[chunk[0]:chunk[-1] + 1] if contiguous else payload[chunk]
-                if self._write(segment, [namespaces[r] for r in chunk], [keys[r] for r in chunk],
-                               [parents[r] for r in chunk]):  # fmt: skip
-                    stored.extend(chunk)
-                else:
-                    with self._lock:
-                        self._stats.rejected_blocks += len(chunk)
+            no_room = self._write_rows(batch, rows)
+            if no_room and kept:  # the room is theirs: write what they hold again, with the others
+                self._write_rows(batch, sorted(no_room + list(batch.duplicates)))
         finally:
             with self._lock:
-                for name in kept:
+                for name in kept:  # those no rewrite let go, and those holding blocks written again
                     self._unpin(name)
+                stored = sorted(batch.stored - batch.duplicates)
+                self._stats.rejected_blocks += len(rows) - len(stored)
         with self._lock:  # room for a later chunk may have evicted an earlier one
             return [keys[r] for r in stored if (namespaces[r], keys[r]) in self._blocks]
 
@@ -345,8 +390,13 @@ class DiskTier:
                 ref = self._blocks.get((namespace, key))
                 if ref is not None:
                     by_segment.setdefault(ref[0], []).append((i, ref[1]))
-            for name in by_segment:
-                self._segments[name].pins += 1  # no eviction while its files are read
+            for name in list(by_segment):
+                backoff = self._segments[name].read_backoff
+                if backoff is not None and not backoff.allows():  # missed untried, and not used
+                    backoff.drop(len(by_segment[name]))
+                    self._stats.read_backoff_blocks += len(by_segment.pop(name))
+                    continue
+                self._pin(name)  # no eviction while its files are read
                 self._order.touch(name)
         out = np.zeros((len(keys), self.block_nbytes), np.uint8)
         try:
@@ -407,7 +457,7 @@ class DiskTier:
             if any(ref is None for ref in refs):
                 return False
             for key, (name, _) in zip(keys, refs):
-                self._segments[name].pins += 1
+                self._pin(name)
                 self._locks.setdefault((namespace, key), []).append(name)
             return True
 
@@ -456,11 +506,15 @@ class DiskTier:
     def check_invariants(self) -> None:
         """Raises RuntimeError when the index is inconsistent."""
         with self._lock:
-            if self.bytes_used > self.capacity_bytes:
-                raise RuntimeError(f"{self.bytes_used=} exceeds {self.capacity_bytes=}")
+            if self._bytes_used + self._foreign_bytes + self._reserved_bytes > self.capacity_bytes:
+                raise RuntimeError(f"{self._bytes_used=} + {self._foreign_bytes=} + {self._reserved_bytes=} "
+                                   f"exceeds {self.capacity_bytes=}")
             summed = sum(s.manifest.bytes_on_disk for s in self._segments.values())
             if summed != self._bytes_used:
                 raise RuntimeError(f"bytes_used={self._bytes_used} but the indexed segments hold {summed}")
+            pinned = sum(s.manifest.bytes_on_disk for s in self._segments.values() if s.pins)
+            if pinned != self._pinned_bytes:
+                raise RuntimeError(f"pinned bytes={self._pinned_bytes} but the pinned segments hold {pinned}")
             live = {(name, row) for name, s in self._segments.items() for row in s.live_rows}
             if live != set(self._blocks.values()):
                 raise RuntimeError("segment live rows and the block index disagree")
@@ -473,27 +527,61 @@ class DiskTier:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _write(self, payload: np.ndarray, namespaces: list[bytes], keys: list[bytes],
-               parents: list[bytes | None]) -> bool:  # fmt: skip
-        """Writes one segment; its blocks' parents count their dependents meanwhile, so the
-        room it makes never evicts them (the blocks count as their children once indexed)."""
-        held = [(ns, parent) for ns, parent in zip(namespaces, parents) if parent is not None]
+    def _write_rows(self, batch: _Batch, rows: list[int]) -> list[int]:
+        """Writes rows of a put in segments of at most `blocks_per_segment`; returns the rows
+        not held before (`batch.duplicates`) of segments that found no room."""
+        no_room = []
+        for start in range(0, len(rows), self.blocks_per_segment):
+            chunk = rows[start:start + self.blocks_per_segment]
+            new = [r for r in chunk if r not in batch.duplicates]
+            if not self._may_write(len(new)):
+                continue
+            with self._lock:  # segments the put kept whose blocks it names all go into this one
+                release = [name for name, held in batch.kept.items() if self._all_in(batch, name, held, chunk)]
+            outcome = self._write(batch, chunk, release)
+            if outcome == _STORED:
+                batch.stored.update(chunk)
+                with self._lock:
+                    self._stats.rewritten_blocks += len(chunk) - len(new)
+            elif outcome == _NO_ROOM:
+                no_room += new
+        return no_room
+
+    def _all_in(self, batch: _Batch, name: str, held: list[int], chunk: list[int]) -> bool:
+        """Whether segment `name` still holds blocks of the put (`held`: rows it held when the
+        put began), each of them in `chunk`."""
+        still = [r for r in held if self._blocks.get((batch.namespaces[r], batch.keys[r]), ("",))[0] == name]
+        return bool(still) and set(still) <= set(chunk)
+
+    def _write(self, batch: _Batch, chunk: list[int], release: list[str]) -> str:
+        """Writes rows `chunk` of a put as one segment; their parents count their dependents
+        meanwhile, so the room it makes never evicts them (the blocks count as their children
+        once indexed)."""
+        held = [(batch.namespaces[r], batch.parents[r]) for r in chunk if batch.parents[r] is not None]
         with self._lock:
             for block in held:
                 self._order.hold(block)
         try:
-            return self._write_segment(payload, namespaces, keys, parents)
+            return self._write_segment(batch, chunk, release)
         finally:
             with self._lock:
                 for block in held:
                     self._order.release(block)
 
-    def _write_segment(self, payload: np.ndarray, namespaces: list[bytes], keys: list[bytes],
-                       parents: list[bytes | None]) -> bool:  # fmt: skip
-        estimate = payload.nbytes
+    def _write_segment(self, batch: _Batch, chunk: list[int], release: list[str]) -> str:
+        """Makes room, writes and indexes a segment: `_STORED`, `_NO_ROOM` or `_FAILED`.
+
+        release: segments the put pinned (`batch.kept`) whose blocks it names are all in this
+        one: their pins go once it is indexed (they leave `kept`), so their room counts as
+        free, but nothing evicts them before: until then they hold the only copy. A segment
+        holding such blocks again takes their place in `kept`, pinned until the put returns."""
+        contiguous = chunk[-1] - chunk[0] == len(chunk) - 1  # then a view, not a copy
+        payload = batch.payload[chunk[0]:chunk[-1] + 1] if contiguous else batch.payload[chunk]
+        namespaces, keys = [batch.namespaces[r] for r in chunk], [batch.keys[r] for r in chunk]
+        parents, kept = [batch.parents[r] for r in chunk], batch.kept
         with self._lock:
-            if not self._evict_until_free(estimate):
-                return False
+            if not self._evict_until_free(payload.nbytes - self._releasable(release)):
+                return _NO_ROOM
             name = seg.segment_name(self._next_seq)
             self._next_seq += 1
         manifest = seg.SegmentManifest(
@@ -506,24 +594,39 @@ class DiskTier:
         else:
             with self._write_lock:
                 if self._closed:  # closed since `put` began: the lock is gone, write nothing
-                    return False
+                    return _FAILED
                 try:
                     manifest = seg.write_segment(self._checkpointer, self.directory, manifest, payload)
                 except Exception as err:  # noqa: BLE001 - any write failure drops the batch
-                    self._write_failed(name, len(keys), err)
-                    return False
+                    self._write_failed(name, sum(r not in batch.duplicates for r in chunk), err)
+                    return _FAILED
             self._write_succeeded()
         with self._lock:
-            self._add_segment(manifest)
-            self._segments[name].pins += 1  # the new segment is not its own eviction victim
-            fits = self._evict_until_free(0)
-            self._unpin(name)
-            if not fits:
-                self._drop_segment(name)
-                return False
+            # Its metadata does not fit (all else pinned meanwhile): it goes again before
+            # anything is evicted or indexed for it.
+            if self._pinned_bytes - self._releasable(release) + manifest.bytes_on_disk > self._room():
+                if self.directory is not None and self._owns_directory():
+                    self._stats.remove_errors += not seg.remove_segment(self.directory, name)
+                return _NO_ROOM
+            self._add_segment(manifest)  # the blocks it holds again leave the released segments
+            self._pin(name)  # the new segment is not its own eviction victim
+            for old in release:
+                if kept.pop(old, None) is not None:
+                    self._unpin(old)
+            self._evict_until_free(0)  # fits: checked above
+            rewritten = [r for r in chunk if r in batch.duplicates]
+            if rewritten:  # the put's later segments must not evict them either
+                kept[name] = rewritten
+            else:
+                self._unpin(name)
             self._stats.written_segments += 1
             self._stats.put_blocks += len(keys)
-        return True
+        return _STORED
+
+    def _releasable(self, release: list[str]) -> int:
+        """Bytes of the segments in `release` that nothing but the put pins (its one pin)."""
+        return sum(self._segments[name].manifest.bytes_on_disk for name in release
+                   if name in self._segments and self._segments[name].pins == 1)
 
     def _may_write(self, num_blocks: int) -> bool:
         """False (the blocks counted as dropped) while writes back off after a failure."""
@@ -532,7 +635,6 @@ class DiskTier:
                 return True
             self._backoff.drop(num_blocks)
             self._stats.backoff_dropped_blocks += num_blocks
-            self._stats.rejected_blocks += num_blocks
             return False
 
     def _write_failed(self, name: str, num_blocks: int, err: Exception) -> None:
@@ -567,17 +669,13 @@ class DiskTier:
                                          namespace, keys, rows, out, out_index)
         except Exception as err:  # noqa: BLE001 - unreadable segment: all its blocks miss
             out[out_index] = 0
-            transient = _is_transient(err)
-            if transient:  # out of descriptors or memory, interrupted: the segment is intact
-                _log.warning("disk tier: reading segment %s failed, keeping it: %r", name, err)
-            else:
-                _log.warning("disk tier: segment %s unreadable, dropping it: %r", name, err)
-            with self._lock:
-                self._stats.read_errors += 1
-                self._stats.transient_read_errors += transient
-                if not transient:
-                    self._forget_segment(name)
+            self._read_failed(name, err)
             return [False] * len(wanted)
+        with self._lock:
+            backoff, self._segments[name].read_backoff = self._segments[name].read_backoff, None
+        if backoff is not None:
+            _log.warning("disk tier %s: segment %s: reads of it work again after %d failed",
+                         self.directory, name, backoff.failures)
         for key, row, ok in zip(keys, rows, verified):
             if ok:
                 continue
@@ -588,6 +686,33 @@ class DiskTier:
                     self._unindex(namespace, key)
                     self._segments[name].live_rows.discard(row)
         return verified
+
+    def _read_failed(self, name: str, err: Exception) -> None:
+        """Counts a failed read of (pinned) segment `name`: damage drops it; otherwise it stays,
+        and unless the failure was transient its reads back off (one warning per period)."""
+        if seg.read_error_is_damage(err):
+            _log.warning("disk tier: segment %s unreadable, dropping it: %r", name, err)
+            with self._lock:
+                self._stats.read_errors += 1
+                self._forget_segment(name)
+            return
+        transient = _is_transient(err)  # out of descriptors or memory, interrupted
+        with self._lock:
+            self._stats.read_errors += 1
+            self._stats.kept_read_errors += 1
+            self._stats.transient_read_errors += transient
+            segment = self._segments[name]
+            if not transient:
+                if segment.read_backoff is None:
+                    segment.read_backoff = self._read_backoff()
+                period = segment.read_backoff.failed()
+                failures, missed = segment.read_backoff.failures, segment.read_backoff.last_dropped
+        if transient:
+            _log.warning("disk tier: reading segment %s failed, keeping it: %r", name, err)
+            return
+        again = f"; failure {failures} in a row, {missed} blocks missed untried since the last" if failures > 1 else ""
+        _log.warning("disk tier %s: reading segment %s failed, keeping it: %r; no reads of it for %g s%s",
+                     self.directory, name, err, period, again)
 
     def _open_directory(self) -> None:
         committed, orphans = seg.scan_directory(self.directory)
@@ -665,17 +790,25 @@ class DiskTier:
             self.events.record(namespace, key, None, "disk", "removed")
         return ref
 
+    def _room(self) -> int:
+        """Bytes the segments may take: the capacity less the lock file."""
+        return self.capacity_bytes - self._reserved_bytes
+
     def _evict_until_free(self, nbytes: int) -> bool:
         """Evicts unpinned segments until `nbytes` more fit: those nothing outside them depends
-        on first, least recently used first among equals (`VictimOrder`)."""
-        while self._foreign and self._bytes_used + self._foreign_bytes + nbytes > self.capacity_bytes:
+        on first, least recently used first among equals (`VictimOrder`). Evicts nothing and
+        returns False when they would not fit with every unpinned segment gone."""
+        room = self._room()
+        if self._pinned_bytes + nbytes > room:
+            return False
+        while self._foreign and self._bytes_used + self._foreign_bytes + nbytes > room:
             name = next(iter(self._foreign))
             self._foreign_bytes -= self._foreign.pop(name)
             if self._owns_directory() and seg.remove_segment(self.directory, name):
                 self._stats.foreign_removed += 1
             else:  # left on disk, no longer counted: trying again per write would fail the same way
                 self._stats.remove_errors += 1
-        while self._bytes_used + nbytes > self.capacity_bytes:
+        while self._bytes_used + nbytes > room:
             name = self._order.victim(lambda name: not self._segments[name].pins)
             if name is None:
                 break
@@ -683,10 +816,19 @@ class DiskTier:
             self._stats.evicted_segments += 1
             self._stats.evicted_blocks += len(segment.live_rows)
             self._drop_segment(name)
-        return self._bytes_used + nbytes <= self.capacity_bytes
+        return self._bytes_used + nbytes <= room
+
+    def _pin(self, name: str) -> None:
+        segment = self._segments[name]
+        segment.pins += 1
+        if segment.pins == 1:
+            self._pinned_bytes += segment.manifest.bytes_on_disk
 
     def _unpin(self, name: str) -> None:
-        self._segments[name].pins -= 1
+        segment = self._segments[name]
+        segment.pins -= 1
+        if not segment.pins:
+            self._pinned_bytes -= segment.manifest.bytes_on_disk
         self._drop_if_unused(name)
 
     def _drop_if_unused(self, name: str) -> None:
@@ -703,6 +845,8 @@ class DiskTier:
     def _drop_segment(self, name: str) -> None:
         segment = self._segments.pop(name)
         self._bytes_used -= segment.manifest.bytes_on_disk
+        if segment.pins:  # (never: a pinned segment stays until its last pin goes)
+            self._pinned_bytes -= segment.manifest.bytes_on_disk
         for row in segment.live_rows:
             self._unindex(segment.manifest.namespaces[row], segment.manifest.keys[row])
         self._order.remove_segment(name)
@@ -720,6 +864,13 @@ class DiskTier:
         if os.getpid() != self._pid:
             raise ValueError(f"disk tier {self.directory or '(in memory)'} was opened by pid {self._pid}; "
                              f"this forked process (pid {os.getpid()}) must open its own")
+
+
+def _file_bytes(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _check_keys(keys: Sequence[bytes], namespaces) -> tuple[list[bytes], list[bytes]]:
