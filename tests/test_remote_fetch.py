@@ -20,11 +20,12 @@ from kvjax.tiers.remote_transport import RemoteTransport
 POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
 
 
-HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+DRIP_S = 0.1  # between two bytes: the headers take 8 s, a body 20 s (a loaded machine closes late)
 
 
 def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Event, cut: threading.Event) -> str:
-    """An HTTP peer that answers /kv/offer a byte every 50 ms (its body, or its headers): each
+    """An HTTP peer that answers /kv/offer a byte every ``DRIP_S`` (its body, or its headers): each
     read well within any timeout, the whole answer seconds. ``sent`` is set once the dripped
     part went (or it was stopped): a fetch that waited for it was held by the peer; ``cut``
     once the asker closed the connection under it."""
@@ -35,12 +36,12 @@ def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Even
     def serve():
         connection, _ = server.accept()
         connection.recv(65536)
-        dripped, rest = (HEAD, b" " * 40) if headers_too else (b" " * 40, b"")
+        dripped, rest = (HEAD, b" " * 200) if headers_too else (b" " * 200, b"")
         try:
             if not headers_too:
                 connection.sendall(HEAD)
             for byte in dripped:
-                if stop.wait(0.05):
+                if stop.wait(DRIP_S):
                     break
                 connection.sendall(bytes([byte]))
             sent.set()
