@@ -595,3 +595,36 @@ def test_the_router_reads_the_cluster_record_again_after_redis_lost_it(directory
     assert kept.cluster().model == "tiny"  # read again only once it is cluster_refresh_s old
     with pytest.raises(ValueError, match=r"cluster_refresh_s=-1 must be a finite number of seconds >= 0"):
         RouterService(directory, cluster_refresh_s=-1)
+
+
+def test_text_for_a_tokenizer_the_router_does_not_know_is_routed_by_load(directory, answering_node):
+    """Nodes tokenizing with another tokenizer than the byte one: every text prompt got a 500
+    from the router; it goes to a node by load now (no affinity: the router cannot key it)."""
+    directory.register("n1", answering_node(200, {"served": True}), ClusterInfo("tiny", 16, tokenizer="sentencepiece"))
+    service = RouterService(directory)
+    with TestClient(create_router_app(service), raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi there", "max_tokens": 2})
+        by_ids = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert (response.status_code, response.json(), response.headers["x-kvjax-node"]) == (200, {"served": True}, "n1")
+    assert by_ids.status_code == 200
+    assert service.untokenized._value.get() == 1  # the token-id prompt was keyed
+
+
+def test_a_router_out_of_connections_says_so_and_blames_no_node(directory, answering_node, monkeypatch):
+    """httpx's PoolTimeout (every one of the router's connections busy) is a TransportError: it
+    was counted as the node's failure, the node excluded and the request tried on every other."""
+    for node_id in ("p0", "p1"):
+        directory.register(node_id, answering_node(200, {"ok": True}), ClusterInfo("tiny", 16))
+
+    async def pool_exhausted(self, request, **kwargs):
+        raise httpx.PoolTimeout("no connection free")
+
+    monkeypatch.setattr(httpx.AsyncClient, "send", pool_exhausted)
+    service = RouterService(directory)
+    with TestClient(create_router_app(service), raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    assert response.status_code == 503
+    assert "the router is at its limit of connections to nodes" in response.json()["error"]["message"]
+    assert all(service.forward_errors.labels(node)._value.get() == 0 for node in ("p0", "p1"))
+    assert sum(sample.value for metric in service.routed.collect() for sample in metric.samples
+               if sample.name.endswith("_total")) == 1  # decided once, not once per node

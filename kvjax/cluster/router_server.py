@@ -7,7 +7,12 @@ node (``RoutingPolicy``), and forward the body as it came while the request is c
 the node (``Directory.add_load``, a second round trip overlapped with the forward); a
 streamed answer is passed through chunk by chunk. The answer carries the
 chosen node in the ``X-KVJax-Node`` header and why in ``X-KVJax-Route`` (the decision's reason
-and the prefix blocks it holds).
+and the prefix blocks it holds). The router tokenizes text with the byte tokenizer only: when
+the nodes use another, a text prompt is routed by load alone (``kvjax_router_untokenized_requests``
+counts them); prompts sent as token ids keep their affinity.
+
+When all of the router's connections to nodes are busy (1,000, none free for 30 s) a request
+gets a 503 saying so, and no node is blamed or excluded for it.
 
 A request that failed before its client got a token is routed again, the node excluded, up to
 ``max_attempts`` nodes: a node that cannot be reached, answers a 5xx (503: rejected, failed,
@@ -29,7 +34,8 @@ chooses among them by the directory (a load balancer in front has its own list o
 the 503 of ``/health`` is what takes a draining router out of rotation.
 
 Nothing is kept here that a restart would lose: the directory, the nodes' records and their
-loads live in Redis; only the round-robin position and the cluster record are cached.
+loads live in Redis; only the round-robin position and the cluster record (read again every
+``CLUSTER_REFRESH_S``) are cached.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ __all__ = ["RouterService", "create_router_app", "directory_down", "router_drain
 
 _LOG = logging.getLogger(__name__)
 CLUSTER_REFRESH_S = 5.0  # how old a router's copy of the cluster record may get
+_MAX_CONNECTIONS = 1000  # to nodes, at once
+_POOL_TIMEOUT_S = 30.0  # the longest a request waits for one of them
 _ROUTES = "POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics"
 _EVENT_END = b"\n\n"  # ends a server-sent event (kvjax's nodes)
 _CRLF_EVENT_END = b"\r\n\r\n"  # the same, with the CRLF line ends SSE allows too
@@ -103,6 +111,10 @@ class RouterService:
         self.decision_seconds = prometheus_client.Histogram(
             "kvjax_router_decision_seconds", "Tokenize, directory lookup, choice and load update",
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2), registry=self.registry)  # fmt: skip
+        self.untokenized = prometheus_client.Counter(
+            "kvjax_router_untokenized_requests", "Text prompts routed by load alone: the nodes' tokenizer is not "
+            "one the router knows, so it cannot find their cached prefixes (send token ids for affinity)",
+            registry=self.registry)  # fmt: skip
         self.forward_errors = prometheus_client.Counter("kvjax_router_forward_errors",
                                                         "Nodes that failed a forwarded request before answering",
                                                         ["node"], registry=self.registry)  # fmt: skip
@@ -127,19 +139,18 @@ class RouterService:
                 self._cluster, self._cluster_read_at = found or self._cluster, now
             return self._cluster
 
-    def prompt_tokens(self, request: CompletionRequest) -> np.ndarray:
+    def prompt_tokens(self, request: CompletionRequest) -> np.ndarray | None:
         """The prompt's token ids, as the nodes compute them (int32; kept an array: turning
-        4,096 ids into a list and back cost 0.15 ms of a decision)."""
+        4,096 ids into a list and back cost 0.15 ms of a decision); None for a text prompt when
+        the nodes tokenize with a tokenizer the router does not know (only the byte one)."""
         if request.prompt is None:
             try:  # named as sent: np.asarray made [1, 2**63] float64
                 return validate_tokens(request.prompt_tokens, None)
             except ValueError as error:
                 raise RequestError(str(error), param="prompt") from None
-        cluster = self.cluster()
-        keying = cluster.text_keying()
+        keying = self.cluster().text_keying()
         if keying is None:
-            raise RequestError(f"the nodes tokenize with {cluster.tokenizer!r}; the router knows only the byte "
-                               "tokenizer: send token ids", status=500, kind="server_error")  # fmt: skip
+            return None
         tokenizer, config = keying
         return tokenizer.encode(request.prompt if config is None else canonicalize(request.prompt, config).text)
 
@@ -155,16 +166,21 @@ class RouterService:
             raise unknown_model(request.model, cluster.model, "the cluster")
         namespace = Namespace(request.namespace) if request.namespace else Namespace()
         tokens = self.prompt_tokens(request)
-        try:
-            keys = chained_block_keys(tokens, cluster.page_size, namespace)
-        except ValueError as error:
-            raise RequestError(str(error), param="prompt") from None
+        if tokens is None:  # text the router cannot key: routed by load alone, with its bytes for its size
+            keys, num_tokens = [], len(request.prompt.encode(errors="replace"))
+            self.untokenized.inc()
+        else:
+            try:
+                keys = chained_block_keys(tokens, cluster.page_size, namespace)
+            except ValueError as error:
+                raise RequestError(str(error), param="prompt") from None
+            num_tokens = len(tokens)
         try:
             views = self.directory.lookup(namespace.digest(), keys)
         except redis.RedisError as error:
             raise directory_down(self.directory, error) from None
         try:
-            decision = self.policy.choose(views, len(tokens), cluster.page_size, exclude)
+            decision = self.policy.choose(views, max(num_tokens, 1), cluster.page_size, exclude)
         except ValueError as error:
             raise RequestError(str(error), status=503, kind="server_error") from None
         self.routed.labels(decision.node_id, decision.reason).inc()
@@ -194,8 +210,8 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
     for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"{name}={value!r} must be a positive finite number of seconds")
-    timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=30.0)
-    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000))
+    timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=30.0, pool=_POOL_TIMEOUT_S)
+    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=_MAX_CONNECTIONS))
     drain = drain if drain is not None else router_drain()
     request_ids = itertools.count()
 
@@ -326,6 +342,10 @@ async def _send(client: httpx.AsyncClient, decision: Decision, raw: bytes, heade
         upstream = await client.send(client.build_request("POST", url, content=raw, headers=headers), stream=True)
     except httpx.ReadTimeout:
         raise _silent(decision, client) from None
+    except httpx.PoolTimeout:  # the router's own connections are all busy: no node's fault, none would do better
+        raise RequestError(f"the router is at its limit of connections to nodes ({_MAX_CONNECTIONS}, none free "
+                           f"for {_POOL_TIMEOUT_S:g} s); retry later or add a router", status=503,
+                           kind="server_error") from None  # fmt: skip
     except httpx.TransportError as error:
         raise _NodeFailed(type(error).__name__, unreachable=True) from None
     except httpx.InvalidURL as error:  # a node's record (its --advertise) that is no URL: it cannot be reached
