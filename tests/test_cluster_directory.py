@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import redis
 from cluster_fixtures import wait_until
 
 from kvjax.cache.block_events import BlockEvent
@@ -60,6 +61,17 @@ def test_a_node_of_another_model_or_page_size_is_refused(directory):
     with pytest.raises(ValueError, match=r"cannot join prefix .*cluster page_size=4 but this node has 16"):
         directory.register("n2", "http://b", ClusterInfo(model="tiny", page_size=16))
     assert [view.node_id for view in directory.live_nodes()] == ["n1"]
+
+
+def test_a_redis_error_that_mentions_a_cluster_is_not_taken_for_a_clash(directory, monkeypatch):
+    # "cluster " anywhere in the error was read as the record's refusal: a Redis Cluster's
+    # CLUSTERDOWN made the publisher stop for good instead of retrying
+    def down(*args, **kwargs):
+        raise redis.ResponseError("CLUSTERDOWN The cluster is down")
+
+    monkeypatch.setattr(directory, "_register", down)
+    with pytest.raises(redis.ResponseError, match="CLUSTERDOWN"):
+        directory.register("n1", "http://a", CLUSTER)
 
 
 @pytest.mark.parametrize("bad", ["", "a:b", "a b", None])
