@@ -9,7 +9,7 @@ import pytest
 
 from kvjax.__main__ import main
 from kvjax.cluster.processes import ServiceProcess
-from kvjax.tools.cluster_demo import ClusterDemoResult, format_table, run_workload
+from kvjax.tools.cluster_demo import ClusterDemoResult, format_table, run_cluster_demo, run_workload
 from kvjax.tools.cluster_demo_client import Completion
 from kvjax.tools.workload import WorkloadSpec, build_workload
 
@@ -66,6 +66,13 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert main(["cluster-demo", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("bad", ["100", None, True])
+def test_an_arrival_ms_that_is_no_number_is_named(bad):
+    # a str or None raised a bare TypeError from the range check; True passed for 1 ms
+    with pytest.raises(ValueError, match=rf"arrival_ms={bad!r} must be in \[0, 3600000\]"):
+        run_cluster_demo(arrival_ms=bad)
 
 
 def test_a_process_that_exits_before_it_is_ready_says_so_with_its_last_log_line(tmp_path):

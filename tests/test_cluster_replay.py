@@ -217,6 +217,9 @@ def test_bad_settings_are_refused_before_replaying():
         cluster_replay(TWO_CONVERSATIONS, ClusterSpec(2, 0))
     with pytest.raises(ValueError, match=r"prefill_tokens_per_s=0 must be a finite number > 0 \(tokens per second\)"):
         ServiceModel(prefill_tokens_per_s=0)
+    for bad in ("1", None, True, -1.0, float("inf")):  # a str or None raised a bare TypeError; True passed
+        with pytest.raises(ValueError, match=rf"latency_s={bad!r} must be a finite number >= 0 \(seconds\)"):
+            FetchModel(latency_s=bad)
     # the one cache of the cluster's capacity was checked only after every request had replayed
     with pytest.raises(ValueError, match=r"nodes x device_blocks = 3 x 1000000000 = 3000000000 blocks exceeds"):
         ClusterSpec(3, 1_000_000_000)

@@ -106,7 +106,8 @@ def run_cluster_demo(nodes: int = 2, *, out=sys.stdout, preset: str = "tiny", ar
     unknown = [strategy for strategy in strategies if strategy not in STRATEGIES]
     if unknown or not strategies:
         raise ValueError(f"strategies={list(strategies)!r}; expected some of {list(STRATEGIES)}")
-    if not 0 <= arrival_ms <= _MAX_ARRIVAL_MS:  # inf or 1e300 killed every session's thread in time.sleep
+    if isinstance(arrival_ms, bool) or not isinstance(arrival_ms, (int, float)) \
+            or not 0 <= arrival_ms <= _MAX_ARRIVAL_MS:  # inf or 1e300 killed every session's thread in time.sleep
         raise ValueError(f"arrival_ms={arrival_ms!r} must be in [0, {_MAX_ARRIVAL_MS}] (milliseconds between "
                          "sessions, at most an hour)")  # fmt: skip
     missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]

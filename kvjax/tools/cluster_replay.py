@@ -147,7 +147,8 @@ class FetchModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name}={value!r} must be a finite number > 0")
-        if not 0 <= self.latency_s < math.inf:
+        latency = self.latency_s  # its siblings' type check: "1" raised a TypeError, True passed for 1 s
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
             raise ValueError(f"latency_s={self.latency_s!r} must be a finite number >= 0 (seconds)")
 
     def cost_ratio(self, service: ServiceModel) -> float:
