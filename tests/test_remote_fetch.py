@@ -79,6 +79,22 @@ def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline(headers_too):
             transport.close()
 
 
+def test_a_peer_whose_address_is_no_url_fails_the_fetch_naming_it():
+    # httpx.InvalidURL is no HTTPError: it escaped the ask and the fetch failed with a bare
+    # exception's text, naming neither the peer nor its address
+    transport = RemoteTransport(reap=False)
+    with KVCache(KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block)) as cache:
+        fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
+        try:
+            now = time.monotonic()
+            plan = FetchPlan(PeerHint("v6", "http://::1:8001", 4, 0), 0, 4, 10.0, now, now + 60.0)
+            outcome = fetcher.finish(plan, fetcher.start(plan, np.arange(20, dtype=np.int32), None).result(30))
+            assert outcome.outcome == "failed" and plan.detail.startswith("http://::1:8001: InvalidURL"), plan.detail
+        finally:
+            fetcher.close()
+            transport.close()
+
+
 def test_an_ask_after_the_fetcher_closed_fails_at_once_and_leaves_no_loop_open():
     # it waited out its deadline on a stopped loop and came back a "timeout" (which marks a
     # good peer suspect); the loop itself was never closed (a ResourceWarning per fetcher)

@@ -272,7 +272,8 @@ class Directory:
             epoch = self._register(keys, [node_id, address, self._ms(self.node_ttl_s), int(time.time()),
                                           self.incarnation, least, *fields])  # fmt: skip
         except redis.ResponseError as error:
-            if str(error).startswith("cluster "):  # _REGISTER's own refusal (not e.g. "CLUSTERDOWN The cluster is down")
+            # _REGISTER's own refusal, not any error naming a cluster ("CLUSTERDOWN The cluster is down")
+            if str(error).startswith("cluster "):
                 raise ValueError(f"node {node_id!r} cannot join prefix {self.prefix!r}: {error}") from None
             raise
         self._last_epochs[node_id] = int(epoch)

@@ -380,7 +380,8 @@ class RemoteFetcher:
                 response = await self._ask_http.post(f"{address}/kv/offer", json=request.to_json(), timeout=remaining)
         except (TimeoutError, httpx.TimeoutException):
             raise late from None
-        except (httpx.HTTPError, RuntimeError) as error:  # RuntimeError: a client close() shut meanwhile
+        # InvalidURL: a peer address that is no URL (no HTTPError); RuntimeError: a client close() shut meanwhile
+        except (httpx.HTTPError, httpx.InvalidURL, RuntimeError) as error:
             raise _AskFailed("failed", f"{address}: {type(error).__name__}: {error}") from None
         text = response.content[:200].decode(errors="replace")
         if response.status_code == 503:
