@@ -50,7 +50,8 @@ def test_every_supported_field_is_read():
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, r"max_tokens=0 must be an integer >= 1"),
         ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, r"max_tokens='5' must be an integer >= 1"),
         ({"model": "tiny", "prompt": "x", "temperature": 3}, r"temperature=3 must be a number in \[0.0, 2.0\]"),
-        ({"model": "tiny", "prompt": "x", "seed": -1}, r"seed=-1 must be an integer in \[0, 4294967295\]"),
+        ({"model": "tiny", "prompt": "x", "seed": 2**63},
+         r"seed=9223372036854775808 must be an integer in \[-9223372036854775808, 9223372036854775807\]"),
         ({"model": "tiny", "prompt": "x", "stream": "yes"}, r"stream='yes' must be a bool"),
         ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
          r"stream_options is only allowed with stream=true"),
@@ -290,3 +291,9 @@ def test_a_wait_ends_when_its_client_leaves_and_runs_its_clean_up():
 
     assert asyncio.run(scenario(False)) == ("answer", [True])
     assert asyncio.run(scenario(True)) == ("gone", [True])
+
+
+@pytest.mark.parametrize("seed, engine_seed", [(3, 3), (-1, 2**32 - 1), (2**40 + 5, 5), (-(2**63), 0)])
+def test_a_64_bit_seed_is_accepted_as_vllm_does_and_taken_modulo_2_32(seed, engine_seed):
+    # a client drawing 64-bit seeds (vLLM takes any int64) got a 400
+    assert parse_completion_request({"model": "tiny", "prompt": "x", "seed": seed}).seed == engine_seed

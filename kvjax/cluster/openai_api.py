@@ -7,7 +7,7 @@ Accepted request fields (anything else is refused with the list of these):
   or a list of token ids), ``max_tokens`` (default 16), ``stream``, ``stream_options``
   (``include_usage``), ``temperature`` (default 0: greedy, unlike OpenAI's 1, so a prompt's
   output does not depend on the node that served it), ``top_k`` (0, or -1 as in vLLM: all),
-  ``seed``, ``user`` (a string);
+  ``seed`` (any 64-bit integer, as in vLLM; the engine takes it modulo 2**32), ``user`` (a string);
 * ``stop``: a string or a list of strings, each non-empty, at most 4 of them as in OpenAI
   (vLLM takes any number; every stop string is searched at every token on the engine's
   thread, which all requests share, so the limit stands). The answer ends before the
@@ -155,7 +155,7 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
         model=model, prompt=prompt, prompt_tokens=tokens,
         max_tokens=max_tokens, stream=stream, include_usage=include_usage,
         temperature=_number_in(body, "temperature", 0.0, 0.0, 2.0), top_k=_top_k(body),
-        seed=_int_in(body, "seed", None, 0, 2**32 - 1), namespace=_namespace(body, headers or {}),
+        seed=_seed(body), namespace=_namespace(body, headers or {}),
         remote_fetch=_typed(body, "remote_fetch", bool, True), stop=_stop(body),
         min_tokens=_min_tokens(body, max_tokens))  # fmt: skip
 
@@ -353,6 +353,13 @@ def _int_in(body: Mapping, name: str, default, low: int, high: int | None):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise RequestError(f"{name}={_short(value)} must be an integer {bounds}", param=name)
     return value
+
+
+def _seed(body: Mapping) -> int | None:
+    """The seed as the engine takes it (32 bits): any 64-bit integer, as vLLM accepts, taken
+    modulo 2**32 (a client drawing 64-bit seeds got a 400)."""
+    seed = _int_in(body, "seed", None, -(2**63), 2**63 - 1)
+    return None if seed is None else seed % 2**32
 
 
 def _top_k(body: Mapping) -> int:
