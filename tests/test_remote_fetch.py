@@ -21,14 +21,15 @@ POOL = PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, page_size=4, head_
 
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n"
-DRIP_S = 0.1  # between two bytes: the headers take 8 s, a body 20 s (a loaded machine closes late)
+DRIP_S = 0.1  # between two bytes: the headers take 8 s, a body 20 s (well past the 2 s deadline)
 
 
-def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Event, cut: threading.Event) -> str:
+def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Event, cut: threading.Event,
+                  asked: threading.Event | None = None) -> str:  # fmt: skip
     """An HTTP peer that answers /kv/offer a byte every ``DRIP_S`` (its body, or its headers): each
-    read well within any timeout, the whole answer seconds. ``sent`` is set once the dripped
-    part went (or it was stopped): a fetch that waited for it was held by the peer; ``cut``
-    once the asker closed the connection under it."""
+    read well within any timeout, the whole answer seconds. ``asked`` is set once the ask came;
+    ``sent`` once the dripped part went (or it was stopped): a fetch that waited for it was
+    held by the peer; ``cut`` once the asker closed the connection under it."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(4)
@@ -36,6 +37,8 @@ def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Even
     def serve():
         connection, _ = server.accept()
         connection.recv(65536)
+        if asked is not None:
+            asked.set()
         dripped, rest = (HEAD, b" " * 200) if headers_too else (b" " * 200, b"")
         try:
             if not headers_too:
@@ -58,15 +61,19 @@ def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Even
 def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline(headers_too):
     # httpx's timeout bounds each read, not the answer: the ask ran 2 s past a 0.3 s deadline;
     # then, cut loose at the deadline, the ask's thread still read the dripping headers to
-    # their end (a few such peers held every ask thread): the connection must close
-    stop, sent, cut = threading.Event(), threading.Event(), threading.Event()
+    # their end (a few such peers held every ask thread): the connection must close. The
+    # deadline leaves a loaded machine time to connect (at 0.3 s an ask of the full suite was
+    # once cut before it reached the peer, which then saw no connection to lose)
+    stop, sent, cut, asked = threading.Event(), threading.Event(), threading.Event(), threading.Event()
     transport = RemoteTransport(reap=False)
     with KVCache(KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block)) as cache:
         fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
         try:
             now = time.monotonic()
-            plan = FetchPlan(PeerHint("dripper", dripping_peer(stop, headers_too, sent, cut), 4, 0), 0, 4, 0.15, now, now + 0.3)
+            peer = PeerHint("dripper", dripping_peer(stop, headers_too, sent, cut, asked), 4, 0)
+            plan = FetchPlan(peer, 0, 4, 1.0, now, now + 2.0)
             result = fetcher.start(plan, np.arange(20, dtype=np.int32), None).result(timeout=30)
+            assert asked.is_set(), "the ask never reached the peer before its deadline"
             assert not sent.is_set()  # the request went on at its deadline, not at the end of the answer
             outcome = fetcher.finish(plan, result)
             assert outcome.outcome == "timeout" and outcome.blocks is None
