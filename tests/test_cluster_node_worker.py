@@ -108,11 +108,16 @@ def test_a_request_the_engine_refuses_leaves_no_load_behind_in_the_directory(eng
         worker.stop()
 
 
-def test_an_engine_that_breaks_answers_the_request_in_hand_and_leaves_the_directory(engine, directory, monkeypatch):
+def break_engine(engine, monkeypatch) -> None:
+    """Make the engine fail at its next request ("broken on purpose"), as an engine bug would."""
     def broken(*args, **kwargs):
         raise RuntimeError("broken on purpose")
 
     monkeypatch.setattr(engine, "add_request", broken)
+
+
+def test_an_engine_that_breaks_answers_the_request_in_hand_and_leaves_the_directory(engine, directory, monkeypatch):
+    break_engine(engine, monkeypatch)
     publisher = DirectoryPublisher(directory, "n1", "http://n1", cluster_info_of(engine, "tiny"), heartbeat_s=0.1)
     publisher.start()
     worker = EngineWorker(engine, publisher, EventLog().subscribe())
@@ -132,10 +137,7 @@ def test_an_engine_that_breaks_answers_the_request_in_hand_and_leaves_the_direct
 def test_a_peer_asking_a_node_whose_engine_failed_is_answered_at_once(engine, monkeypatch):
     # nobody took the export any more: the ask held the owner's server thread (and the peer)
     # until the peer's deadline, up to minutes, and then said only that it timed out
-    def broken(*args, **kwargs):
-        raise RuntimeError("broken on purpose")
-
-    monkeypatch.setattr(engine, "add_request", broken)
+    break_engine(engine, monkeypatch)
     worker = EngineWorker(engine)
     worker.start()
     try:
@@ -366,10 +368,7 @@ def test_every_request_is_answered_when_the_engine_thread_stops_or_after_it_stop
     with pytest.raises(RuntimeError, match="not running"):
         worker.export(ask, time.monotonic() + 10.0)
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("broken on purpose")
-
-    monkeypatch.setattr(engine, "add_request", broken)
+    break_engine(engine, monkeypatch)
     failed = EngineWorker(engine)
     failed.start()
     try:
