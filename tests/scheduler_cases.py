@@ -25,19 +25,21 @@ NEVER_FETCH = CostModel(fetch_latency_seconds=1e9)  # host pages are recomputed:
 
 
 def kv_cache(num_blocks: int, page_size: int, *, vocab_size: int, clock, high: float = 0.9, low: float = 0.7,
-             host_blocks: int = 0, cost_model: CostModel = NEVER_FETCH, transfer_factory=None) -> KVCache:
+             host_blocks: int = 0, cost_model: CostModel = NEVER_FETCH, transfer_factory=None,
+             **config_kwargs) -> KVCache:
     """A KVCache whose pool is as small as the scheduler's tests need (1 layer, head_dim 1:
     ``8 * page_size`` bytes a block).
 
     With ``host_blocks`` every committed page gets a host copy (write-through), so eviction
     keeps it indexed off device; the cost model should never fetch it back (the fake engine
-    models KV by position, not by the pool's bytes). ``transfer_factory``: the cache's.
+    models KV by position, not by the pool's bytes). ``transfer_factory``: the cache's; other
+    keywords (a disk tier's, say) go to ``KVCacheConfig``.
     """
     pool = PoolConfig(num_blocks=num_blocks, num_layers=1, num_kv_heads=1, page_size=page_size, head_dim=1,
                       dtype="float32")  # fmt: skip
     config = KVCacheConfig(pool=pool, vocab_size=vocab_size, high_watermark=high, low_watermark=low,
                            host_bytes=host_blocks * pool.bytes_per_block, write_policy="write_through",
-                           cost_model=cost_model)  # fmt: skip
+                           cost_model=cost_model, **config_kwargs)  # fmt: skip
     return KVCache(config, clock=clock, transfer_factory=transfer_factory)
 
 

@@ -500,6 +500,36 @@ def test_a_prefetch_that_did_not_start_is_announced_again_and_one_in_flight_is_n
     scheduler.check_invariants()
 
 
+def test_an_intent_cut_to_the_room_is_not_announced_again_for_disk_pages_past_the_cut(tmp_path):
+    # page 0 on host, page 1 on disk only, room for one page and no free block: the intent
+    # (page 0) starts nothing, and it was announced again every step because a prefetch of the
+    # whole extent would restore page 1 from disk, which the cut intent never asks for
+    cache = kv_cache(8, 4, vocab_size=VOCAB, clock=Clock(), high=0.875, low=0.5, host_blocks=16,
+                     cost_model=CostModel(recompute_seconds_per_token=1.0), disk_dir=str(tmp_path),
+                     disk_bytes=1 << 20, model_id="test")  # fmt: skip
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=2, token_budget=32, max_prefill_chunk=32))
+    engine = FakeEngine(scheduler, VOCAB)
+    cached = list(range(1, 10))
+    scheduler.add(request("cached", cached, max_new_tokens=1))
+    drain(engine)
+    assert cache.flush(timeout=30) and len(cache.evict(8)) == 2 and cache.evict_host(1) == 1
+    assert cache.lookup(cached).tiers.tolist() == [int(Tier.HOST | Tier.DISK), int(Tier.DISK)]
+    scheduler.add(request("filler", list(range(20, 29)), max_new_tokens=1))  # 2 pages stay cached
+    drain(engine)
+    scheduler.add(request("busy", [40] * 21, max_new_tokens=3))  # 6 blocks: none free, room for 1
+    engine.step()
+    assert cache.allocator.num_free == 0 and cache.num_reclaimable == 2
+    scheduler.add(request("wants", cached[:8] + [30], max_new_tokens=1))
+    plan = scheduler.schedule()
+    assert [(i.request_id, i.first_page, i.num_pages) for i in plan.prefetch] == [("wants", 0, 1)]
+    _run_prefetches(cache, plan)  # page 0 is on host: no free block for it, nothing starts
+    scheduler.on_step_done(plan, engine.run(plan))
+    plan = scheduler.schedule()
+    assert plan.prefetch == []  # nothing a prefetch of page 0 would start now
+    scheduler.on_step_done(plan, engine.run(plan))
+    scheduler.check_invariants()
+
+
 class FailingFetches(TransferEngine):
     """The real transfer engine, except that host -> device fetches land nothing while ``fail``."""
 

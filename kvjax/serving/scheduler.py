@@ -551,13 +551,16 @@ class Scheduler:
             if extent is None:
                 continue
             first, count = extent
-            if planner.announced(request_id) and not cache.num_prefetch_pages(lookup, num_pages=first + count):
-                continue  # on its way, landed, or nothing a prefetch would start now
+            held_hits = 0
             if room is not None:
                 held_hits = lookup.num_reclaimable_hits(first)  # the prefetch's hold maps its device pages
                 count = min(count, room - held_hits)
                 if count <= 0:
                     continue
+            # judged on the pages the intent would cover: disk pages past a cut are not its to restore
+            if planner.announced(request_id) and not cache.num_prefetch_pages(lookup, num_pages=first + count):
+                continue  # on its way, landed, or nothing a prefetch would start now
+            if room is not None:
                 room -= count + held_hits
             plan.prefetch.append(planner.intent(request, count))
 
