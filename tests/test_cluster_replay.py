@@ -147,20 +147,31 @@ def test_one_node_is_the_single_node_replay(strategy):
 def test_nodes_exchange_reuse_statistics_every_policy_share_s_of_the_trace_clock(monkeypatch, share_s, exchanges):
     """Requests at 0, 1, ..., 6 s: an exchange at the first arrival, then at the first arrival
     share_s or more after the previous exchange; in each, every node merges the other nodes'
-    statistics (one each), published before anyone merged."""
-    merges = []
-    original = ReusePolicy.merge_peer_statistics
+    statistics, published before anyone merged (pooled: the peers' counts add up to the other
+    nodes' together, whatever the pools)."""
+    merges, published = [], {}
+    original_merge, original_statistics = ReusePolicy.merge_peer_statistics, ReusePolicy.statistics
+
+    def statistics(policy):
+        published[id(policy)] = stats = original_statistics(policy)
+        return stats
 
     def merge(policy, peers, **kwargs):
         peers = list(peers)
-        merges.append((id(policy), [stats.closed for stats in peers]))
-        original(policy, peers, **kwargs)
+        others = [stats for owner, stats in published.items() if owner != id(policy)]
+        merges.append((id(policy), sum(stats.closed for stats in peers), sum(stats.closed for stats in others),
+                       sum(stats.boundary_events + 1 for stats in peers),
+                       sum(stats.boundary_events + 1 for stats in others)))  # fmt: skip
+        original_merge(policy, peers, **kwargs)
 
     monkeypatch.setattr(ReusePolicy, "merge_peer_statistics", merge)
+    monkeypatch.setattr(ReusePolicy, "statistics", statistics)
     requests = trace([(1, 2), (3, 4), (1, 2, 5), (3, 4, 6), (1, 2, 5, 7), (8,), (3, 4, 6, 9)])
     report = cluster_replay(requests, ClusterSpec(3, 10, block_tokens=BLOCK, policy_share_s=share_s), fetch=None)
-    assert len(merges) == 3 * exchanges and len({policy for policy, _ in merges}) == (3 if exchanges else 0)
-    assert all(len(peers) == 2 for _, peers in merges)
+    assert len(merges) == 3 * exchanges and len({policy for policy, *_ in merges}) == (3 if exchanges else 0)
+    assert all(len(published) == 3 and peers == others and peer_weight == other_weight
+               for _, peers, others, peer_weight, other_weight in merges)  # fmt: skip
+    assert any(peers > 0 for _, peers, *_ in merges) == bool(exchanges)
     assert report.as_dict()["policy_share_s"] == share_s
 
 

@@ -189,3 +189,31 @@ def test_nodes_exchanging_statistics_keep_every_invariant(steps, memory, every, 
                                                    abs=1e-9)  # fmt: skip
         assert list(stats.reused) == pytest.approx(
             [reused - prior * scale for reused, prior in zip(policy._reused, PRIOR_REUSED)], abs=1e-9)
+
+
+_peer_stats = st.builds(
+    lambda trials, shares, closed, horizon, events: _stats(
+        trials, [t * s for t, s in zip(trials, shares)], closed, horizon, events),
+    st.lists(st.floats(0.0, 1e6), min_size=8, max_size=8),
+    st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
+    st.integers(0, 10**6), st.floats(0.01, 1e5), st.integers(0, 10**4))  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_peer_stats, min_size=1, max_size=6), st.integers(0, 5))
+def test_a_pool_of_peers_merges_as_the_peers_do_and_pools_of_pools_are_one_pool(peers, cut):
+    # the simulated cluster merges each node's peers as two pools (those before it, those after)
+    separate, pooled = _trained(trust_trials=300.0), _trained(trust_trials=300.0)
+    separate.merge_peer_statistics(peers)
+    pooled.merge_peer_statistics([ReuseStatistics.pooled(peers)])
+    assert pooled.horizon == pytest.approx(separate.horizon, rel=1e-9)
+    assert pooled.trust() == pytest.approx(separate.trust(), rel=1e-12)
+    assert pooled.offsets() == pytest.approx(separate.offsets(), rel=1e-9, abs=1e-9)
+    cut = min(cut, len(peers))
+    parts = [ReuseStatistics.pooled(part) for part in (peers[:cut], peers[cut:]) if part]
+    whole, of_parts = ReuseStatistics.pooled(peers), ReuseStatistics.pooled(parts)
+    assert (of_parts.closed, of_parts.boundary_events) == (whole.closed, whole.boundary_events)
+    assert list(of_parts.trials) == pytest.approx(list(whole.trials), rel=1e-12)
+    assert list(of_parts.reused) == pytest.approx(list(whole.reused), rel=1e-12)
+    assert of_parts.horizon == pytest.approx(whole.horizon, rel=1e-9)
+    assert ReuseStatistics.pooled([]) is None

@@ -397,6 +397,22 @@ class ReuseStatistics:
                 "horizon": self.horizon, "boundary_events": self.boundary_events}  # fmt: skip
 
     @classmethod
+    def pooled(cls, peers: Iterable[ReuseStatistics]) -> ReuseStatistics | None:
+        """One peer whose merge weighs as the given ones' together (None for none): counts
+        summed, H their geometric mean weighted by ``boundary_events + 1``, and
+        ``boundary_events`` so that its weight is the sum of theirs. Pooling pools changes
+        nothing but rounding, so a simulated cluster gives each of N nodes the pool of the
+        others from prefix and suffix pools (O(N) an exchange, not O(N**2))."""
+        peers = list(peers)
+        if not peers:
+            return None
+        trials = tuple(math.fsum(peer.trials[kind] for peer in peers) for kind in range(_NUM_KINDS))
+        reused = tuple(min(math.fsum(peer.reused[kind] for peer in peers), total) for kind, total in enumerate(trials))
+        weight = sum(peer.boundary_events + 1 for peer in peers)
+        log_horizon = math.fsum((peer.boundary_events + 1) * math.log(peer.horizon) for peer in peers) / weight
+        return cls(trials, reused, sum(peer.closed for peer in peers), math.exp(log_horizon), weight - 1)
+
+    @classmethod
     def from_dict(cls, fields: Mapping[str, Any]) -> ReuseStatistics:
         """The statistics ``as_dict`` wrote; ValueError naming what is missing or malformed."""
         if not isinstance(fields, Mapping):

@@ -68,7 +68,7 @@ import numpy as np
 
 from kvjax.cache.block_events import BlockEvent
 from kvjax.cache.block_keys import Namespace, chained_block_keys
-from kvjax.cache.policies import ReusePolicy
+from kvjax.cache.policies import ReusePolicy, ReuseStatistics
 from kvjax.cluster.node_view import DEFAULT_BLOCK_TTL_S, NodeLoad, NodeView
 from kvjax.cluster.router import RECENT_PER_NODE, RouterConfig, RoutingPolicy
 from kvjax.tiers.kv_cache import KVCache
@@ -389,10 +389,16 @@ def simulate_cluster(requests: Sequence[TraceRequest], spec: ClusterSpec, *, rou
 
 
 def _share_statistics(learners: list[ReusePolicy]) -> None:
-    """One exchange: every node publishes its statistics, then merges the others'."""
+    """One exchange: every node publishes its statistics, then merges the others' (pooled:
+    those before it and those after it, each pool built once; see ``ReuseStatistics.pooled``)."""
     published = [learner.statistics() for learner in learners]
-    for node, learner in enumerate(learners):
-        learner.merge_peer_statistics(published[:node] + published[node + 1 :])
+    before: list[ReuseStatistics | None] = [None]
+    for stats in published[:-1]:
+        before.append(ReuseStatistics.pooled(filter(None, (before[-1], stats))))
+    after = None
+    for node in reversed(range(len(learners))):
+        learners[node].merge_peer_statistics(filter(None, (before[node], after)))
+        after = ReuseStatistics.pooled(filter(None, (published[node], after)))
 
 
 class _FirstBlockDrops:
