@@ -17,6 +17,7 @@ import socket
 import time
 
 import httpx
+import openai
 import pytest
 
 from kvjax.cluster.directory import Directory
@@ -85,6 +86,50 @@ def directory(redis_server, redis_prefix):
     directory = Directory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=2.0)
     yield directory
     directory.client.close()
+
+
+def ignored_fields_total(url, prefix):
+    """The server's count of request fields it ignored (``{prefix}_ignored_request_fields_total``)."""
+    text = httpx.get(f"{url}/metrics").text
+    return float(re.search(rf"^{prefix}_ignored_request_fields_total (\S+)$", text, re.M).group(1))
+
+
+def check_unknown_fields_are_ignored(client, url, prefix, prompt):
+    """Through the official client: fields the server does not know change nothing of the
+    answer and are counted; a known field at a value kvjax does not implement is a 400 naming it."""
+    before = ignored_fields_total(url, prefix)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.8, seed=11)
+    extra = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.8, seed=11,
+                                      user="u1", suffix=None, logit_bias={},
+                                      extra_body={"frobnicate": 1, "vendor_options": {"trace": True}})  # fmt: skip
+    assert extra.choices[0].text == plain.choices[0].text and extra.usage.completion_tokens == 8
+    assert ignored_fields_total(url, prefix) == before + 2
+    with pytest.raises(openai.BadRequestError, match=r"repetition_penalty=1.3 is not supported; kvjax accepts only "
+                                                     r"1 or null"):  # fmt: skip
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"repetition_penalty": 1.3})
+
+
+def check_bodies_over_the_limit_get_a_413(url):
+    """The server read every body whole into memory, however large. Over the limit (8 MiB by
+    default): a 413 naming it, whether the body declares its length or comes chunked, and the
+    connection serves the next request."""
+    limit = 8 * 2**20
+    body = b'{"model": "tiny", "prompt": "' + b"a" * limit + b'", "max_tokens": 1}'
+
+    def chunks(data, size=2**16):
+        yield from (data[start : start + size] for start in range(0, len(data), size))
+
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for content, message in [
+            (body, f"the request body has {len(body)} bytes; this server accepts at most {limit} bytes (8 MiB)"),
+            (chunks(body), f"the request body passed this server's limit of {limit} bytes (8 MiB) before its end"),
+        ]:  # fmt: skip
+            response = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert response.status_code == 413
+            assert response.json()["error"]["message"].startswith(message)
+            assert response.json()["error"]["type"] == "invalid_request_error"
+            served = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
 
 
 # --- node and router processes -------------------------------------------------------------

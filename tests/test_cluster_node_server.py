@@ -3,13 +3,20 @@ bad input, and namespaces on the node's own cache."""
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
 import httpx
 import openai
 import pytest
-from cluster_fixtures import decode_tokens, hang_up_while_generating, wait_until
+from cluster_fixtures import (
+    check_bodies_over_the_limit_get_a_413,
+    check_unknown_fields_are_ignored,
+    decode_tokens,
+    hang_up_while_generating,
+    wait_until,
+)
 from fastapi.testclient import TestClient
 
 from kvjax.cluster.drain import NodeDrain
@@ -260,3 +267,25 @@ def test_stop_strings_end_the_answer_and_the_stream_sends_nothing_past_them(smal
         assert completion.usage.completion_tokens < 24
         text, finish, _ = streamed(client, prompt=prompt, max_tokens=24, stop=given)
         assert (text, finish) == (answer, ["stop"])
+
+
+def test_unknown_fields_are_ignored_and_counted_as_vllm_does(client, node_url):
+    check_unknown_fields_are_ignored(client, node_url, "kvjax_node", PROMPT)
+
+
+def test_a_body_over_the_limit_is_a_413_naming_it(node_url):
+    check_bodies_over_the_limit_get_a_413(node_url)
+
+
+def test_ignored_fields_are_named_in_the_log_and_the_limit_is_the_apps_to_set(small_pool, caplog):
+    app = create_node_app(small_pool.worker, "tiny", "small", max_body_bytes=1000)
+    with TestClient(app) as client, caplog.at_level(logging.WARNING, logger="kvjax.cluster.http_front"):
+        answer = client.post("/v1/completions", json={"model": "tiny", "prompt": "g" * 20, "max_tokens": 2,
+                                                      "frobnicate": 1})  # fmt: skip
+        assert answer.status_code == 200
+        body = json.dumps({"model": "tiny", "prompt": "g" * 1000}).encode()
+        too_large = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert "The following fields were present in the request but ignored: ['frobnicate']" in caplog.text
+    assert too_large.status_code == 413 and len(body) > 1000
+    assert too_large.json()["error"]["message"] == f"the request body has {len(body)} bytes; this server accepts " \
+        "at most 1000 bytes"  # fmt: skip

@@ -2,14 +2,19 @@
 the final text whatever bytes the model produces."""
 
 import asyncio
+import dataclasses
 import json
+import logging
 
 import pytest
+from fastapi import FastAPI
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 from starlette.datastructures import Headers
 
-from kvjax.cluster.http_front import ClientGone, unless_client_leaves
+from kvjax.cluster import http_front
+from kvjax.cluster.http_front import ClientGone, IgnoredFields, limit_request_bodies, unless_client_leaves
 from kvjax.cluster.openai_api import (
     NAMESPACE_HEADER,
     CompletionRequest,
@@ -41,8 +46,6 @@ def test_every_supported_field_is_read():
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"model": "tiny", "prompt": "x", "frobnicate": 1},
-         r"unknown fields \['frobnicate'\]; expected some of \['model'"),
         ({"prompt": "x"}, r"model=None must be the served model's name"),
         ({"model": "tiny"}, r"prompt=None must be a string, a list of one string or a non-empty list of token ids"),
         ({"model": "tiny", "prompt": ["a", "b"]}, r"prompt=\['a', 'b'\] must be a string"),
@@ -90,11 +93,82 @@ def test_bad_requests_name_the_field_and_what_was_expected(body, message):
     assert error.value.body()["error"]["type"] == "invalid_request_error"
 
 
+def test_unknown_fields_are_ignored_and_named_as_vllm_does():
+    """They were refused with a 400: the official client and many tools send fields of their own."""
+    plain = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0.5, "seed": 7}
+    extra = {**plain, "frobnicate": 1, "vendor_options": {"a": [1]}, "priority": 0, "length_penalty": 2.0}
+    request = parse(extra)
+    assert request.ignored_fields == ("frobnicate", "length_penalty", "priority", "vendor_options")
+    assert dataclasses.replace(request, ignored_fields=()) == parse(plain)
+    assert parse(plain).ignored_fields == ()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("repetition_penalty", 1.2, r"^repetition_penalty=1.2 is not supported; kvjax accepts only 1 or null$"),
+    ("min_p", 0.1, r"^min_p=0.1 is not supported"),
+    ("use_beam_search", True, r"^use_beam_search=True is not supported; kvjax accepts only false or null$"),
+    ("stop_token_ids", [5], r"^stop_token_ids=\[5\] is not supported; kvjax accepts only \[\] or null$"),
+    ("include_stop_str_in_output", True, r"^include_stop_str_in_output=True is not supported"),
+    ("skip_special_tokens", False, r"^skip_special_tokens=False is not supported; kvjax accepts only true or null$"),
+    ("response_format", {"type": "json_object"},
+     r"^response_format=\{'type': 'json_object'\} is not supported; kvjax accepts only "
+     r"\{\"type\": \"text\"\} or null$"),
+    ("guided_json", {"type": "object"},
+     r"^guided_json=\{'type': 'object'\} is not supported; kvjax accepts only null$"),
+    ("guided_choice", ["a", "b"], r"^guided_choice=\['a', 'b'\] is not supported"),
+    ("truncate_prompt_tokens", 8, r"^truncate_prompt_tokens=8 is not supported; kvjax accepts only null$"),
+    ("cache_salt", "s1", r"^cache_salt='s1' is not supported; kvjax accepts only null; kvjax keeps tenants' cached "
+                         r"KV apart by the namespace field$"),
+    ("repetition_penalty", True, r"^repetition_penalty=True must be a number$"),  # True == 1, but no number
+    ("logit_bias", {"50": 10}, r"^logit_bias=\{'50': 10\} is not supported; kvjax accepts only \{\} or null$"),
+    ("suffix", "end", r"^suffix='end' is not supported; kvjax accepts only \"\" or null$"),
+    ("echo", True, r"^echo=True is not supported; kvjax accepts only false or null$"),
+])  # fmt: skip
+def test_known_fields_whose_ignoring_would_change_the_text_are_refused(field, value, message):
+    """vLLM honours these: ignored like unknown ones, a vLLM client's answer would silently differ."""
+    with pytest.raises(RequestError, match=message) as error:
+        parse({"model": "tiny", "prompt": "x", field: value})
+    assert (error.value.status, error.value.param) == (400, field)
+
+
+def test_the_neutral_values_of_vllms_fields_are_accepted():
+    neutral = {"use_beam_search": False, "min_p": 0.0, "repetition_penalty": 1.0, "stop_token_ids": [],
+               "bad_words": [], "include_stop_str_in_output": False, "skip_special_tokens": True,
+               "add_special_tokens": True, "return_tokens_as_token_ids": False, "response_format": {"type": "text"},
+               "guided_json": None, "cache_salt": None, "truncate_prompt_tokens": None}  # fmt: skip
+    assert parse({"model": "tiny", "prompt": "hi", **neutral}) == CompletionRequest("tiny", "hi", None)
+
+
+def test_ignored_fields_are_counted_and_named_at_most_once_per_interval(caplog, monkeypatch):
+    registry = CollectorRegistry()
+    ignored = IgnoredFields(registry, "kvjax_test", log_every_s=10.0)
+    now = [100.0]
+    monkeypatch.setattr(http_front.time, "monotonic", lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvjax.cluster.http_front"):
+        ignored.note(("a", "b"))
+        ignored.note(())  # a request without any: nothing
+        ignored.note(("c",))  # within the interval: counted, not logged
+        now[0] += 10.0
+        ignored.note(("d",))
+    assert registry.get_sample_value("kvjax_test_ignored_request_fields_total") == 4
+    assert [record.getMessage() for record in caplog.records] == [
+        "The following fields were present in the request but ignored: ['a', 'b']",
+        "The following fields were present in the request but ignored: ['d'] (1 more requests carried ignored "
+        "fields since the last such line)"]
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True, "8"])
+def test_a_body_limit_that_is_not_a_positive_integer_is_refused(limit):
+    with pytest.raises(ValueError, match=r"max_body_bytes=.* must be a positive integer \(bytes\)"):
+        limit_request_bodies(FastAPI(), limit)
+
+
 def test_null_is_a_field_not_given_as_in_openai():
     """A client that serializes its unset fields as null got "n=None is not supported"."""
     fields = ["max_tokens", "stream", "stream_options", "temperature", "top_k", "seed", "user", "namespace",
               "remote_fetch", "n", "best_of", "echo", "top_p", "frequency_penalty", "presence_penalty", "logprobs",
-              "suffix", "stop", "logit_bias"]  # fmt: skip
+              "suffix", "stop", "logit_bias", "repetition_penalty", "guided_json", "cache_salt",
+              "use_beam_search"]  # fmt: skip
     assert parse({"model": "tiny", "prompt": "hi", **dict.fromkeys(fields)}) == CompletionRequest("tiny", "hi", None)
     streamed = parse({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"include_usage": None}})
     assert streamed.stream and not streamed.include_usage

@@ -13,7 +13,15 @@ import uuid
 import httpx
 import openai
 import pytest
-from cluster_fixtures import decode_tokens, hang_up_while_generating, speak_for, start_router, wait_until
+from cluster_fixtures import (
+    check_bodies_over_the_limit_get_a_413,
+    check_unknown_fields_are_ignored,
+    decode_tokens,
+    hang_up_while_generating,
+    speak_for,
+    start_router,
+    wait_until,
+)
 from fastapi.testclient import TestClient
 
 from kvjax.cache.block_keys import Namespace, chained_block_keys
@@ -628,3 +636,24 @@ def test_a_router_out_of_connections_says_so_and_blames_no_node(directory, answe
     assert all(service.forward_errors.labels(node)._value.get() == 0 for node in ("p0", "p1"))
     assert sum(sample.value for metric in service.routed.collect() for sample in metric.samples
                if sample.name.endswith("_total")) == 1  # decided once, not once per node
+
+
+def test_unknown_fields_are_ignored_and_counted_by_the_router_as_by_a_node(router_client, cluster):
+    """The router refused them with a 400 before any node saw the request; it forwards the
+    body as it came, and the node ignores them too."""
+    check_unknown_fields_are_ignored(router_client, cluster.router.url, "kvjax_router", PROMPT)
+
+
+def test_a_body_over_the_limit_is_a_413_from_the_router_too(cluster):
+    check_bodies_over_the_limit_get_a_413(cluster.router.url)
+
+
+def test_the_routers_body_limit_is_the_apps_to_set(directory):
+    directory.register("n1", "http://127.0.0.1:1", ClusterInfo("tiny", 16))
+    with pytest.raises(ValueError, match=r"max_body_bytes=0 must be a positive integer \(bytes\)"):
+        create_router_app(RouterService(directory), max_body_bytes=0)
+    with TestClient(create_router_app(RouterService(directory), max_body_bytes=100)) as client:
+        response = client.post("/v1/completions", content=b"{" + b" " * 100 + b"}")
+    assert response.status_code == 413
+    message = response.json()["error"]["message"]
+    assert message == "the request body has 102 bytes; this server accepts at most 100 bytes"

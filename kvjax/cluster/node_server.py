@@ -39,7 +39,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.background import BackgroundTask
 
 from kvjax.cluster.drain import NodeDrain
-from kvjax.cluster.http_front import ClientGone, answer_errors_as_openai, unless_client_leaves
+from kvjax.cluster.http_front import (
+    DEFAULT_MAX_BODY_BYTES,
+    ClientGone,
+    IgnoredFields,
+    answer_errors_as_openai,
+    limit_request_bodies,
+    unless_client_leaves,
+)
 from kvjax.cluster.node_worker import EngineWorker, cluster_info_of, start_worker
 from kvjax.cluster.openai_api import (
     CompletionRequest,
@@ -67,25 +74,29 @@ _ROUTES = "POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /he
 
 
 def create_node_app(worker: EngineWorker, model: str, node_id: str, offers: OfferService | None = None, *,
-                    fault_control: bool = False, step_control: bool = False,
-                    drain: NodeDrain | None = None) -> FastAPI:  # fmt: skip
+                    fault_control: bool = False, step_control: bool = False, drain: NodeDrain | None = None,
+                    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
     """The node's FastAPI app around a started ``worker``; ``offers``: serve ``/kv/offer``
     and ``/kv/ack`` to peers; ``fault_control``: also ``/kv/fault`` (fault tests);
     ``step_control``: also ``POST /test/steps`` (``{"steps": N}``: run N more engine steps, then
     hold every request; ``{"steps": null}``: run freely; ``EngineWorker.hold_steps``), for tests
     that act while requests are in flight; ``drain``: what a ``DrainingServer`` drains on
-    SIGTERM (default: one of ``DEFAULT_GRACE_S``)."""
+    SIGTERM (default: one of ``DEFAULT_GRACE_S``); ``max_body_bytes``: the largest request body
+    taken, a larger one gets a 413 (``kvjax.cluster.http_front.limit_request_bodies``)."""
     app = FastAPI(title=f"kvjax node {node_id}")
     drain = drain if drain is not None else NodeDrain(node_id)
     registry = _node_metrics(worker, offers)
+    ignored = IgnoredFields(registry, "kvjax_node")
     decode = worker.engine.tokenizer.decode
     engine = worker.engine
 
     answer_errors_as_openai(app, _ROUTES)
+    limit_request_bodies(app, max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(http_request: Request):
         request = parse_completion_request(await http_request.body(), http_request.headers)
+        ignored.note(request.ignored_fields)
         if request.model != model:
             raise unknown_model(request.model, model, "this node")
         refusal = _refusal(worker, node_id)

@@ -1,7 +1,10 @@
 """The OpenAI completions protocol as nodes and the router speak it: request parsing and
 validation, response and stream-chunk bodies, error bodies, incremental text for streams.
 
-Accepted request fields (anything else is refused with the list of these):
+Request fields. A field kvjax does not know is ignored, as vLLM ignores one: the request is
+served as if it were not there, and the server logs the names (``IgnoredFields``) and counts
+them in ``/metrics``; clients and SDKs send fields of their own. The fields whose ignoring would
+change the answer are known here and refused unless at their neutral value (below). Known:
 
 * ``model`` (required; the served model's name), ``prompt`` (a string, a list of one string,
   or a list of token ids), ``max_tokens`` (default 16), ``stream``, ``stream_options``
@@ -21,6 +24,18 @@ Accepted request fields (anything else is refused with the list of these):
   of the type OpenAI gives them (``echo: 0`` and ``n: true`` are refused, not read as false
   and 1): ``n`` / ``best_of`` 1, ``echo`` false, ``top_p`` 1, ``frequency_penalty`` /
   ``presence_penalty`` 0, ``logprobs`` null, ``suffix`` "", ``logit_bias`` {};
+* so are vLLM's sampling and decoding fields whose silent ignoring would change the text (a
+  vLLM client sending them expects them honoured): ``use_beam_search`` false, ``min_p`` 0,
+  ``repetition_penalty`` 1, ``stop_token_ids`` [], ``bad_words`` [],
+  ``include_stop_str_in_output`` false, ``skip_special_tokens`` true, ``add_special_tokens``
+  true (kvjax decodes and encodes by its tokenizer's own rule), ``return_tokens_as_token_ids``
+  false, ``response_format`` {"type": "text"}; and only null for ``truncate_prompt_tokens``,
+  ``allowed_token_ids``, ``prompt_logprobs``, ``guided_json``, ``guided_regex``,
+  ``guided_choice``, ``guided_grammar``, ``structured_outputs``, ``logits_processors``,
+  ``prompt_embeds`` and ``cache_salt`` (vLLM's cache isolation: ignoring it would share cached
+  KV the client meant to keep apart; kvjax's ``namespace`` does that). vLLM fields that change
+  no text where those hold (``length_penalty``, ``spaces_between_special_tokens``, ``priority``,
+  ``guided_decoding_backend``, ...) are unknown here, so ignored;
 * an explicit null is the same as a field not given, as in OpenAI and vLLM (clients that
   serialize every field send their unset ones as null);
 * ``namespace`` (kvjax's extension): the tenant whose cached blocks the request may share,
@@ -76,16 +91,39 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-# OpenAI fields kvjax does not implement: what OpenAI's type is (checked first, so that
-# True == 1 and 0 == False cannot pass for a neutral value) and the values that ask for nothing
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
+
+
+def _anything(value) -> bool:
+    return True
+
+
+# Fields kvjax does not implement, OpenAI's and then vLLM's: their type (checked first, so
+# that True == 1 and 0 == False cannot pass for a neutral value) and the values that ask for
+# nothing; no value: only null (of any type)
 _NEUTRAL = {"n": ("an integer", _is_int, (1,)), "best_of": ("an integer", _is_int, (1,)),
-            "echo": ("a bool", lambda value: isinstance(value, bool), (False,)),
+            "echo": ("a bool", _is_bool, (False,)),
             "top_p": ("a number", _is_number, (1,)), "frequency_penalty": ("a number", _is_number, (0,)),
             "presence_penalty": ("a number", _is_number, (0,)), "logprobs": ("an integer", _is_int, ()),
             "suffix": ("a string", lambda value: isinstance(value, str), ("",)),
-            "logit_bias": ("an object", lambda value: isinstance(value, dict), ({},))}  # fmt: skip
+            "logit_bias": ("an object", lambda value: isinstance(value, dict), ({},)),
+            "use_beam_search": ("a bool", _is_bool, (False,)), "min_p": ("a number", _is_number, (0,)),
+            "repetition_penalty": ("a number", _is_number, (1,)),
+            "stop_token_ids": ("a list", lambda value: isinstance(value, list), ([],)),
+            "bad_words": ("a list", lambda value: isinstance(value, list), ([],)),
+            "include_stop_str_in_output": ("a bool", _is_bool, (False,)),
+            "skip_special_tokens": ("a bool", _is_bool, (True,)), "add_special_tokens": ("a bool", _is_bool, (True,)),
+            "return_tokens_as_token_ids": ("a bool", _is_bool, (False,)),
+            "response_format": ("an object", lambda value: isinstance(value, dict), ({"type": "text"},)),
+            **{name: ("anything", _anything, ()) for name in (
+                "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "structured_outputs", "logits_processors", "prompt_embeds",
+                "cache_salt")}}  # fmt: skip
+_HINTS = {"cache_salt": "; kvjax keeps tenants' cached KV apart by the namespace field"}
 _FIELDS = ("model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_k", "seed", "user",
            "stop", "min_tokens", "ignore_eos", "namespace", "remote_fetch", *_NEUTRAL)  # fmt: skip
+_KNOWN = frozenset(_FIELDS)
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
@@ -118,15 +156,15 @@ class CompletionRequest:
     remote_fetch: bool = True
     stop: tuple[str, ...] = ()  # stop strings
     min_tokens: int = 0
+    ignored_fields: tuple[str, ...] = ()  # the body's fields kvjax does not know, sorted (not used)
 
 
 def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, str] | None = None) -> CompletionRequest:
     """Validate a request body (JSON text or a parsed object); RequestError naming the field,
-    its value and what was expected."""
+    its value and what was expected. Fields it does not know are ignored, named in
+    ``ignored_fields``."""
     body = _json_object(raw)
-    unknown = sorted(set(body) - set(_FIELDS))
-    if unknown:
-        raise RequestError(f"unknown fields {unknown}; expected some of {list(_FIELDS)}", param=unknown[0])
+    ignored = tuple(sorted(set(body) - _KNOWN))
     for name, (kind, is_kind, neutral) in _NEUTRAL.items():
         value = body.get(name)
         if value is None:
@@ -135,7 +173,8 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
             raise RequestError(f"{name}={_short(value)} must be {kind}", param=name)
         if value not in neutral:
             accepted = " or ".join(json.dumps(option) for option in (*neutral, None))  # as JSON spells them
-            raise RequestError(f"{name}={_short(value)} is not supported; kvjax accepts only {accepted}", param=name)
+            raise RequestError(f"{name}={_short(value)} is not supported; kvjax accepts only {accepted}"
+                               f"{_HINTS.get(name, '')}", param=name)  # fmt: skip
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(f"model={model!r} must be the served model's name (a non-empty string)", param="model")
@@ -157,7 +196,7 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
         temperature=_number_in(body, "temperature", 0.0, 0.0, 2.0), top_k=_top_k(body),
         seed=_seed(body), namespace=_namespace(body, headers or {}),
         remote_fetch=_typed(body, "remote_fetch", bool, True), stop=_stop(body),
-        min_tokens=_min_tokens(body, max_tokens))  # fmt: skip
+        min_tokens=_min_tokens(body, max_tokens), ignored_fields=ignored)  # fmt: skip
 
 
 def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error",

@@ -62,7 +62,13 @@ from starlette.background import BackgroundTask
 from kvjax.cache.block_keys import Namespace, chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory
 from kvjax.cluster.drain import DEFAULT_GRACE_S, Drain
-from kvjax.cluster.http_front import answer_errors_as_openai, unless_client_leaves
+from kvjax.cluster.http_front import (
+    DEFAULT_MAX_BODY_BYTES,
+    IgnoredFields,
+    answer_errors_as_openai,
+    limit_request_bodies,
+    unless_client_leaves,
+)
 from kvjax.cluster.openai_api import (
     NAMESPACE_HEADER,
     NODE_CAPACITY_EXCEEDED,
@@ -118,6 +124,7 @@ class RouterService:
         self.forward_errors = prometheus_client.Counter("kvjax_router_forward_errors",
                                                         "Nodes that failed a forwarded request before answering",
                                                         ["node"], registry=self.registry)  # fmt: skip
+        self.ignored = IgnoredFields(self.registry, "kvjax_router")  # the node it forwards to counts them too
 
     def cluster(self) -> ClusterInfo:
         """The cluster record the nodes registered, read again once it is ``cluster_refresh_s``
@@ -198,10 +205,12 @@ class RouterService:
 
 
 def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0,
-                      drain: Drain | None = None) -> FastAPI:  # fmt: skip
+                      drain: Drain | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
     """The router's FastAPI app: ``/v1/completions``, ``/v1/models`` (and ``/v1/models/{model}``),
     ``/health``, ``/metrics``; every error an OpenAI error body (``kvjax.cluster.http_front``).
     ``drain``: what a ``DrainingServer`` drains on SIGTERM (default: one of ``router_drain()``).
+    ``max_body_bytes``: the largest request body taken, a larger one gets a 413
+    (``kvjax.cluster.http_front.limit_request_bodies``; the nodes have the same default).
 
     ``read_timeout_s``: the longest a node may stay silent while answering (its whole
     non-streamed answer, or between two chunks of a stream); past it the client gets a 504 and
@@ -223,11 +232,13 @@ def create_router_app(service: RouterService, *, connect_timeout_s: float = 2.0,
     app = FastAPI(title="kvjax router", lifespan=lifespan)
 
     answer_errors_as_openai(app, _ROUTES)
+    limit_request_bodies(app, max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(http_request: Request):
         raw = await http_request.body()
         request = parse_completion_request(raw, http_request.headers)
+        service.ignored.note(request.ignored_fields)
         request_id = str(next(request_ids))
         drain.open(request_id)  # a 503 while the router drains
         streaming = False
