@@ -136,10 +136,13 @@ def test_a_restarted_router_routes_from_the_same_state(cluster, redis_server, tm
     directory = cluster.directory()
     prompt = f"Another system prompt {uuid.uuid4().hex} that spans several pages.\nQ: hi\nA:"
     pretend_node_holds(directory, "n1", prompt)
-    second = start_router(redis_server.url, cluster.prefix, tmp_path, name="router2")  # a new process: no memory
+    second = start_router(redis_server.url, cluster.prefix, tmp_path, name="router2",
+                          extra=("--max-body-bytes", "4096"))  # a new process: no memory  # fmt: skip
     try:
         response = post(second.url, {"model": "tiny", "prompt": prompt, "max_tokens": 2})
         assert response.status_code == 200 and response.headers["x-kvjax-node"] == "n1"
+        too_large = post(second.url, {"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2})
+        assert too_large.status_code == 413 and "4096" in too_large.json()["error"]["message"]
     finally:
         second.stop()
 
@@ -579,6 +582,9 @@ def test_a_bad_guard_setting_is_refused_at_start():
         cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--fair-window", "0"])
     with pytest.raises(SystemExit, match=r"router: share_slack_abs=0.0 must be >= 1 \(requests\)"):
         cluster_main(["router", "--redis", "redis://127.0.0.1:1/0", "--share-slack-abs", "0"])
+    for command in (["router", "--redis", "redis://127.0.0.1:1/0"], ["node", "--node-id", "n7"]):
+        with pytest.raises(SystemExit, match=rf"{command[0]}: --max-body-bytes 0 must be >= 1 \(bytes\)"):
+            cluster_main([*command, "--max-body-bytes", "0"])
 
 
 @pytest.mark.parametrize("data, end", [(b"data: a", 0), (b"data: a\n\n", 9), (b"data: a\n\ndata: b", 9),

@@ -33,6 +33,7 @@ import uvicorn
 
 from kvjax.cluster.directory import Directory, check_node_id
 from kvjax.cluster.drain import DEFAULT_GRACE_S, DrainingServer, NodeDrain
+from kvjax.cluster.http_front import DEFAULT_MAX_BODY_BYTES
 from kvjax.cluster.node_server import create_node_app, start_worker
 from kvjax.cluster.redis_process import RedisProcess
 from kvjax.cluster.remote_fetch import RemoteFetcher
@@ -122,6 +123,8 @@ def _common(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--redis", help="the directory's Redis, e.g. redis://127.0.0.1:6379/0")
     parser.add_argument("--prefix", default="kvjax", help="the cluster's key prefix in Redis")
     parser.add_argument("--node-ttl", type=float, default=6.0, help="seconds a node stays listed without heartbeat")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body taken; a larger one gets a 413 (default: 8 MiB)")
 
 
 def _reachable_host(args) -> str:
@@ -167,6 +170,7 @@ def _run_node(args) -> int:
         check_node_id(args.node_id)
     except ValueError as error:
         raise SystemExit(f"node: {error}") from None
+    _check_max_body_bytes(args, "node")
     try:
         drain = NodeDrain(args.node_id, args.drain_s)
     except ValueError as error:
@@ -211,7 +215,7 @@ def _run_node(args) -> int:
                               fault=args.remote_fault or "none")  # fmt: skip
     try:
         app = create_node_app(worker, model, args.node_id, offers, fault_control=args.remote_fault is not None,
-                              step_control=args.step_control, drain=drain)  # fmt: skip
+                              step_control=args.step_control, drain=drain, max_body_bytes=args.max_body_bytes)  # fmt: skip
         _serve(lambda config: DrainingServer(config, drain, worker.leave_directory), app, sock,
                {"ready": address, "node_id": args.node_id, "model": model,
                 "transfer": None if transport is None else transport.address,
@@ -232,7 +236,13 @@ def _run_node(args) -> int:
     return 0
 
 
+def _check_max_body_bytes(args, command: str) -> None:
+    if args.max_body_bytes < 1:
+        raise SystemExit(f"{command}: --max-body-bytes {args.max_body_bytes} must be >= 1 (bytes)")
+
+
 def _run_router(args) -> int:
+    _check_max_body_bytes(args, "router")
     directory = _directory(args, "router")
     if directory is None:
         raise SystemExit("router: --redis URL is required (the directory it routes by)")
@@ -246,7 +256,8 @@ def _run_router(args) -> int:
     except ValueError as error:
         raise SystemExit(f"router: --drain-s: {error}") from None
     try:
-        app = create_router_app(service, read_timeout_s=args.read_timeout_s, drain=drain)
+        app = create_router_app(service, read_timeout_s=args.read_timeout_s, drain=drain,
+                                max_body_bytes=args.max_body_bytes)  # fmt: skip
     except ValueError as error:
         raise SystemExit(f"router: {error}") from None
     sock = _listen(args.host, args.port, "router")
