@@ -63,6 +63,7 @@ from that block on is used); the peer answered 503; the deadline passed while th
 still queued behind other fetches (not the peer's fault)."""
 _SUSPICIOUS = ("timeout", "failed", "corrupt", "refused")
 _RECENT = 1024  # fetch durations kept for the percentiles
+_ASK_GRACE_S = 1.0  # past an ask's deadline, its thread stops waiting for the loop to cut it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -357,7 +358,7 @@ class RemoteFetcher:
             raise _AskFailed("timeout", "no time left to ask")
         late = _AskFailed("timeout", f"{address} did not answer the ask within {remaining:.3f}s")
         closed = _AskFailed("failed", f"the ask to {address} was cut: this fetcher is closed")
-        coroutine = self._exchange(address, request, remaining, late)
+        coroutine = self._exchange(address, request, deadline, late)
         try:
             with self._lock:  # not once close() began: its loop may stop before this ask would run
                 if self._closed:
@@ -366,23 +367,36 @@ class RemoteFetcher:
         except _AskFailed:
             coroutine.close()
             raise
+        # The loop cuts the ask at the deadline; this thread waits a little longer, and cancels it
+        # itself only if the loop is too late for that (a busy loop): cancelled by both at once,
+        # one loop turn apart, the ask's connection stayed open (see _exchange)
         try:
-            return exchange.result(timeout=remaining)
+            return exchange.result(timeout=remaining + _ASK_GRACE_S)
         except concurrent.futures.TimeoutError:
-            exchange.cancel()  # on the loop: the read stops and the connection closes
+            exchange.cancel()
             raise late from None
         except concurrent.futures.CancelledError:  # close() cancelled it
             raise closed from None
 
-    async def _exchange(self, address: str, request: OfferRequest, remaining: float, late: _AskFailed) -> OfferReply:
+    async def _exchange(self, address: str, request: OfferRequest, deadline: float, late: _AskFailed) -> OfferReply:
+        # The HTTP exchange runs in a task of its own that is cancelled once, however often this
+        # one is: httpcore closes a cancelled request's connection in its cleanup, but a second
+        # cancel during that cleanup (the deadline's and the asking thread's, a loop turn apart)
+        # broke it off, and the connection stayed open in the pool with the peer still sending
+        post = asyncio.ensure_future(self._ask_http.post(f"{address}/kv/offer", json=request.to_json(),
+                                                         timeout=max(deadline - time.monotonic(), 1e-3)))  # fmt: skip
         try:
-            async with asyncio.timeout(remaining):  # the whole exchange, headers and body
-                response = await self._ask_http.post(f"{address}/kv/offer", json=request.to_json(), timeout=remaining)
-        except (TimeoutError, httpx.TimeoutException):
-            raise late from None
-        # InvalidURL: a peer address that is no URL (no HTTPError); RuntimeError: a client close() shut meanwhile
-        except (httpx.HTTPError, httpx.InvalidURL, RuntimeError) as error:
-            raise _AskFailed("failed", f"{address}: {type(error).__name__}: {error}") from None
+            # the whole exchange, headers and body, by the deadline (the loop's clock is time.monotonic)
+            async with asyncio.timeout_at(deadline):
+                response = await asyncio.shield(post)
+        except BaseException as error:
+            await _cancel_once(post)
+            if isinstance(error, (TimeoutError, httpx.TimeoutException)):
+                raise late from None
+            # InvalidURL: a peer address that is no URL (no HTTPError); RuntimeError: a client close() shut meanwhile
+            if isinstance(error, (httpx.HTTPError, httpx.InvalidURL, RuntimeError)):
+                raise _AskFailed("failed", f"{address}: {type(error).__name__}: {error}") from None
+            raise
         text = response.content[:200].decode(errors="replace")
         if response.status_code == 503:
             raise _AskFailed("refused", f"{address} refused: {text}")
@@ -402,6 +416,22 @@ class RemoteFetcher:
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:
             self.counters[name] += amount
+
+
+async def _cancel_once(task: asyncio.Task) -> None:
+    """Cancel ``task`` (if not done) and wait until it ended, whatever cancels the caller
+    meanwhile: the caller's cancellation is raised once the task ended."""
+    task.cancel()
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])  # a cancel of the caller ends this wait, not the task
+        except asyncio.CancelledError:
+            cancelled = True
+    if not task.cancelled():
+        task.exception()  # retrieved: asyncio logs an exception no one retrieved
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class _AskFailed(Exception):
