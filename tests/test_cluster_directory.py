@@ -18,6 +18,7 @@ from cluster_fixtures import wait_until
 
 from kvjax.cache.block_events import BlockEvent
 from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cluster import publisher as publisher_module
 from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad, tier_mask
 from kvjax.cluster.publisher import DirectoryPublisher
 from kvjax.cluster.redis_process import RedisProcess
@@ -766,3 +767,106 @@ def test_a_publisher_that_stopped_keeps_no_backlog(directory):
         assert publisher._pending == []
         publisher.reset([(TENANT_A.digest(), key, "device") for key in keys])
         assert publisher._pending_reset is None
+
+
+# --- a clean shutdown leaves the directory at once ------------------------------------------
+
+
+class FlakyDirectory(Directory):
+    """A directory whose chosen calls fail with a Redis error: ``fail["heartbeat"] = n`` fails
+    the next n heartbeats (-1: until set back to 0), likewise "write_blocks" and "server_id";
+    ``hold_register`` (an Event, set: let it through) holds every registration after the first
+    until it is set; ``deregistered`` counts deregistrations."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fail = {"heartbeat": 0, "write_blocks": 0, "server_id": 0}
+        self.hold_register: threading.Event | None = None
+        self.registered = self.deregistered = 0
+
+    def _maybe_fail(self, name):
+        if self.fail[name]:
+            self.fail[name] -= self.fail[name] > 0
+            raise redis.TimeoutError(f"{name} timed out (on purpose)")
+
+    def heartbeat(self, *args, **kwargs):
+        self._maybe_fail("heartbeat")
+        return super().heartbeat(*args, **kwargs)
+
+    def write_blocks(self, *args, **kwargs):
+        self._maybe_fail("write_blocks")
+        return super().write_blocks(*args, **kwargs)
+
+    def server_id(self):
+        self._maybe_fail("server_id")
+        return super().server_id()
+
+    def register(self, *args, **kwargs):
+        self.registered += 1
+        if self.registered > 1 and self.hold_register is not None:
+            assert self.hold_register.wait(timeout=30)
+        return super().register(*args, **kwargs)
+
+    def deregister(self, *args, **kwargs):
+        self.deregistered += 1
+        return super().deregister(*args, **kwargs)
+
+
+@pytest.fixture
+def flaky(redis_server, redis_prefix):
+    """A ``FlakyDirectory`` with a long node TTL: a node missing from it deregistered, it did not expire."""
+    directory = FlakyDirectory.connect(redis_server.url, prefix=redis_prefix, node_ttl_s=60.0)
+    yield directory
+    directory.client.close()
+
+
+def test_a_node_closed_while_its_last_redis_call_had_failed_still_leaves_at_once(flaky):
+    # close() deregistered only a "registered" publisher: one failed call (here its heartbeat,
+    # while Redis answers everything else) left it "disconnected", and routers kept choosing
+    # the closed node until its record expired, up to node_ttl_s later
+    keys = keys_of(TENANT_A)
+    publisher = DirectoryPublisher(flaky, "n1", "http://n1", CLUSTER, heartbeat_s=0.1)
+    publisher.start()
+    publisher.submit([stored(TENANT_A, keys[:4])])
+    assert wait_until(lambda: (view := run_of(flaky, TENANT_A, keys)) is not None and view.prefix_blocks == 4)
+    flaky.fail["server_id"] = -1  # every heartbeat fails from now on
+    assert wait_until(lambda: publisher.status == "disconnected")
+    publisher.close()
+    assert publisher.status == "closed" and not publisher._thread.is_alive()
+    assert flaky.live_nodes() == [] and run_of(flaky, TENANT_A, keys) is None
+    assert not flaky.client.exists(flaky.node_key("n1"))
+    assert flaky.client.smembers(f"{flaky.prefix}:nodes") == set()  # not left for a heartbeat to prune
+
+
+def test_a_node_closed_while_it_registers_again_leaves_no_record_behind(flaky, monkeypatch):
+    # close() waits a while for the thread, then deregisters the epoch it knows: a thread
+    # still inside a slow re-registration registered the next epoch after that, and the
+    # closed node stayed listed until the new record expired
+    monkeypatch.setattr(publisher_module, "_CLOSE_WAIT_S", 0.2, raising=False)
+    keys = keys_of(TENANT_A)
+    flaky.hold_register = threading.Event()
+    publisher = DirectoryPublisher(flaky, "n1", "http://n1", CLUSTER, heartbeat_s=0.1)
+    publisher.start()
+    publisher.submit([stored(TENANT_A, keys[:4])])
+    assert wait_until(lambda: (view := run_of(flaky, TENANT_A, keys)) is not None and view.prefix_blocks == 4)
+    flaky.client.delete(flaky.node_key("n1"))  # the record lapsed: the publisher registers again
+    assert wait_until(lambda: flaky.registered == 2)  # held inside the registration
+    publisher.close()  # the thread is still busy
+    flaky.hold_register.set()
+    assert wait_until(lambda: not publisher._thread.is_alive())
+    assert flaky.live_nodes() == [] and run_of(flaky, TENANT_A, keys) is None
+    assert publisher.status == "closed"
+
+
+def test_close_twice_or_from_two_threads_at_once_deregisters_once(flaky):
+    publisher = DirectoryPublisher(flaky, "n1", "http://n1", CLUSTER, heartbeat_s=0.05)
+    publisher.start()
+    closers = [threading.Thread(target=publisher.close) for _ in range(4)]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join(timeout=30)
+    publisher.close()
+    assert publisher.status == "closed" and flaky.live_nodes() == []
+    assert flaky.deregistered == 1
+

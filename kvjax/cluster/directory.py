@@ -9,8 +9,9 @@ key                            type    TTL             holds (written by)
 ``{prefix}:cluster``           hash    none            model, page_size, tokenizer, canonicalize:
                                                        what every node and the router key prompts
                                                        with (the first node; the others must agree)
-``{prefix}:nodes``             set     none            node ids that may be live (register; a
-                                                       heartbeat prunes ids whose record expired)
+``{prefix}:nodes``             set     none            node ids that may be live (register,
+                                                       deregister; a heartbeat prunes ids whose
+                                                       record expired)
 ``{prefix}:node:{id}:epoch``   string  none            the node's last epoch, INCR on every start,
                                                        never reused (register)
 ``{prefix}:node:{id}``         hash    ``node_ttl_s``  epoch, incarnation, address, inflight,
@@ -370,8 +371,12 @@ class Directory:
         return learned
 
     def deregister(self, node_id: str, epoch: int) -> None:
-        """Drop the node's record now (a clean shutdown), if ``epoch`` is still the live one."""
-        self._deregister([self.node_key(node_id)], [epoch, self.incarnation])
+        """Drop the node's record, its id in the node set and its learned statistics now (a
+        clean shutdown), if ``epoch`` of this client is still the live one: routers stop
+        choosing it, and its block entries are never read again (no later record has this
+        epoch and incarnation); they expire with their keys."""
+        self._deregister([self.node_key(node_id), f"{self.prefix}:nodes", self.learned_key(node_id)],
+                         [epoch, self.incarnation, node_id])  # fmt: skip
 
     # --- a router's reads and writes -------------------------------------------------------
 
@@ -464,10 +469,13 @@ end
 return 1
 """
 
-# KEYS: node record. ARGV: epoch, incarnation.
+# KEYS: node record, nodes set, learned statistics. ARGV: epoch, incarnation, node id.
 _DEREGISTER = """
 local current = redis.call('HMGET', KEYS[1], 'epoch', 'incarnation')
-if current[1] == ARGV[1] and current[2] == ARGV[2] then redis.call('DEL', KEYS[1]) end
+if current[1] == ARGV[1] and current[2] == ARGV[2] then
+  redis.call('DEL', KEYS[1], KEYS[3])
+  redis.call('SREM', KEYS[2], ARGV[3])
+end
 """
 
 # KEYS: node record. ARGV: inflight delta, prefill tokens delta.

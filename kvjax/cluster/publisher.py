@@ -23,6 +23,10 @@ Failures and what follows them:
   node stops serving (``kvjax.cluster.node_server``): the directory no longer lists it.
 * The cache's subscription lost batches: the node calls ``reset`` with the cache's full
   holdings (a fresh ``KVCache.subscribe()``'s ``initial``), then as above.
+* Closed (``close``): the node's record is dropped at once (``Directory.deregister``), whatever
+  the publisher's state, and a registration the thread was still making when close gave up
+  waiting for it is dropped by the thread itself; without Redis, close returns once its
+  calls time out (the client's timeouts).
 
 What the node's eviction policy learned (``submit_learned``: a JSON-safe mapping, e.g.
 ``ReuseStatistics.as_dict()``) is written at each heartbeat, and the peers' latest records
@@ -60,6 +64,7 @@ _LOG = logging.getLogger(__name__)
 _FULL_PUBLISH_CHUNK = 2000  # blocks per transaction when writing everything (bounded latency)
 _FIRST_RETRY_S = 0.1  # the wait after a failed call to Redis; it doubles per failure, up to heartbeat_s
 _MAX_MARKS = 65536  # dropped first blocks remembered for a resync (the newest)
+_CLOSE_WAIT_S = 5.0  # close waits this long for the thread's Redis call in progress
 _Block = tuple[bytes, bytes]
 
 
@@ -94,6 +99,10 @@ class DirectoryPublisher:
         self._load = NodeLoad()
         self._written_load: NodeLoad | None = None
         self._needs_resync = True
+        self._latest_epoch: int | None = None  # registered last (self.epoch: once its blocks are written)
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._leave_on_stop = False  # close deregisters: so does the thread, of an epoch it registers after
         self._server_id: str | None = None  # the Redis server the last resync wrote to
         self._refresh_queue: list[_Block] = []
         self._refresh_count = 0  # blocks of the queue refreshed per heartbeat
@@ -159,17 +168,23 @@ class DirectoryPublisher:
 
     def close(self, deregister: bool = True) -> None:
         """Stop the thread; with ``deregister`` drop the node's record so routers stop
-        choosing it now rather than after its TTL."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
-        if deregister and self.epoch is not None and self.status == "registered":
-            try:
-                self.directory.deregister(self.node_id, self.epoch)
-            except redis.RedisError as error:
-                _LOG.warning("node %s: deregister failed: %s", self.node_id, error)
-        self.status = "closed"
+        choosing it now rather than after its TTL, whatever the publisher's state (a failed
+        call leaves the record in place). Best effort: without Redis it gives up after the
+        client's timeouts. Once: a second call, or one from another thread at the same time,
+        returns once the first is done."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed, self._leave_on_stop = True, deregister  # before the stop, which the thread reads after
+            self._stop.set()
+            self._wake.set()
+            if self._thread.is_alive() and self._thread is not threading.current_thread():
+                self._thread.join(timeout=_CLOSE_WAIT_S)
+            # a thread still running registers no epoch after this read without dropping it itself (_resync)
+            epoch = self._latest_epoch
+            if deregister and epoch is not None and self.status != "superseded":
+                self._leave(epoch)
+            self.status = "closed"
 
     @property
     def num_blocks(self) -> int:
@@ -291,11 +306,17 @@ class DirectoryPublisher:
             self._holdings.pop(block, None)
 
     def _resync(self, load: NodeLoad) -> None:
-        """Register a new epoch and write everything held under it."""
+        """Register a new epoch and write everything held under it (unless closed meanwhile)."""
         server = self.directory.server_id()  # before: a server that restarts meanwhile is seen next time
-        epoch = self.directory.register(self.node_id, self.address, self.cluster)
+        epoch = self._latest_epoch = self.directory.register(self.node_id, self.address, self.cluster)
+        if self._stop.is_set():  # close may have read _latest_epoch before it changed: leave here too
+            if self._leave_on_stop:
+                self._leave(epoch)
+            return
         items = list(self._holdings.items())
         for start in range(0, max(len(items), 1), _FULL_PUBLISH_CHUNK):
+            if self._stop.is_set():  # closing: the rest is not worth the wait
+                return
             chunk = dict(items[start : start + _FULL_PUBLISH_CHUNK])
             self.directory.write_blocks(self.node_id, epoch, chunk, load if start == 0 else None)
         marks = list(self._marks.items())  # written again under the new epoch
@@ -339,6 +360,13 @@ class DirectoryPublisher:
             peers = self.directory.peers_learned(self.node_id)
             with self._lock:
                 self._peers_learned = peers
+
+    def _leave(self, epoch: int) -> None:
+        try:
+            self.directory.deregister(self.node_id, epoch)
+        except redis.RedisError as error:
+            _LOG.warning("node %s: deregister failed (its record expires within %s s): %s", self.node_id,
+                         self.directory.node_ttl_s, error)  # fmt: skip
 
     def _read_successor(self) -> NodeView | None:
         """The record that superseded this node (None if it is gone too, or Redis fails: a
