@@ -769,7 +769,7 @@ def test_a_publisher_that_stopped_keeps_no_backlog(directory):
         assert publisher._pending_reset is None
 
 
-# --- a clean shutdown leaves the directory at once ------------------------------------------
+# --- a clean shutdown leaves at once; a failed call that lost nothing costs no full publish ---
 
 
 class FlakyDirectory(Directory):
@@ -870,3 +870,70 @@ def test_close_twice_or_from_two_threads_at_once_deregisters_once(flaky):
     assert publisher.status == "closed" and flaky.live_nodes() == []
     assert flaky.deregistered == 1
 
+
+def test_a_failed_write_that_lost_nothing_is_written_again_without_a_full_publish(flaky):
+    # any failed call made the publisher register a new epoch and write everything it held
+    # again, though Redis had lost nothing (one timed-out command): work that grows with the
+    # cache, for nothing. The changes the failed write carried must still reach Redis.
+    keys = keys_of(TENANT_A)
+    holdings = [(TENANT_A.digest(), key, "host") for key in keys[:6]]
+    publisher = DirectoryPublisher(flaky, "n1", "http://n1", CLUSTER, holdings, heartbeat_s=0.1)
+    epoch = publisher.start()
+    try:
+        assert run_of(flaky, TENANT_A, keys).prefix_blocks == 6
+        published = publisher.counters["published_blocks"]
+        flaky.fail["write_blocks"] = 1
+        publisher.submit([stored(TENANT_A, keys[4:6], "host", kind="removed", seq=0)])  # the write that fails
+        assert wait_until(lambda: publisher.counters["errors"] == 1)
+        publisher.submit([stored(TENANT_A, keys[:2], seq=2)])  # folded in while it waits to retry
+        assert wait_until(lambda: run_of(flaky, TENANT_A, keys).blocks_by_tier == {"device": 2, "host": 2, "disk": 0})
+        assert (publisher.epoch, publisher.counters["resyncs"]) == (epoch, 1)
+        assert not flaky.client.exists(flaky.block_key(TENANT_A.digest(), keys[5]))  # the removal was written
+        assert wait_until(lambda: publisher.status == "registered")
+        flaky.fail["heartbeat"] = 1  # a failed heartbeat: nothing to write again
+        assert wait_until(lambda: publisher.counters["errors"] == 2)
+        assert wait_until(lambda: publisher.status == "registered")
+        assert (publisher.epoch, publisher.counters["resyncs"], flaky.registered) == (epoch, 1, 1)
+        assert publisher.counters["published_blocks"] - published == 4  # the changed blocks, not the holdings
+    finally:
+        publisher.close()
+
+
+def test_a_failed_call_during_which_the_record_was_lost_publishes_everything_again(flaky):
+    keys = keys_of(TENANT_A)
+    holdings = [(TENANT_A.digest(), key, "device") for key in keys[:6]]
+    publisher = DirectoryPublisher(flaky, "n1", "http://n1", CLUSTER, holdings, heartbeat_s=0.1)
+    epoch = publisher.start()
+    try:
+        flaky.fail["heartbeat"] = -1
+        assert wait_until(lambda: publisher.status == "disconnected")
+        flaky.client.delete(flaky.node_key("n1"))  # Redis lost the record meanwhile
+        flaky.fail["heartbeat"] = 0
+        assert wait_until(lambda: publisher.status == "registered")
+        assert publisher.epoch == epoch + 1 and publisher.counters["resyncs"] == 2
+        assert run_of(flaky, TENANT_A, keys).prefix_blocks == 6
+    finally:
+        publisher.close()
+
+
+def test_blocks_changed_while_redis_is_away_are_remembered_up_to_what_a_full_publish_writes(flaky):
+    # past that, a full publish is no more work, and the set stops growing with the outage
+    keys = keys_of(TENANT_A)
+    publisher = DirectoryPublisher(flaky, "n1", "http://n1", CLUSTER, heartbeat_s=0.1)
+    epoch = publisher.start()
+    try:
+        flaky.fail["heartbeat"] = -1
+        assert wait_until(lambda: publisher.status == "disconnected")
+        publisher.submit([stored(TENANT_A, keys[:3])])
+        assert wait_until(lambda: not publisher._pending)
+        assert publisher._unwritten == {(TENANT_A.digest(), key) for key in keys[:3]} and not publisher._needs_resync
+        publisher.submit([stored(TENANT_A, keys[1:3], kind="removed", seq=3),
+                          stored(TENANT_A, keys[3:6], "host", seq=5)])  # fmt: skip
+        # 6 changed, 4 held and 0 marks: a resync (which calls no heartbeat) at the next retry
+        assert wait_until(lambda: publisher.counters["resyncs"] == 2)
+        flaky.fail["heartbeat"] = 0
+        assert wait_until(lambda: publisher.status == "registered" and publisher.epoch == epoch + 1)
+        assert publisher._unwritten == set() and publisher.counters["resyncs"] == 2
+        assert run_of(flaky, TENANT_A, keys).prefix_blocks == 1
+    finally:
+        publisher.close()

@@ -7,22 +7,28 @@ every step since the last write together, in one transaction (``Directory.write_
 
 Failures and what follows them:
 
-* Redis unreachable, or a write that failed: the publisher keeps folding events in (its
-  memory stays what the node holds, however long Redis is away), logs it once, and retries
-  after a wait that doubles per failure up to ``heartbeat_s``; when Redis answers again it
-  registers a new epoch and writes everything it holds (so nothing written under the old
-  epoch, complete or not, is read again).
-* Its record gone (it expired, or Redis restarted empty): the heartbeat says so; same as above,
+* Redis unreachable, or a call that failed: the publisher keeps folding events in (its
+  memory stays what the node holds, however long Redis is away; the blocks changed since
+  their last successful write are remembered), logs it once, and retries after a wait that
+  doubles per failure up to ``heartbeat_s``. When Redis answers again a heartbeat comes
+  first: if it finds the same server and the node's record of this epoch (a timed-out
+  command, a dropped connection: Redis lost nothing), the publisher writes the blocks changed
+  since and goes on; otherwise it resyncs: it registers a new epoch and writes everything it
+  holds (so nothing written under the old epoch, complete or not, is read again). A failure
+  in the middle of a resync is followed by another resync. Blocks changed while Redis is
+  away are remembered up to as many as a resync writes; past that it resyncs.
+* Its record gone (it expired, or Redis restarted empty): the heartbeat says so; a resync,
   which is how a lost Redis is rebuilt from the nodes.
 * Redis back with older data (restarted from a snapshot, or a replica took over) without any
-  call failing: the heartbeat sees another server (``Directory.server_id``); same as above,
+  call failing: the heartbeat sees another server (``Directory.server_id``); a resync,
   or the writes the server lost would stay lost (blocks held and not listed, blocks listed
   and long gone).
 * A newer epoch of the same node id registered (a second process claiming the id): this one
   stops writing (``status`` "superseded", ``successor`` the newer record as read then); the
   node stops serving (``kvjax.cluster.node_server``): the directory no longer lists it.
 * The cache's subscription lost batches: the node calls ``reset`` with the cache's full
-  holdings (a fresh ``KVCache.subscribe()``'s ``initial``), then as above.
+  holdings (a fresh ``KVCache.subscribe()``'s ``initial``), then a resync: the only case
+  where events were lost (the publisher itself drops none).
 * Closed (``close``): the node's record is dropped at once (``Directory.deregister``), whatever
   the publisher's state, and a registration the thread was still making when close gave up
   waiting for it is dropped by the thread itself; without Redis, close returns once its
@@ -99,6 +105,8 @@ class DirectoryPublisher:
         self._load = NodeLoad()
         self._written_load: NodeLoad | None = None
         self._needs_resync = True
+        self._unverified = False  # a call failed since: check Redis kept the node's state before writing on
+        self._unwritten: set[_Block] = set()  # changed since their last successful write (or resync)
         self._latest_epoch: int | None = None  # registered last (self.epoch: once its blocks are written)
         self._close_lock = threading.Lock()
         self._closed = False
@@ -209,19 +217,26 @@ class DirectoryPublisher:
             self._wake.clear()
             if self._stop.is_set():
                 break
-            changed, dropped, load = self._drain()
-            if time.monotonic() < retry_at:  # the events are folded in; the resync writes them
+            load = self._drain()
+            if time.monotonic() < retry_at:  # the events are folded in, their blocks in _unwritten
                 continue
             try:
-                if self._needs_resync:
-                    self._resync(load)
-                elif changed or load != self._written_load:
-                    self.directory.write_blocks(self.node_id, self.epoch, changed, load, dropped=dropped)
-                    self._written_load = load
-                    self.counters["published_blocks"] += len(changed)
-                if time.monotonic() >= next_heartbeat:
+                if self._unverified and not self._needs_resync:
                     next_heartbeat = time.monotonic() + self.heartbeat_s
-                    self._heartbeat(load)
+                    self._heartbeat(load)  # another server or no record of this epoch: a resync
+                    self._unverified = False
+                    if not self._needs_resync and self.status == "disconnected":
+                        _LOG.info("node %s: the directory answers again and kept epoch %d; writing the %d blocks "
+                                  "changed since", self.node_id, self.epoch, len(self._unwritten))  # fmt: skip
+                        self.status, self.last_error = "registered", None
+                if self.status != "superseded":
+                    if self._needs_resync:
+                        self._resync(load)
+                    elif self._unwritten or load != self._written_load:
+                        self._write_unwritten(load)
+                    if time.monotonic() >= next_heartbeat:
+                        next_heartbeat = time.monotonic() + self.heartbeat_s
+                        self._heartbeat(load)
                 backoff = 0.0
             except ValueError as error:  # the cluster record disagrees: nothing to retry
                 self._fatal, self.last_error, self.status = error, str(error), "disconnected"
@@ -231,8 +246,9 @@ class DirectoryPublisher:
                 self.counters["errors"] += 1
                 self.last_error = f"{type(error).__name__}: {error}"
                 if self.status != "disconnected":
-                    _LOG.warning("node %s: directory write failed (%s); will re-register", self.node_id, error)
-                self.status, self._needs_resync = "disconnected", True
+                    _LOG.warning("node %s: directory write failed (%s); will retry", self.node_id, error)
+                # what Redis kept is checked before anything else is written (or all of it is)
+                self.status, self._unverified = "disconnected", True
                 # each engine step wakes the thread: without a wait, one failed attempt per step
                 backoff = min(self.heartbeat_s, max(_FIRST_RETRY_S, 2 * backoff))
                 retry_at = next_heartbeat = time.monotonic() + backoff
@@ -241,10 +257,10 @@ class DirectoryPublisher:
                            "serving", self.node_id, describe_successor(self.successor))  # fmt: skip
                 return
 
-    def _drain(self) -> tuple[dict[_Block, int], dict[_Block, int], NodeLoad]:
-        """Fold the queued events into the holdings; returns the changed blocks' masks, the
-        first blocks among them that left the node (-> unix ms, kept in the marks), and the
-        load."""
+    def _drain(self) -> NodeLoad:
+        """Fold the queued events into the holdings (the changed blocks into ``_unwritten``,
+        the first blocks among them that left the node into the marks, with the time); returns
+        the load."""
         with self._lock:
             batches, self._pending = self._pending, []
             reset, self._pending_reset = self._pending_reset, None
@@ -277,7 +293,22 @@ class DirectoryPublisher:
         oldest = now_ms - self.directory.block_ttl_s * 1000
         while marks and (len(marks) > _MAX_MARKS or next(iter(marks.values())) < oldest):
             del marks[next(iter(marks))]
-        return masks, dropped, load
+        self._unwritten.update(changed)
+        if self._unverified and len(self._unwritten) > len(self._holdings) + len(marks):
+            # while Redis is away: a resync writes no more, and the set stops growing
+            self._needs_resync = True
+            self._unwritten.clear()
+        return load
+
+    def _write_unwritten(self, load: NodeLoad) -> None:
+        """Write the entries of the blocks changed since their last write (their masks now, or
+        their marks), and the load, in one transaction."""
+        masks = {block: self._holdings.get(block, 0) for block in self._unwritten}
+        dropped = {block: self._marks[block] for block, mask in masks.items() if not mask and block in self._marks}
+        self.directory.write_blocks(self.node_id, self.epoch, masks, load, dropped=dropped)
+        self._unwritten = set()
+        self._written_load = load
+        self.counters["published_blocks"] += len(masks)
 
     def _fold_event(self, event: BlockEvent, changed: set[_Block]) -> None:
         bit = TIER_BITS[event.tier]
@@ -324,6 +355,7 @@ class DirectoryPublisher:
             chunk = dict(marks[start : start + _FULL_PUBLISH_CHUNK])
             self.directory.write_blocks(self.node_id, epoch, dict.fromkeys(chunk, 0), dropped=chunk)
         self.epoch, self._written_load, self._needs_resync = epoch, load, False
+        self._unverified, self._unwritten = False, set()
         self._server_id = server
         self._refresh_queue = []
         self.counters["resyncs"] += 1
@@ -386,11 +418,11 @@ class DirectoryPublisher:
             # sized by the queue, not the holdings now: after a mass eviction it still drains in time
             self._refresh_count = math.ceil(len(self._refresh_queue) / rounds)
         count = self._refresh_count
-        blocks, self._refresh_queue = self._refresh_queue[:count], self._refresh_queue[count:]
         # a block that left is not ours to write (its removal, or mark, was written already)
-        held = {block: self._holdings[block] for block in blocks if block in self._holdings}
+        held = {block: self._holdings[block] for block in self._refresh_queue[:count] if block in self._holdings}
         if held:
             self.directory.write_blocks(self.node_id, self.epoch, held)
+        self._refresh_queue = self._refresh_queue[count:]  # once written: a failed write is tried again
 
 
 def describe_successor(successor: NodeView | None) -> str:
