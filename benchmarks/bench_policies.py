@@ -57,6 +57,30 @@ chat_scan at 3% (24.35 against 24.67%). Five of ten traces meet the goal in the 
 eight over the whole: the soft segmented prior the default starts from carries part of its
 lead on chat, mixed and rag, and the learned order alone does not hold it there.
 
+Stamped priorities against lanes (``ReusePolicy.num_lanes``: one queue per kind, LRU within
+it, the victim chosen with the offsets of the pop). Stamped once when a node became evictable,
+an offset went stale as H and the trust ramp grew: on large caches (``--quick --fractions 0.2
+0.5 0.8``) the default was below LRU on the shared trace at 80%, chat_scan at 50/80%, mixed at
+50/80% and rag, and met the goal on 4 of 10 traces; with lanes on 7 (mean share of offline
+0.9709 -> 0.9713; left: mixed at 50%, 70.45% against LRU's 70.47%, and strict segmented on the
+shared trace at 20% and chat at 80%). ``--quick``: 8 of 10 both ways (0.7263 -> 0.7266);
+``--tiered --quick``: 6 -> 7 (chat_scan and rag now meet flat LRU, chat at 3% falls under it:
+62.34% against 62.42%). Lanes still lose a little at some small and middle cells (mixed at 3%
+47.03% against 47.43% stamped, at 10% 67.11% against 67.34%; the shared trace at 20% 41.48%
+against 41.88%). Not from worse decisions: replaying the stamped run and asking, at each
+eviction where the two rules differ, which candidate is used again later, the lanes' choice is
+the better one 646 times to 238 (mixed at 3%), and lanes driven by the offsets the stamped run
+learned (same times) beat the stamped run at mixed 1% and 3% (19.61 / 47.57% against 19.52 /
+47.43%). The cost is in what lanes learn under their own evictions: a kind the policy learned
+to evict early goes at once, so more of it comes back younger than H, which lowers H (mixed at
+3%: 4.4 / 11.2 s against 5.7 / 14.3 s stamped after 4k / 8k trials) and softens every offset
+by as much, where small caches want sharper ones (``--reuse-offset-scales`` above). At mixed
+10% the rule itself costs (lanes with the stamped run's offsets: 67.08%). Pitfall: a lane must
+rank each entry by the last access it was pushed with, as the stamped heap did. The trie
+updates ``last_access`` in place on a node still queued (a hit locks it; it is pushed again
+when released), and a lane head ranked by its new last access hides the older entries behind
+it: that version lost up to 5.7 points (chat at 20%).
+
 ``--tiered`` instead replays the real tiers: at each device capacity C (the same fractions) the
 default policy on C device blocks above a host tier of M = ``--host-ratio`` x C blocks
 (write-back, ``replay_trace(..., host_blocks=M)``), against one flat cache of C + M device
