@@ -9,7 +9,7 @@ import pytest
 from test_kv_cache import POOL, compute, make, prompt
 from tier_cases import random_blocks
 
-from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cluster.remote_offers import OfferReply, OfferRequest, OfferService
 from kvjax.tiers.block_codec import make_codec
 from kvjax.tiers.remote_transport import RemoteTransport, verified_blocks
@@ -52,7 +52,7 @@ def pull_and_check(owner, transport, reply, tokens, namespace):
     """The requester's pull and checks: how many leading pages verified."""
     payload = transport.pull(reply.address, reply.offer_id, reply.num_pages, reply.block_nbytes,
                              time.monotonic() + WAIT_S)  # fmt: skip
-    ns = Namespace(namespace)
+    ns = as_namespace(namespace)
     keys = chained_block_keys(tokens, POOL.page_size, ns)[: reply.num_pages]
     assert list(reply.keys) == keys
     return verified_blocks(ns.digest(), keys, payload, reply.checksums)
@@ -92,3 +92,39 @@ def test_a_peer_whose_blocks_have_the_same_bytes_but_another_dtype_layout_or_mod
             assert reply.num_pages == 0 and f"codec {identity} / " in reply.reason
             assert owner.page_identity in reply.reason
         assert offers.offer(ask(owner, tokens, "t", 3, WAIT_S)).num_pages == 3
+
+
+def test_a_salted_block_is_offered_only_to_a_request_of_the_same_tenant_and_salt(owner, transport):
+    """A request's cache_salt travels in the ask (the ``salt`` field): the owner walks the
+    prompt in the tenant and salt asked for, so pages cached under a salt go to no unsalted
+    or differently salted request, and pages cached unsalted to no salted one."""
+    tokens, salted = prompt(13), Namespace("t", salt="user-7")
+    compute(owner, tokens, salted, random_blocks(4, POOL.block_shape))
+    offers = service(owner, transport)
+    for namespace in ("t", None, Namespace("t", salt="user-8"), Namespace("u", salt="user-7")):
+        reply = offers.offer(ask(owner, tokens, namespace, 3, WAIT_S))
+        assert (reply.num_pages, reply.reason) == (0, "none of the pages is cached here"), namespace
+    reply = OfferReply.from_json(offers.offer(ask(owner, tokens, salted, 3, WAIT_S)).to_json())
+    assert reply.num_pages == 3
+    assert pull_and_check(owner, transport, reply, tokens, salted) == 3  # keys and checksums of the salted digest
+    assert offers.ack({"offer_id": reply.offer_id})
+    other = prompt(13, start=100)
+    compute(owner, other, "t", random_blocks(4, POOL.block_shape))
+    assert offers.offer(ask(owner, other, salted, 3, WAIT_S)).num_pages == 0
+    assert offers.offer(ask(owner, other, "t", 3, WAIT_S)).num_pages == 3
+
+
+def test_an_ask_carries_its_salt_and_an_ask_without_one_has_none():
+    asked = OfferRequest(Namespace("t", salt="user-7"), prompt(32), 0, 2, "raw", 64, 1.0)
+    body = asked.to_json()
+    assert (body["namespace"], body["salt"]) == ("t", "user-7")
+    assert OfferRequest.from_json(body).namespace == Namespace("t", salt="user-7")
+    del body["salt"]  # a node from before salts
+    assert OfferRequest.from_json(body).namespace == Namespace("t")
+    assert OfferRequest.from_json({**body, "namespace": None, "salt": ""}).namespace == Namespace()
+    for salt, message in ((7, r"salt=7 must be a string \(the request's cache_salt"),
+                          ("\ud800", r"salt='\\ud800' must be valid Unicode text")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            OfferRequest.from_json({**body, "salt": salt})
+    with pytest.raises(ValueError, match="an offer request carries a tenant and a salt only"):
+        OfferRequest(Namespace("t", model="m"), prompt(32), 0, 2, "raw", 64, 1.0)

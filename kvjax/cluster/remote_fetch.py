@@ -45,7 +45,7 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
-from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cache.cost_model import CostModel
 from kvjax.cluster.directory import Directory
 from kvjax.cluster.remote_offers import OfferReply, OfferRequest
@@ -203,12 +203,13 @@ class RemoteFetcher:
 
     # --- 1. the HTTP handler's thread ------------------------------------------------------
 
-    def find_peer(self, tokens, namespace: str | None) -> PeerHint | None:
+    def find_peer(self, tokens, namespace: Namespace | None) -> PeerHint | None:
         """The live, unsuspected peer holding the longest leading run of the prompt's
-        blocks, if longer than this node's; None otherwise (or if the directory fails)."""
+        blocks in ``namespace`` (the request's: tenant and salt; None: the default), if longer
+        than this node's; None otherwise (or if the directory fails)."""
         if len(tokens) <= self.page_size:
             return None
-        ns = Namespace(namespace) if namespace else Namespace()
+        ns = as_namespace(namespace)
         keys = chained_block_keys(validate_tokens(tokens, None)[: len(tokens) - 1], self.page_size, ns)
         try:
             views = self.directory.lookup(ns.digest(), keys)
@@ -247,8 +248,11 @@ class RemoteFetcher:
         return self.cost_model.remote_seconds(num_pages, self.codec.block_nbytes, latency_seconds=link.latency_s,
                                               bytes_per_second=link.bytes_per_s)  # fmt: skip
 
-    def start(self, plan: FetchPlan, tokens, namespace: str | None) -> concurrent.futures.Future:
-        """Queue ``plan`` on the remote link; the future resolves to its ``TransferResult``."""
+    def start(self, plan: FetchPlan, tokens, namespace: Namespace | None) -> concurrent.futures.Future:
+        """Queue ``plan`` on the remote link; the future resolves to its ``TransferResult``.
+        ``namespace``: the request's (tenant and salt; None: the default): the peer offers,
+        and this node accepts, only pages keyed under it."""
+        namespace = as_namespace(namespace)
         prefix = np.asarray(tokens, np.int32)[: (plan.first_page + plan.num_pages) * self.page_size].copy()
         self._count("asked_blocks", plan.num_pages)
         return self.cache.transfer.pull_remote(lambda deadline: self._fetch(plan, prefix, namespace, deadline),
@@ -308,12 +312,11 @@ class RemoteFetcher:
 
     # --- 3. the remote link's worker thread ------------------------------------------------
 
-    def _fetch(self, plan: FetchPlan, prefix: np.ndarray, namespace: str | None, deadline: float) -> np.ndarray | None:
+    def _fetch(self, plan: FetchPlan, prefix: np.ndarray, ns: Namespace, deadline: float) -> np.ndarray | None:
         """Ask, pull, verify (see the module docstring); sets ``plan``'s outcome and timings
         and returns the verified blocks (None when none arrived)."""
-        ns = Namespace(namespace) if namespace else Namespace()
         start = time.monotonic()
-        request = OfferRequest(namespace, prefix, plan.first_page, plan.num_pages, self.cache.page_identity,
+        request = OfferRequest(ns, prefix, plan.first_page, plan.num_pages, self.cache.page_identity,
                                self.codec.block_nbytes, max(0.0, deadline - start))  # fmt: skip
         try:
             reply = self._ask(plan.peer.address, request, deadline)

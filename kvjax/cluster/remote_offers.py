@@ -2,8 +2,9 @@
 
 The side channel is the node's HTTP API (``kvjax.cluster.node_server``):
 
-``POST /kv/offer`` with ``OfferRequest`` (JSON): the requesting node's tenant (``namespace``,
-null for the default), the prompt's tokens up to the last page wanted (little-endian int32,
+``POST /kv/offer`` with ``OfferRequest`` (JSON): the request's tenant (``namespace``; null
+is the default) and its ``cache_salt`` (``salt``; "" or absent, as a node from before salts
+sends it: none), the prompt's tokens up to the last page wanted (little-endian int32,
 base64), the pages wanted (``first_page``, ``num_pages``), the requester's page identity
 (codec name, stored dtype and shape, model: ``KVCache.page_identity``) and block bytes, and
 the seconds it will wait (``wait_s``). The answer is an ``OfferReply``: how many leading
@@ -12,9 +13,10 @@ page's key and checksum (``kvjax.tiers.remote_transport.block_checksums``) and t
 came from. The requester pulls the payload (``u8[num_pages, block_nbytes]``) and then
 ``POST /kv/ack {"offer_id": ...}`` so the offer is not reclaimed.
 
-Isolation: the pages are found by walking the prompt's tokens in the request's namespace, so
-a node offers a block only to a request of the namespace that computed it; the requester
-checks keys and checksums against its own namespace's keys as well.
+Isolation: the pages are found by walking the prompt's tokens in the request's namespace
+(tenant and salt), so a node offers a block only to a request of the tenant and salt that
+computed it; the requester checks keys and checksums (which cover the namespace's digest)
+against its own namespace's keys as well.
 
 Threads: the walk and the reads run on the engine thread (``EngineWorker.export``, between
 steps); the checksums and the offer on the HTTP handler's worker thread.
@@ -37,6 +39,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from kvjax.cache.block_keys import Namespace, as_namespace
 from kvjax.tiers.kv_cache_remote import ExportedPages
 from kvjax.tiers.remote_transport import RemoteTransport, block_checksums
 
@@ -60,9 +63,14 @@ def decode_tokens(text: str) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OfferRequest:
-    """What a node asks a peer for (see the module docstring)."""
+    """What a node asks a peer for (see the module docstring).
 
-    namespace: str | None
+    ``namespace``: the request's, a ``Namespace`` of a tenant and a salt (a tenant name or
+    None, the default, is taken as one without a salt); only those two travel, so a model or
+    adapter in it is refused.
+    """
+
+    namespace: Namespace
     tokens: np.ndarray  # int32, the prompt up to the last page wanted
     first_page: int
     num_pages: int
@@ -70,22 +78,37 @@ class OfferRequest:
     block_nbytes: int
     wait_s: float  # seconds the requester waits for the whole fetch from now
 
+    def __post_init__(self) -> None:
+        namespace = as_namespace(self.namespace)
+        if namespace.model or namespace.adapter:
+            raise ValueError(f"namespace={namespace!r}: an offer request carries a tenant and a salt only")
+        object.__setattr__(self, "namespace", namespace)  # frozen
+
     def to_json(self) -> dict:
-        return {"namespace": self.namespace, "tokens": encode_tokens(self.tokens), "first_page": self.first_page,
-                "num_pages": self.num_pages, "codec": self.codec, "block_nbytes": self.block_nbytes,
-                "wait_s": self.wait_s}  # fmt: skip
+        return {"namespace": self.namespace.tenant, "salt": self.namespace.salt, "tokens": encode_tokens(self.tokens),
+                "first_page": self.first_page, "num_pages": self.num_pages, "codec": self.codec,
+                "block_nbytes": self.block_nbytes, "wait_s": self.wait_s}  # fmt: skip
 
     @classmethod
     def from_json(cls, body: Mapping) -> OfferRequest:
         """ValueError naming the field for a malformed request."""
         try:
-            request = cls(body["namespace"], decode_tokens(body["tokens"]), int(body["first_page"]),
-                          int(body["num_pages"]), str(body["codec"]), int(body["block_nbytes"]),
-                          float(body["wait_s"]))  # fmt: skip
+            tenant, salt = body["namespace"], body.get("salt")
+            fields = (decode_tokens(body["tokens"]), int(body["first_page"]), int(body["num_pages"]),
+                      str(body["codec"]), int(body["block_nbytes"]), float(body["wait_s"]))  # fmt: skip
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"bad offer request: {type(error).__name__}: {error}") from None
-        if request.namespace is not None and (not isinstance(request.namespace, str) or not request.namespace):
-            raise ValueError(f"namespace={request.namespace!r} must be a tenant name or null")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError(f"namespace={tenant!r} must be a tenant name or null")
+        salt = "" if salt is None else salt  # absent: a node from before salts, whose requests have none
+        if not isinstance(salt, str):
+            raise ValueError(f"salt={salt!r} must be a string (the request's cache_salt; \"\": none)")
+        for name, text in (("namespace", tenant or ""), ("salt", salt)):
+            try:
+                text.encode()  # the namespace's digest hashes it
+            except UnicodeEncodeError:
+                raise ValueError(f"{name}={text!r} must be valid Unicode text (it holds a lone surrogate)") from None
+        request = cls(dataclasses.replace(as_namespace(tenant), salt=salt), *fields)
         if not 0.0 <= request.wait_s <= _MAX_WAIT_S:  # also NaN; a deadline past any clock's range
             raise ValueError(f"wait_s={request.wait_s!r} must be a number of seconds in [0, {_MAX_WAIT_S:g}]")
         if request.first_page < 0 or not 0 < request.num_pages <= _MAX_PAGES:
