@@ -269,6 +269,31 @@ def test_stop_strings_end_the_answer_and_the_stream_sends_nothing_past_them(smal
         assert (text, finish) == (answer, ["stop"])
 
 
+def test_a_cache_salt_shares_cached_blocks_only_with_requests_of_the_same_salt(small_pool):
+    """vLLM's cache_salt (a 400 before): through the official client, a salted prompt hits only
+    for the same tenant and salt; unsalted requests and other salts share nothing with it."""
+    client = openai.OpenAI(base_url=f"{small_pool.base_url}/v1", api_key="unused", max_retries=0,
+                           http_client=small_pool)  # fmt: skip
+    prompt = f"Private notes {uuid.uuid4().hex}: long enough for a few pages of sixteen.\nQ: hi\nA:"
+    whole_pages = (len(prompt.encode()) - 1) // 16 * 16  # the last token is always computed
+
+    def cached_tokens(**extra_body):
+        completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body=extra_body)
+        return completion.usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens(namespace="tenant-a", cache_salt="user-7") == 0
+    assert cached_tokens(namespace="tenant-a", cache_salt="user-7") == whole_pages
+    assert cached_tokens(namespace="tenant-a", cache_salt="user-8") == 0
+    assert cached_tokens(namespace="tenant-a") == 0  # unsalted: another namespace
+    assert cached_tokens(namespace="tenant-b", cache_salt="user-7") == 0  # the salt alone crosses no tenant
+    assert cached_tokens(namespace="tenant-a") == whole_pages  # the unsalted copy, now cached
+    assert cached_tokens(namespace="tenant-a", cache_salt="user-8") == whole_pages
+    bad = small_pool.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"] == {
+        "message": "cache_salt='' must be a non-empty string", "type": "invalid_request_error",
+        "param": "cache_salt", "code": None}  # fmt: skip
+
+
 def test_unknown_fields_are_ignored_and_counted_as_vllm_does(client, node_url):
     check_unknown_fields_are_ignored(client, node_url, "kvjax_node", PROMPT)
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from starlette.datastructures import Headers
 
+from kvjax.cache.block_keys import Namespace
 from kvjax.cluster import http_front
 from kvjax.cluster.http_front import ClientGone, IgnoredFields, limit_request_bodies, unless_client_leaves
 from kvjax.cluster.openai_api import (
@@ -117,8 +118,6 @@ def test_unknown_fields_are_ignored_and_named_as_vllm_does():
      r"^guided_json=\{'type': 'object'\} is not supported; kvjax accepts only null$"),
     ("guided_choice", ["a", "b"], r"^guided_choice=\['a', 'b'\] is not supported"),
     ("truncate_prompt_tokens", 8, r"^truncate_prompt_tokens=8 is not supported; kvjax accepts only null$"),
-    ("cache_salt", "s1", r"^cache_salt='s1' is not supported; kvjax accepts only null; kvjax keeps tenants' cached "
-                         r"KV apart by the namespace field$"),
     ("repetition_penalty", True, r"^repetition_penalty=True must be a number$"),  # True == 1, but no number
     ("logit_bias", {"50": 10}, r"^logit_bias=\{'50': 10\} is not supported; kvjax accepts only \{\} or null$"),
     ("suffix", "end", r"^suffix='end' is not supported; kvjax accepts only \"\" or null$"),
@@ -215,6 +214,37 @@ def test_the_namespace_may_come_in_a_header_and_must_agree_with_the_body():
     with pytest.raises(RequestError, match=r"namespace='\\ud800' must be valid Unicode text") as error:
         parse_completion_request(b'{"model": "tiny", "prompt": "x", "namespace": "\\ud800"}')  # blamed the prompt
     assert error.value.body()["error"]["param"] == "namespace"
+
+
+def test_cache_salt_is_the_salt_of_the_namespace_the_requests_blocks_are_keyed_under():
+    """vLLM's cache_salt was refused with a 400; vLLM clients that isolate users send it."""
+    salted = parse({"model": "tiny", "prompt": "x", "namespace": "tenant-a", "cache_salt": "user-7"})
+    assert salted.cache_salt == "user-7" and salted.namespace == "tenant-a"
+    assert salted.block_namespace == Namespace("tenant-a", salt="user-7")
+    assert parse({"model": "tiny", "prompt": "x", "cache_salt": "\u00e9"}).block_namespace == Namespace(salt="\u00e9")
+    in_header = parse({"model": "tiny", "prompt": "x", "cache_salt": "s"}, {NAMESPACE_HEADER: "tenant-b"})
+    assert in_header.block_namespace == Namespace("tenant-b", salt="s")
+    for unsalted in ({}, {"cache_salt": None}):  # null: no salt, the blocks unsalted requests share
+        assert parse({"model": "tiny", "prompt": "x", "namespace": "tenant-a", **unsalted}).block_namespace == \
+            Namespace("tenant-a")  # fmt: skip
+    assert parse({"model": "tiny", "prompt": "x"}).block_namespace == Namespace()
+    digests = {parse({"model": "tiny", "prompt": "x", **extra}).block_namespace.digest()
+               for extra in ({}, {"cache_salt": "s"}, {"cache_salt": "t"}, {"namespace": "s"})}  # fmt: skip
+    assert len(digests) == 4
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('""', r"^cache_salt='' must be a non-empty string$"),  # as vLLM refuses it
+    ("7", r"^cache_salt=7 must be a non-empty string$"),
+    ("true", r"^cache_salt=True must be a non-empty string$"),
+    ('["s"]', r"^cache_salt=\['s'\] must be a non-empty string$"),
+    ('{"s": 1}', r"^cache_salt=\{'s': 1\} must be a non-empty string$"),
+    ('"\\ud800"', r"^cache_salt='\\ud800' must be valid Unicode text \(it holds a lone surrogate\)$"),
+])  # fmt: skip
+def test_a_cache_salt_that_is_no_text_is_a_400_naming_it(raw, message):
+    with pytest.raises(RequestError, match=message) as error:
+        parse_completion_request(f'{{"model": "tiny", "prompt": "x", "cache_salt": {raw}}}')
+    assert (error.value.status, error.value.param) == (400, "cache_salt")
 
 
 def test_a_namespace_header_sent_twice_is_refused():

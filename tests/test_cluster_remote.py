@@ -77,13 +77,14 @@ def prompt(label):
     return f"[{label} {uuid.uuid4().hex}] " + "You are a careful assistant; answer in plain words. " * 12 + "\nQ: why?\nA:"
 
 
-def cached_on_owner(pair, label, namespace="tenant-r"):
-    """A fresh prompt served by ``f``, once the directory says ``f`` holds it; returns the
-    prompt and ``f``'s answer (an uncached run)."""
+def cached_on_owner(pair, label, namespace="tenant-r", salt=None):
+    """A fresh prompt served by ``f`` (with ``salt`` as its cache_salt), once the directory
+    says ``f`` holds it; returns the prompt and ``f``'s answer (an uncached run)."""
     text = prompt(label)
-    answer = complete(pair.owner.url, text, namespace)
-    keys = chained_block_keys(list(text.encode())[:-1], PAGE_SIZE, namespace)
-    digest = Namespace(namespace).digest()
+    answer = complete(pair.owner.url, text, namespace, cache_salt=salt)
+    ns = Namespace(namespace, salt=salt or "")
+    keys = chained_block_keys(list(text.encode())[:-1], PAGE_SIZE, ns)
+    digest = ns.digest()
 
     def published():
         return any(v.node_id == "f" and v.prefix_blocks == len(keys) for v in pair.directory().lookup(digest, keys))
@@ -154,6 +155,29 @@ def test_a_tenant_never_gets_another_tenants_blocks(pair):
     for namespace, pages in (("tenant-b", 0), (None, 0), ("tenant-a", 4)):  # asked directly, by hand
         reply = httpx.post(f"{pair.owner.url}/kv/offer", json={**ask, "namespace": namespace}, timeout=10).json()
         assert reply["num_pages"] == pages, (namespace, reply)
+        if pages:
+            httpx.post(f"{pair.owner.url}/kv/ack", json={"offer_id": reply["offer_id"]}, timeout=10)
+
+
+def test_a_salted_prefix_goes_only_to_a_request_of_the_same_salt(pair):
+    """A request's cache_salt keys its directory lookup and its ask: a prefix ``f`` cached
+    under a salt is fetched by ``b`` for that salt only; an unsalted or differently salted
+    request of the same tenant neither fetches it nor is offered it."""
+    text, reference = cached_on_owner(pair, "salted", salt="user-7")
+    for other in ({}, {"cache_salt": "user-8"}):
+        body = complete(pair.puller.url, text, **other)
+        assert "kvjax_remote" not in body["usage"], (other, body["usage"])
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and body["choices"][0]["text"] == reference
+    body = complete(pair.puller.url, text, cache_salt="user-7")
+    remote = body["usage"].get("kvjax_remote")
+    assert remote is not None and (remote["peer"], remote["outcome"]) == ("f", "ok"), body["usage"]
+    assert body["choices"][0]["text"] == reference
+    tokens = list(text.encode())[: 4 * PAGE_SIZE]
+    ask = {"tokens": encode_tokens(tokens), "first_page": 0, "num_pages": 4, "codec": tiny_page_identity(),
+           "block_nbytes": 16384, "wait_s": 5.0, "namespace": "tenant-r"}  # fmt: skip
+    for salt, pages in ((None, 0), ("", 0), ("user-8", 0), ("user-7", 4)):  # asked directly, by hand
+        reply = httpx.post(f"{pair.owner.url}/kv/offer", json={**ask, "salt": salt}, timeout=10).json()
+        assert reply["num_pages"] == pages, (salt, reply)
         if pages:
             httpx.post(f"{pair.owner.url}/kv/ack", json={"offer_id": reply["offer_id"]}, timeout=10)
 

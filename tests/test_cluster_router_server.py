@@ -24,7 +24,7 @@ from cluster_fixtures import (
 )
 from fastapi.testclient import TestClient
 
-from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cache.block_keys import Namespace, as_namespace, chained_block_keys
 from kvjax.cluster.__main__ import main as cluster_main
 from kvjax.cluster.directory import ClusterInfo, Directory, tier_mask
 from kvjax.cluster.openai_api import CompletionRequest, RequestError
@@ -56,7 +56,7 @@ def pretend_node_holds(directory, node_id, prompt, namespace=None, blocks=None):
     stream is not wired to nodes yet; the router's path is what this exercises)."""
     keys = chained_block_keys(list(prompt.encode()), 16, namespace)[:blocks]
     epoch = speak_for(directory, node_id)
-    digest = (Namespace(namespace) if namespace else Namespace()).digest()
+    digest = as_namespace(namespace).digest()
     directory.write_blocks(node_id, epoch, {(digest, key): tier_mask(["device"]) for key in keys})
     return len(keys)
 
@@ -354,6 +354,30 @@ def test_a_namespace_header_outside_ascii_is_a_400_not_a_500(directory, answerin
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "namespace" and "send such a namespace in the body's namespace field" in error["message"]
+
+
+def test_a_salted_request_is_routed_by_the_blocks_of_its_salt(directory, answering_node):
+    """The router keys a request's prompt in its tenant and cache_salt, as the nodes key its
+    blocks: a salted follow-up goes to the node holding the salted prefix, and no unsalted or
+    differently salted holder gets credit for it."""
+    prompt = f"A private document {uuid.uuid4().hex} that spans several pages of tokens.\nQ: gist?\nA:"
+    for node_id in ("salted", "plain"):
+        directory.register(node_id, answering_node(200, {"served_by": node_id}), ClusterInfo("tiny", 16))
+    blocks = pretend_node_holds(directory, "salted", prompt, Namespace("tenant-a", salt="user-7"))
+    pretend_node_holds(directory, "plain", prompt, "tenant-a")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "namespace": "tenant-a"}
+    with TestClient(create_router_app(RouterService(directory))) as client:
+        for extra, node in (({"cache_salt": "user-7"}, "salted"), ({}, "plain"), ({"cache_salt": None}, "plain")):
+            for _ in range(2):  # affinity, not a lucky turn
+                response = client.post("/v1/completions", json={**body, **extra})
+                assert (response.status_code, response.json()) == (200, {"served_by": node}), extra
+                assert response.headers["x-kvjax-route"] == f"affinity; prefix_blocks={blocks}", extra
+        for other in ({"cache_salt": "user-8"}, {"namespace": "tenant-b", "cache_salt": "user-7"}):
+            response = client.post("/v1/completions", json={**body, **other})
+            assert response.status_code == 200 and response.headers["x-kvjax-route"].startswith("no_prefix"), other
+        bad = client.post("/v1/completions", json={**body, "cache_salt": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+    assert bad.json()["error"]["message"] == "cache_salt=7 must be a non-empty string"
 
 
 def test_a_node_whose_address_is_no_url_is_skipped(directory, answering_node):

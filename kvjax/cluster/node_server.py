@@ -313,7 +313,7 @@ def _find_peer(remote: RemoteFetcher, engine: Engine, request: CompletionRequest
     """The handler's directory lookup (on a worker thread: one Redis round trip)."""
     tokens = engine.prompt_tokens(request.prompt) if request.prompt is not None else request.prompt_tokens
     try:
-        return remote.find_peer(tokens, request.namespace)
+        return remote.find_peer(tokens, request.block_namespace)
     except ValueError:  # bad token ids: the engine thread refuses the request with the message
         return None
 

@@ -36,7 +36,6 @@ from collections.abc import Callable
 import numpy as np
 
 from kvjax.cache.block_events import Subscription
-from kvjax.cache.block_keys import Namespace
 from kvjax.cache.policies import ReusePolicy, ReuseStatistics
 from kvjax.cluster.directory import ClusterInfo, Directory, NodeLoad
 from kvjax.cluster.openai_api import CONTEXT_LENGTH_EXCEEDED, NODE_CAPACITY_EXCEEDED, CompletionRequest, RequestError
@@ -293,7 +292,7 @@ class EngineWorker:
 
     def _add(self, request_id: str, request: CompletionRequest, hint: PeerHint | None) -> None:
         engine = self.engine
-        namespace = Namespace(request.namespace) if request.namespace else None
+        namespace = request.block_namespace
         if request.prompt is not None:
             tokens = engine.prompt_tokens(request.prompt)
         else:
@@ -309,18 +308,18 @@ class EngineWorker:
         if plan is None:
             self._start(request_id, request)
         else:
-            future = self.remote.start(plan, tokens, request.namespace)
+            future = self.remote.start(plan, tokens, namespace)
             self._parked[request_id] = _Parked(request, tokens, plan, future)
             future.add_done_callback(lambda _: self._commands.put(("wake",)))
         self._prefill_tokens[request_id] = len(tokens) - match.hit_tokens
 
     def _start(self, request_id: str, request: CompletionRequest) -> None:
         """Hand the request to the engine (ValueError for one it refuses)."""
-        namespace = Namespace(request.namespace) if request.namespace else None
         sampling = SamplingParams(request.temperature, request.top_k, request.seed)
         prompt = {"prompt": request.prompt} if request.prompt is not None else {"tokens": request.prompt_tokens}
         self.engine.add_request(request_id, **prompt, max_new_tokens=request.max_tokens, sampling=sampling,
-                                namespace=namespace, stop=request.stop, min_tokens=request.min_tokens)  # fmt: skip
+                                namespace=request.block_namespace, stop=request.stop,
+                                min_tokens=request.min_tokens)  # fmt: skip
 
     def _land_fetches(self) -> None:
         """Requests whose fetch ended: their verified pages join the cache, then the engine
@@ -332,7 +331,7 @@ class EngineWorker:
             outcome = self.remote.finish(parked.plan, parked.future.result())
             imported = 0
             if outcome.blocks is not None:  # verified pages: cached even if their request went
-                imported = self.engine.cache.import_pages(parked.tokens, parked.request.namespace,
+                imported = self.engine.cache.import_pages(parked.tokens, parked.request.block_namespace,
                                                           parked.plan.first_page, outcome.blocks)  # fmt: skip
             if parked.cancelled:
                 continue

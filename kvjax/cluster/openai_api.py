@@ -31,11 +31,10 @@ change the answer are known here and refused unless at their neutral value (belo
   true (kvjax decodes and encodes by its tokenizer's own rule), ``return_tokens_as_token_ids``
   false, ``response_format`` {"type": "text"}; and only null for ``truncate_prompt_tokens``,
   ``allowed_token_ids``, ``prompt_logprobs``, ``guided_json``, ``guided_regex``,
-  ``guided_choice``, ``guided_grammar``, ``structured_outputs``, ``logits_processors``,
-  ``prompt_embeds`` and ``cache_salt`` (vLLM's cache isolation: ignoring it would share cached
-  KV the client meant to keep apart; kvjax's ``namespace`` does that). vLLM fields that change
-  no text where those hold (``length_penalty``, ``spaces_between_special_tokens``, ``priority``,
-  ``guided_decoding_backend``, ...) are unknown here, so ignored;
+  ``guided_choice``, ``guided_grammar``, ``structured_outputs``, ``logits_processors`` and
+  ``prompt_embeds``. vLLM fields that change no text where those hold (``length_penalty``,
+  ``spaces_between_special_tokens``, ``priority``, ``guided_decoding_backend``, ...) are
+  unknown here, so ignored;
 * an explicit null is the same as a field not given, as in OpenAI and vLLM (clients that
   serialize every field send their unset ones as null);
 * ``namespace`` (kvjax's extension): the tenant whose cached blocks the request may share,
@@ -44,11 +43,20 @@ change the answer are known here and refused unless at their neutral value (belo
   header values are: a namespace outside ASCII goes in the body; the header at most once); body
   and header must agree when both are given. The namespace is trusted input: whoever can choose it can
   hit that tenant's cache, so expose the router to tenants only behind such a gateway;
+* vLLM's ``cache_salt`` (a non-empty string, as vLLM requires; null: no salt): the request's
+  blocks are shared only with requests of the same namespace and the same salt, so a user's
+  private prompt gives nobody else a prefix-cache hit to time. Where vLLM mixes the salt into
+  the first block's hash, kvjax makes it the ``salt`` of the ``kvjax.cache.block_keys.Namespace``
+  every block key chain starts from (``CompletionRequest.block_namespace``): the node's cache,
+  the router's directory lookup and remote fetch between nodes all key the request's blocks
+  under it, and a salted request shares nothing with an unsalted one. As in vLLM, whoever
+  knows a salt shares its blocks: keep it secret (one per user, say);
 * ``remote_fetch`` (kvjax's extension, default true): whether the serving node may fetch
   the prompt's cached prefix from another node (``kvjax.cluster.remote_fetch``) instead of
   recomputing it; false recomputes what the node does not hold (a comparison run).
 
-The official client passes the extension as ``extra_body={"namespace": "tenant-a"}``.
+The official client passes the extension (and vLLM's fields) in ``extra_body``:
+``extra_body={"namespace": "tenant-a", "cache_salt": "user-7"}``.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
+from kvjax.cache.block_keys import Namespace, as_namespace
 from kvjax.serving.stop_strings import StopStrings
 
 __all__ = [
@@ -118,11 +127,10 @@ _NEUTRAL = {"n": ("an integer", _is_int, (1,)), "best_of": ("an integer", _is_in
             "response_format": ("an object", lambda value: isinstance(value, dict), ({"type": "text"},)),
             **{name: ("anything", _anything, ()) for name in (
                 "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs", "guided_json", "guided_regex",
-                "guided_choice", "guided_grammar", "structured_outputs", "logits_processors", "prompt_embeds",
-                "cache_salt")}}  # fmt: skip
-_HINTS = {"cache_salt": "; kvjax keeps tenants' cached KV apart by the namespace field"}
+                "guided_choice", "guided_grammar", "structured_outputs", "logits_processors",
+                "prompt_embeds")}}  # fmt: skip
 _FIELDS = ("model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_k", "seed", "user",
-           "stop", "min_tokens", "ignore_eos", "namespace", "remote_fetch", *_NEUTRAL)  # fmt: skip
+           "stop", "min_tokens", "ignore_eos", "namespace", "cache_salt", "remote_fetch", *_NEUTRAL)  # fmt: skip
 _KNOWN = frozenset(_FIELDS)
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
@@ -152,11 +160,18 @@ class CompletionRequest:
     temperature: float = 0.0
     top_k: int = 0
     seed: int | None = None
-    namespace: str | None = None
+    namespace: str | None = None  # the tenant; None: the default namespace
     remote_fetch: bool = True
     stop: tuple[str, ...] = ()  # stop strings
     min_tokens: int = 0
     ignored_fields: tuple[str, ...] = ()  # the body's fields kvjax does not know, sorted (not used)
+    cache_salt: str = ""  # "": none
+
+    @property
+    def block_namespace(self) -> Namespace:
+        """What the request's blocks are keyed under, on the node, the router and in remote
+        fetch alike: its tenant and its ``cache_salt``."""
+        return dataclasses.replace(as_namespace(self.namespace), salt=self.cache_salt)
 
 
 def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, str] | None = None) -> CompletionRequest:
@@ -173,8 +188,8 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
             raise RequestError(f"{name}={_short(value)} must be {kind}", param=name)
         if value not in neutral:
             accepted = " or ".join(json.dumps(option) for option in (*neutral, None))  # as JSON spells them
-            raise RequestError(f"{name}={_short(value)} is not supported; kvjax accepts only {accepted}"
-                               f"{_HINTS.get(name, '')}", param=name)  # fmt: skip
+            raise RequestError(f"{name}={_short(value)} is not supported; kvjax accepts only {accepted}",
+                               param=name)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(f"model={model!r} must be the served model's name (a non-empty string)", param="model")
@@ -196,7 +211,7 @@ def parse_completion_request(raw: bytes | str | Mapping, headers: Mapping[str, s
         temperature=_number_in(body, "temperature", 0.0, 0.0, 2.0), top_k=_top_k(body),
         seed=_seed(body), namespace=_namespace(body, headers or {}),
         remote_fetch=_typed(body, "remote_fetch", bool, True), stop=_stop(body),
-        min_tokens=_min_tokens(body, max_tokens), ignored_fields=ignored)  # fmt: skip
+        min_tokens=_min_tokens(body, max_tokens), ignored_fields=ignored, cache_salt=_cache_salt(body))  # fmt: skip
 
 
 def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error",
@@ -367,12 +382,27 @@ def _namespace(body: Mapping, headers: Mapping[str, str]) -> str | None:
                            param="namespace")  # fmt: skip
     namespace = in_body if in_body is not None else (in_header or None)
     if namespace is not None:
-        try:
-            namespace.encode()  # its digest keys every block: a lone surrogate cannot be hashed
-        except UnicodeEncodeError:
-            raise RequestError(f"namespace={_short(namespace)} must be valid Unicode text (it holds a lone "
-                               "surrogate)", param="namespace") from None
+        _check_encodes("namespace", namespace)
     return namespace
+
+
+def _cache_salt(body: Mapping) -> str:
+    """vLLM's ``cache_salt``: a non-empty string, as vLLM requires; "" when not given."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt:
+        raise RequestError(f"cache_salt={_short(salt)} must be a non-empty string", param="cache_salt")
+    _check_encodes("cache_salt", salt)
+    return salt
+
+
+def _check_encodes(name: str, text: str) -> None:
+    try:
+        text.encode()  # the namespace digest keys every block: a lone surrogate cannot be hashed
+    except UnicodeEncodeError:
+        raise RequestError(f"{name}={_short(text)} must be valid Unicode text (it holds a lone surrogate)",
+                           param=name) from None
 
 
 def _typed(body: Mapping, name: str, kind: type, default):

@@ -2,10 +2,11 @@
 
 Per request: parse and validate the body (``kvjax.cluster.openai_api``), tokenize the prompt
 the way the nodes do (``ClusterInfo``: tokenizer, canonicalization, page size), compute the
-namespace's chained block keys, look them up in the directory (one round trip), choose a
-node (``RoutingPolicy``), and forward the body as it came while the request is counted on
-the node (``Directory.add_load``, a second round trip overlapped with the forward); a
-streamed answer is passed through chunk by chunk. The answer carries the
+chained block keys in the request's namespace (its tenant and ``cache_salt``, as the nodes key
+its blocks: ``CompletionRequest.block_namespace``), look them up in the directory (one round
+trip), choose a node (``RoutingPolicy``), and forward the body as it came while the request
+is counted on the node (``Directory.add_load``, a second round trip overlapped with the
+forward); a streamed answer is passed through chunk by chunk. The answer carries the
 chosen node in the ``X-KVJax-Node`` header and why in ``X-KVJax-Route`` (the decision's reason
 and the prefix blocks it holds). The router tokenizes text with the byte tokenizer only: when
 the nodes use another, a text prompt is routed by load alone (``kvjax_router_untokenized_requests``
@@ -59,7 +60,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvjax.cache.block_keys import Namespace, chained_block_keys
+from kvjax.cache.block_keys import chained_block_keys
 from kvjax.cluster.directory import ClusterInfo, Directory
 from kvjax.cluster.drain import DEFAULT_GRACE_S, Drain
 from kvjax.cluster.http_front import (
@@ -171,7 +172,7 @@ class RouterService:
         cluster = self.cluster()
         if request.model != cluster.model:
             raise unknown_model(request.model, cluster.model, "the cluster")
-        namespace = Namespace(request.namespace) if request.namespace else Namespace()
+        namespace = request.block_namespace  # tenant and cache_salt: the keys the nodes publish
         tokens = self.prompt_tokens(request)
         if tokens is None:  # text the router cannot key: routed by load alone, with its bytes for its size
             keys, num_tokens = [], len(request.prompt.encode(errors="replace"))
