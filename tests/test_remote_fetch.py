@@ -4,6 +4,7 @@ must tell its peers an address they can reach. (Real nodes: test_cluster_remote.
 
 import argparse
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -58,6 +59,23 @@ def dripping_peer(stop: threading.Event, headers_too: bool, sent: threading.Even
     return f"http://127.0.0.1:{server.getsockname()[1]}"
 
 
+@contextlib.contextmanager
+def fetcher_and_dripping_peer(headers_too):
+    """(fetcher, peer hint, events sent / cut / asked) over a dripping peer; everything stopped
+    and closed at the end."""
+    stop, sent, cut, asked = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+    transport = RemoteTransport(reap=False)
+    with KVCache(KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block)) as cache:
+        fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
+        try:
+            peer = PeerHint("dripper", dripping_peer(stop, headers_too, sent, cut, asked), 4, 0)
+            yield fetcher, peer, sent, cut, asked
+        finally:
+            stop.set()
+            fetcher.close()
+            transport.close()
+
+
 @pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
 def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline(headers_too):
     # httpx's timeout bounds each read, not the answer: the ask ran 2 s past a 0.3 s deadline;
@@ -65,26 +83,17 @@ def test_a_peer_that_answers_the_ask_slowly_is_cut_at_the_deadline(headers_too):
     # their end (a few such peers held every ask thread): the connection must close. The
     # deadline leaves a loaded machine time to connect (at 0.3 s an ask of the full suite was
     # once cut before it reached the peer, which then saw no connection to lose)
-    stop, sent, cut, asked = threading.Event(), threading.Event(), threading.Event(), threading.Event()
-    transport = RemoteTransport(reap=False)
-    with KVCache(KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block)) as cache:
-        fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
-        try:
-            now = time.monotonic()
-            peer = PeerHint("dripper", dripping_peer(stop, headers_too, sent, cut, asked), 4, 0)
-            plan = FetchPlan(peer, 0, 4, 1.0, now, now + 2.0)
-            result = fetcher.start(plan, np.arange(20, dtype=np.int32), None).result(timeout=30)
-            assert asked.is_set(), "the ask never reached the peer before its deadline"
-            assert not sent.is_set()  # the request went on at its deadline, not at the end of the answer
-            outcome = fetcher.finish(plan, result)
-            assert outcome.outcome == "timeout" and outcome.blocks is None
-            assert fetcher.health.is_suspect("dripper")
-            assert cache.transfer.wait_idle(30) and not sent.is_set()  # its worker too was let go
-            assert cut.wait(30) and not sent.is_set()  # and the ask's connection closed
-        finally:
-            stop.set()
-            fetcher.close()
-            transport.close()
+    with fetcher_and_dripping_peer(headers_too) as (fetcher, peer, sent, cut, asked):
+        now = time.monotonic()
+        plan = FetchPlan(peer, 0, 4, 1.0, now, now + 2.0)
+        result = fetcher.start(plan, np.arange(20, dtype=np.int32), None).result(timeout=30)
+        assert asked.is_set(), "the ask never reached the peer before its deadline"
+        assert not sent.is_set()  # the request went on at its deadline, not at the end of the answer
+        outcome = fetcher.finish(plan, result)
+        assert outcome.outcome == "timeout" and outcome.blocks is None
+        assert fetcher.health.is_suspect("dripper")
+        assert fetcher.cache.transfer.wait_idle(30) and not sent.is_set()  # its worker too was let go
+        assert cut.wait(30) and not sent.is_set()  # and the ask's connection closed
 
 
 def cancel_the_ask_twice(fetcher: RemoteFetcher) -> None:
@@ -104,25 +113,16 @@ def test_an_ask_cancelled_twice_a_loop_turn_apart_still_closes_its_connection(he
     # loop turn apart (on a loaded machine): the second broke off httpcore's cleanup of the first,
     # and the connection stayed open with the slow peer still sending (the test above failed so
     # about once in a hundred full-suite runs). Here both cancels come at a chosen moment.
-    stop, sent, cut, asked = threading.Event(), threading.Event(), threading.Event(), threading.Event()
-    transport = RemoteTransport(reap=False)
-    with KVCache(KVCacheConfig(pool=POOL, host_bytes=8 * POOL.bytes_per_block)) as cache:
-        fetcher = RemoteFetcher(cache, transport, None, "me", suspect_s=60)
-        try:
-            now = time.monotonic()
-            peer = PeerHint("dripper", dripping_peer(stop, headers_too, sent, cut, asked), 4, 0)
-            plan = FetchPlan(peer, 0, 4, 30.0, now, now + 60.0)
-            fetch = fetcher.start(plan, np.arange(20, dtype=np.int32), None)
-            assert asked.wait(30), "the ask never reached the peer"
-            cancel_the_ask_twice(fetcher)
-            result = fetch.result(timeout=30)
-            assert not sent.is_set()  # the fetch ended when cancelled, not at the end of the answer
-            assert fetcher.finish(plan, result).blocks is None
-            assert cut.wait(30) and not sent.is_set()  # and the ask's connection closed
-        finally:
-            stop.set()
-            fetcher.close()
-            transport.close()
+    with fetcher_and_dripping_peer(headers_too) as (fetcher, peer, sent, cut, asked):
+        now = time.monotonic()
+        plan = FetchPlan(peer, 0, 4, 30.0, now, now + 60.0)
+        fetch = fetcher.start(plan, np.arange(20, dtype=np.int32), None)
+        assert asked.wait(30), "the ask never reached the peer"
+        cancel_the_ask_twice(fetcher)
+        result = fetch.result(timeout=30)
+        assert not sent.is_set()  # the fetch ended when cancelled, not at the end of the answer
+        assert fetcher.finish(plan, result).blocks is None
+        assert cut.wait(30) and not sent.is_set()  # and the ask's connection closed
 
 
 def test_a_peer_whose_address_is_no_url_fails_the_fetch_naming_it():
