@@ -82,6 +82,29 @@ updates ``last_access`` in place on a node still queued (a hit locks it; it is p
 when released), and a lane head ranked by its new last access hides the older entries behind
 it: that version lost up to 5.7 points (chat at 20%).
 
+Where H comes from under lanes (``--quick`` as the bench prints it; the large-cache and tiered
+runs replayed only the default and read the other columns from the lanes runs above, whose
+cells that replay reproduces exactly). H is a boundary estimate: it settles where
+hits older than H balance misses younger than H, so under LRU it is LRU's eviction age, and
+under the default it is pulled down by misses its own offsets cause. Removing that pull in
+either neutral way fails. H taken from an LRU-ordered run of the same trace (a second policy
+with ``offset_scale=0``, its H replayed into the first) is worse, not better: scan at 3%
+29.09% against 32.84% (LRU's H 24 s against the default's 279 s), mixed at 1% 19.06 against
+19.39%; the default's H is above LRU's on most shapes, not below. Each reuse gap measured in
+the queue's ranking, plus the kind's offset (``gap - offset[kind]``), converges to the age at
+which a kind of offset 0 would go; where no such kind is queued (rag: the p = 1 kind is the
+system prompt, never a leaf) that age grows with H itself and H runs away (rag at 1% H 9 ->
+77 s, 40.86% -> 35.58%, under LRU's 40.70%; ``--quick`` 8 -> 6 of 10). Measured against the
+most kept kind that has leaves queued (``gap + max(0, top - offset[kind])``, ``top`` the
+largest offset among kinds with open trials of queued leaves) it stays bounded: ``--quick`` 8
+of 10 (mean share 0.7266 -> 0.7299; the shared trace at 10% 27.49% against segmented's 27.52%,
+scan at 3% 32.97% against 33.45%), ``--fractions 0.2 0.5 0.8`` 7 of 10 (0.9713 -> 0.9715;
+mixed at 20% now under LRU, 69.49 against 69.51%, the shared trace at 20% 41.66% against
+segmented's 42.04%), ``--tiered --quick`` 7 -> 8 (chat at 3% meets flat LRU; agent at 1% 72.24
+against 72.33%, mixed at 10% 70.39 against 70.47%). Not landed yet: it changes what H
+means (H now moves with the offsets applied, so the trust ramp changes what H is learned, and
+tests that assume hits 1 s apart leave H alone need new fixtures).
+
 ``--tiered`` instead replays the real tiers: at each device capacity C (the same fractions) the
 default policy on C device blocks above a host tier of M = ``--host-ratio`` x C blocks
 (write-back, ``replay_trace(..., host_blocks=M)``), against one flat cache of C + M device
