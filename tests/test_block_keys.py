@@ -167,6 +167,13 @@ def test_namespace_fields_must_be_strings(fields):
         Namespace(**fields)
 
 
+@pytest.mark.parametrize("name", ["tenant", "model", "adapter", "salt"])
+def test_a_namespace_field_with_a_lone_surrogate_is_refused_when_made(name):
+    # it was accepted and failed later, in digest(), inside the first lookup or commit
+    with pytest.raises(ValueError, match=rf"Namespace {name}='\\ud800' must be valid Unicode text"):
+        Namespace(**{name: "\ud800"})
+
+
 def test_a_token_id_past_int64_is_named_as_given():
     with pytest.raises(ValueError, match=r"token id 18446744073709551617 at index 1 is out of range"):
         validate_tokens([1, 2**64 + 1], 256)  # it used to be named as int64 wrapped it

@@ -43,8 +43,14 @@ class Namespace:
 
     def __post_init__(self) -> None:
         for name in ("tenant", "model", "adapter", "salt"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"Namespace {name}={getattr(self, name)!r} must be a str")
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"Namespace {name}={value!r} must be a str")
+            try:
+                value.encode()  # the digest hashes it: a lone surrogate cannot be
+            except UnicodeEncodeError:
+                raise ValueError(f"Namespace {name}={value!r} must be valid Unicode text (it holds a lone "
+                                 "surrogate)") from None
 
     def digest(self) -> bytes:
         """16-byte stable digest of all four fields; the seed of every block key chain."""

@@ -103,11 +103,6 @@ class OfferRequest:
         salt = "" if salt is None else salt  # absent: a node from before salts, whose requests have none
         if not isinstance(salt, str):
             raise ValueError(f"salt={salt!r} must be a string (the request's cache_salt; \"\": none)")
-        for name, text in (("namespace", tenant or ""), ("salt", salt)):
-            try:
-                text.encode()  # the namespace's digest hashes it
-            except UnicodeEncodeError:
-                raise ValueError(f"{name}={text!r} must be valid Unicode text (it holds a lone surrogate)") from None
         request = cls(dataclasses.replace(as_namespace(tenant), salt=salt), *fields)
         if not 0.0 <= request.wait_s <= _MAX_WAIT_S:  # also NaN; a deadline past any clock's range
             raise ValueError(f"wait_s={request.wait_s!r} must be a number of seconds in [0, {_MAX_WAIT_S:g}]")
