@@ -104,6 +104,10 @@ def _is_bool(value) -> bool:
     return isinstance(value, bool)
 
 
+def _of_type(kind: type):
+    return lambda value: isinstance(value, kind)
+
+
 def _anything(value) -> bool:
     return True
 
@@ -115,16 +119,16 @@ _NEUTRAL = {"n": ("an integer", _is_int, (1,)), "best_of": ("an integer", _is_in
             "echo": ("a bool", _is_bool, (False,)),
             "top_p": ("a number", _is_number, (1,)), "frequency_penalty": ("a number", _is_number, (0,)),
             "presence_penalty": ("a number", _is_number, (0,)), "logprobs": ("an integer", _is_int, ()),
-            "suffix": ("a string", lambda value: isinstance(value, str), ("",)),
-            "logit_bias": ("an object", lambda value: isinstance(value, dict), ({},)),
+            "suffix": ("a string", _of_type(str), ("",)),
+            "logit_bias": ("an object", _of_type(dict), ({},)),
             "use_beam_search": ("a bool", _is_bool, (False,)), "min_p": ("a number", _is_number, (0,)),
             "repetition_penalty": ("a number", _is_number, (1,)),
-            "stop_token_ids": ("a list", lambda value: isinstance(value, list), ([],)),
-            "bad_words": ("a list", lambda value: isinstance(value, list), ([],)),
+            "stop_token_ids": ("a list", _of_type(list), ([],)),
+            "bad_words": ("a list", _of_type(list), ([],)),
             "include_stop_str_in_output": ("a bool", _is_bool, (False,)),
             "skip_special_tokens": ("a bool", _is_bool, (True,)), "add_special_tokens": ("a bool", _is_bool, (True,)),
             "return_tokens_as_token_ids": ("a bool", _is_bool, (False,)),
-            "response_format": ("an object", lambda value: isinstance(value, dict), ({"type": "text"},)),
+            "response_format": ("an object", _of_type(dict), ({"type": "text"},)),
             **{name: ("anything", _anything, ()) for name in (
                 "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs", "guided_json", "guided_regex",
                 "guided_choice", "guided_grammar", "structured_outputs", "logits_processors",
